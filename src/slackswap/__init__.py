@@ -1,0 +1,23 @@
+"""SlackSwap: fit training activations in GPU memory by offloading what is expensive to
+rebuild within the transfer time computation hides, and recomputing the rest."""
+
+from slackswap.core.hardware import Hardware, hardware_presets, load_hardware
+from slackswap.core.plan import Plan
+from slackswap.core.profile import OpRecord, StepProfile, TensorRecord
+from slackswap.core.result import SimResult
+from slackswap.errors import InputError, ProfileError, SlackSwapError
+
+__all__ = [
+    "Hardware", "OpRecord", "Plan", "SimResult", "StepProfile", "TensorRecord",
+    "InputError", "ProfileError", "SlackSwapError",
+    "hardware_presets", "load_hardware", "profile",
+]
+
+
+def __getattr__(name: str):
+    # Torch is imported only when profiling is used, so the core stays torch-free.
+    if name == "profile":
+        from slackswap.profiling import profile
+
+        return profile
+    raise AttributeError(f"module 'slackswap' has no attribute {name!r}")

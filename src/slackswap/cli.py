@@ -1,0 +1,131 @@
+"""The ``slackswap`` command line: parses options, calls the library, prints results."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from slackswap.core.hardware import hardware_presets, load_hardware
+from slackswap.core.jsonio import dump_model
+from slackswap.core.profile import StepProfile
+from slackswap.core.units import format_bytes
+from slackswap.errors import SlackSwapError
+
+__all__ = ["main"]
+
+_err = Console(stderr=True)
+
+
+def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Print a :class:`SlackSwapError` as one line and exit 2, with no traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except SlackSwapError as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(2)
+
+    return wrapper
+
+
+@contextlib.contextmanager
+def _progress(message: str) -> Iterator[None]:
+    """A spinner on a terminal; nothing when output is piped."""
+    if _err.is_terminal:
+        with _err.status(message):
+            yield
+    else:
+        yield
+
+
+@click.group()
+@click.version_option(package_name="slackswap")
+def main() -> None:
+    """Fit training activations in GPU memory: offload within hidden transfer time,
+    recompute the rest."""
+
+
+@main.command()
+@click.argument("model")
+@click.option("--hardware", default="a100-80gb", show_default=True,
+              help="Hardware preset name or a .toml file.")
+@click.option("--batch", type=int, help="Batch size (presets only).")
+@click.option("--seq", type=int, help="Sequence length (presets only).")
+@click.option("--attn", type=click.Choice(["sdpa", "eager"]), help="Attention (presets only).")
+@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), help="Presets only.")
+@click.option("--mode", type=click.Choice(["analytic", "measured"]), default="analytic",
+              show_default=True, help="Trace with fake tensors, or run and time a real step.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the profile JSON.")
+@click.option("--summary", "as_json", is_flag=True, help="Print the summary as one JSON object.")
+@_user_errors
+def profile(model: str, hardware: str, batch: int | None, seq: int | None, attn: str | None,
+            dtype: str | None, mode: str, output: str | None, as_json: bool) -> None:
+    """Profile one training step of MODEL: a preset or package.module:factory."""
+    from slackswap.models import MODEL_PRESETS, load_workload
+    from slackswap.profiling import default_device
+    from slackswap.profiling import profile as run_profile
+
+    hw = load_hardware(hardware)
+    if ":" not in model and model not in MODEL_PRESETS:
+        load_workload(model)  # raises the error that lists the presets
+    with _progress(f"profiling {model} ({mode}) for {hw.name}"):
+        net, example = load_workload(model, batch=batch, seq=seq, attn=attn, dtype=dtype,
+                                     fake=mode == "analytic", device=default_device())
+        result = run_profile(net, example, hw, mode=mode, name=model)
+    if output:
+        dump_model(result, output)
+    if as_json:
+        click.echo(json.dumps(result.summary()))
+    else:
+        _print_profile(result, output)
+
+
+@main.command("hardware")
+def hardware_list() -> None:
+    """List the hardware presets."""
+    for name in hardware_presets():
+        hw = load_hardware(name)
+        click.echo(f"{name:12s} {hw.description}")
+
+
+def _print_profile(p: StepProfile, output: str | None) -> None:
+    out = Console()
+    s = p.summary()
+    out.print(f"[bold]{p.model}[/bold] on {p.hardware} ({p.mode}, {p.kernels} kernels): "
+              f"{s['num_saved_tensors']} saved activations, "
+              f"{format_bytes(s['saved_bytes_total'])}; "
+              f"forward {s['forward_time_s'] * 1e3:.1f} ms, "
+              f"backward {s['backward_time_s'] * 1e3:.1f} ms")
+    layers = Table(title="Saved activation bytes by layer")
+    layers.add_column("layers")
+    layers.add_column("bytes each", justify="right")
+    per = s["saved_bytes_per_layer"]
+    start = 0
+    for i in range(1, len(per) + 1):  # runs of equal layers share a row
+        if i == len(per) or per[i] != per[start]:
+            label = str(start) if i - 1 == start else f"{start}-{i - 1}"
+            layers.add_row(label, format_bytes(per[start]))
+            start = i
+    outside = p.saved_bytes_by("layer").get("(outside blocks)", 0)
+    layers.add_row("outside blocks (total)", format_bytes(outside))
+    out.print(layers)
+    kinds = Table(title="Saved activation bytes by op kind")
+    kinds.add_column("op kind")
+    kinds.add_column("bytes", justify="right")
+    kinds.add_column("share", justify="right")
+    by_kind = sorted(p.saved_bytes_by("kind").items(), key=lambda kv: -kv[1])
+    for kind, nbytes in by_kind:
+        kinds.add_row(kind, format_bytes(nbytes), f"{nbytes / s['saved_bytes_total']:.1%}")
+    out.print(kinds)
+    if output:
+        out.print(f"profile written to {output}")

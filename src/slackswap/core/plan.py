@@ -1,0 +1,54 @@
+"""``Plan``: keep, offload or recompute for every saved activation of one profile."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import pydantic
+
+from slackswap.core.profile import StepProfile
+from slackswap.errors import InputError
+
+__all__ = ["Plan", "Decision"]
+
+Decision = Literal["keep", "offload", "recompute"]
+
+
+class Plan(pydantic.BaseModel):
+    """Decisions keyed by activation id; prefetch points are op indices where a reload is issued."""
+
+    model_config = pydantic.ConfigDict(extra="forbid")
+
+    schema_version: int = 1
+    fingerprint: str  # of the profile the plan was made for
+    strategy: str
+    budget_bytes: int | None = None
+    decisions: dict[str, Decision]
+    prefetch: dict[str, int] = {}
+
+    @classmethod
+    def keep_all(cls, profile: StepProfile) -> Plan:
+        """Keep every activation on the GPU: the ideal, with no memory limit."""
+        return cls(
+            fingerprint=profile.fingerprint,
+            strategy="keep-all",
+            decisions={name: "keep" for name in profile.by_name},
+        )
+
+    def check(self, profile: StepProfile) -> None:
+        """Raise :class:`InputError` unless this plan was made for ``profile``."""
+        if self.fingerprint != profile.fingerprint:
+            raise InputError(
+                f"plan was made for a different model or batch shape (fingerprint "
+                f"{self.fingerprint[:12]} != {profile.fingerprint[:12]}); re-plan for this profile"
+            )
+        unknown = [n for n in (*self.decisions, *self.prefetch) if n not in profile.by_name]
+        if unknown:
+            raise InputError(
+                f"plan names {len(unknown)} activation(s) the profile does not save, "
+                f"e.g. '{unknown[0]}'"
+            )
+        bad = {n: i for n, i in self.prefetch.items() if not 0 <= i < len(profile.ops)}
+        if bad:
+            name, idx = next(iter(bad.items()))
+            raise InputError(f"plan prefetches '{name}' at op {idx}, outside the step")

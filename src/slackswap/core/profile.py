@@ -1,0 +1,135 @@
+"""``StepProfile``: the ops and tensors of one training step, as planners and simulators see it."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from functools import cached_property
+from typing import Literal
+
+import pydantic
+
+__all__ = ["OpRecord", "TensorRecord", "StepProfile", "Phase", "OpCategory", "TensorKind"]
+
+Phase = Literal["forward", "backward"]
+# How the cost model prices an op: GEMM-like, fused attention, memory-bound, or free
+# (views and bare allocations launch no kernel).
+OpCategory = Literal["matmul", "attention_forward", "attention_backward", "memory", "free"]
+TensorKind = Literal["activation", "input", "parameter", "buffer"]
+
+
+class _Record(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+
+
+class OpRecord(_Record):
+    """One kernel of the step, in execution order."""
+
+    index: int
+    name: str  # aten overload, e.g. "aten.addmm.default"
+    kind: str  # short name used in activation ids, e.g. "addmm"
+    phase: Phase
+    module: str  # innermost module path, "" for the top level
+    category: OpCategory
+    dtype: str  # compute dtype: "bf16", "fp16", "fp32", ...
+    flops: float
+    bytes_read: int
+    bytes_written: int
+    time_s: float  # on the target (analytic) or as measured
+    inputs: list[int]  # tensor ids
+    outputs: list[int]  # tensor ids (an in-place op lists the tensor it mutates)
+    random: bool = False  # draws from the RNG (dropout): recompute must replay RNG state
+    inplace: bool = False
+
+
+class TensorRecord(_Record):
+    """One storage: views are resolved to their base, so each saved storage is counted once."""
+
+    id: int
+    name: str | None = None  # stable readable id; set for saved activations
+    kind: TensorKind
+    bytes: int
+    dtype: str
+    shape: list[int]
+    producer: int | None = None  # op index; None for inputs, parameters and buffers
+    forward_consumers: list[int] = []
+    backward_consumers: list[int] = []
+    saved: bool = False  # saved for backward by autograd
+    first_backward_use: int | None = None  # index of the backward op that first needs it
+    random: bool = False  # produced or mutated by a random op
+
+    @property
+    def is_parameter(self) -> bool:
+        """Parameters and buffers are model state: never planned."""
+        return self.kind in ("parameter", "buffer")
+
+
+class StepProfile(_Record):
+    """Ops in execution order (forward, then backward) and the tensors they read and write."""
+
+    schema_version: int = 1
+    model: str
+    fingerprint: str  # hash of module structure, parameter and batch shapes and dtypes
+    hardware: str
+    mode: Literal["analytic", "measured"]
+    kernels: Literal["cuda", "native"]
+    device: str
+    layers: list[str]  # module paths of the transformer blocks, in order
+    model_state_bytes: int  # parameters and buffers (model states are not planned)
+    ops: list[OpRecord]
+    tensors: list[TensorRecord]
+
+    @cached_property
+    def saved_activations(self) -> list[TensorRecord]:
+        """Tensors saved for backward that a plan may decide on (not parameters or buffers)."""
+        return [t for t in self.tensors if t.saved and not t.is_parameter]
+
+    @cached_property
+    def by_name(self) -> dict[str, TensorRecord]:
+        return {t.name: t for t in self.saved_activations if t.name is not None}
+
+    def layer_index(self, module: str) -> int | None:
+        """Index of the transformer block that contains ``module``, or None."""
+        for i, layer in enumerate(self.layers):
+            if module == layer or module.startswith(layer + "."):
+                return i
+        return None
+
+    def phase_time(self, phase: Phase) -> float:
+        return sum(op.time_s for op in self.ops if op.phase == phase)
+
+    def phase_flops(self, phase: Phase) -> float:
+        return sum(op.flops for op in self.ops if op.phase == phase)
+
+    def saved_bytes_by(self, key: Literal["layer", "kind", "module"]) -> dict[str, int]:
+        """Saved activation bytes grouped by producing layer, op kind, or module."""
+        groups: dict[str, int] = defaultdict(int)
+        for t in self.saved_activations:
+            op = self.ops[t.producer] if t.producer is not None else None
+            if key == "kind":
+                label = op.kind if op else "input"
+            elif key == "module":
+                label = op.module if op else "input"
+            else:
+                idx = self.layer_index(op.module) if op else None
+                label = self.layers[idx] if idx is not None else "(outside blocks)"
+            groups[label] += t.bytes
+        return dict(groups)
+
+    def summary(self) -> dict[str, object]:
+        """The figures other tools read (names are stable)."""
+        by_layer = self.saved_bytes_by("layer")
+        return {
+            "model": self.model,
+            "hardware": self.hardware,
+            "mode": self.mode,
+            "fingerprint": self.fingerprint,
+            "saved_bytes_total": sum(t.bytes for t in self.saved_activations),
+            "saved_bytes_per_layer": [by_layer.get(layer, 0) for layer in self.layers],
+            "num_saved_tensors": len(self.saved_activations),
+            "forward_flops": self.phase_flops("forward"),
+            "backward_flops": self.phase_flops("backward"),
+            "forward_time_s": self.phase_time("forward"),
+            "backward_time_s": self.phase_time("backward"),
+            "num_ops": len(self.ops),
+            "model_state_bytes": self.model_state_bytes,
+        }

@@ -1,0 +1,34 @@
+"""``SimResult``: what a simulated step costs under one plan."""
+
+from __future__ import annotations
+
+import pydantic
+
+__all__ = ["SimResult"]
+
+
+class SimResult(pydantic.BaseModel):
+    """Outcome of simulating one step; times in seconds, memory in bytes."""
+
+    model_config = pydantic.ConfigDict(extra="forbid")
+
+    schema_version: int = 1
+    fingerprint: str
+    strategy: str
+    feasible: bool
+    infeasible_reason: str | None = None
+    step_time_s: float
+    ideal_step_time_s: float
+    peak_bytes: int
+    peak_time_s: float
+    memory_limit_bytes: int | None = None
+    stall_s: dict[str, float] = {}  # by cause: "reload", "memory", "recompute"
+    d2h_bytes: int = 0
+    h2d_bytes: int = 0
+    recompute_s: float = 0.0
+    busy_fraction: dict[str, float] = {}  # by stream: "compute", "d2h", "h2d"
+
+    @property
+    def retention(self) -> float:
+        """Throughput retained: ideal step time / simulated step time."""
+        return self.ideal_step_time_s / self.step_time_s if self.step_time_s > 0 else 0.0

@@ -1,0 +1,41 @@
+"""Byte counts as users write them: ``24GiB``, ``1.5e9``, ``512 MB``."""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal
+
+from slackswap.errors import InputError
+
+__all__ = ["parse_bytes", "format_bytes"]
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(text: str | int | float) -> int:
+    """Parse a positive byte count such as ``"24GiB"``, ``"3e9"`` or ``1024``."""
+    if isinstance(text, (int, float)):
+        value, unit = Decimal(text), ""
+    else:
+        m = _PATTERN.match(text)
+        if not m or m.group(2).lower() not in _UNITS:
+            raise InputError(f"'{text}' is not a byte count; write e.g. 24GiB, 512MB or 3e9")
+        value, unit = Decimal(m.group(1)), m.group(2).lower()
+    result = int(value * _UNITS[unit])
+    if result <= 0:
+        raise InputError(f"'{text}' must be a positive number of bytes")
+    return result
+
+
+def format_bytes(n: float) -> str:
+    """Human-readable binary size, e.g. ``1.50 GiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"

@@ -1,0 +1,11 @@
+"""Reference workloads built from ``transformers`` configs, and custom model factories."""
+
+from slackswap.models.presets import (
+    MODEL_PRESETS,
+    ModelPreset,
+    build_model,
+    load_factory,
+    load_workload,
+)
+
+__all__ = ["MODEL_PRESETS", "ModelPreset", "build_model", "load_factory", "load_workload"]

@@ -1,0 +1,189 @@
+"""Reference workloads (DESIGN.md) built from ``transformers`` configs with no download."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from slackswap.errors import InputError
+
+__all__ = ["ModelPreset", "MODEL_PRESETS", "build_model", "load_factory", "load_workload", "DTYPES"]
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_TINY = {"layers": 2, "hidden": 64, "heads": 4, "ffn": 256, "vocab": 1000}
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    """A named workload: architecture, size and the reference batch shape."""
+
+    name: str
+    family: str  # "bert", "gpt2" or "llama"
+    layers: int
+    hidden: int
+    heads: int
+    ffn: int
+    vocab: int
+    batch: int
+    seq: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def config(self, seq: int, attn: str) -> Any:
+        import transformers
+
+        if self.family == "bert":
+            cfg = transformers.BertConfig(
+                num_hidden_layers=self.layers, hidden_size=self.hidden,
+                num_attention_heads=self.heads, intermediate_size=self.ffn,
+                vocab_size=self.vocab, max_position_embeddings=max(512, seq), **self.extra,
+            )
+        elif self.family == "gpt2":
+            cfg = transformers.GPT2Config(
+                n_layer=self.layers, n_embd=self.hidden, n_head=self.heads, n_inner=self.ffn,
+                vocab_size=self.vocab, n_positions=max(1024, seq), use_cache=False,
+                activation_function="gelu_pytorch_tanh", **self.extra,
+            )
+        else:
+            cfg = transformers.LlamaConfig(
+                num_hidden_layers=self.layers, hidden_size=self.hidden,
+                num_attention_heads=self.heads, num_key_value_heads=self.heads,
+                intermediate_size=self.ffn, vocab_size=self.vocab,
+                max_position_embeddings=max(4096, seq), use_cache=False, **self.extra,
+            )
+        cfg._attn_implementation = attn
+        return cfg
+
+    def model_class(self) -> Any:
+        import transformers
+
+        return {
+            "bert": transformers.BertForMaskedLM,
+            "gpt2": transformers.GPT2LMHeadModel,
+            "llama": transformers.LlamaForCausalLM,
+        }[self.family]
+
+
+def _presets() -> dict[str, ModelPreset]:
+    full = [
+        ModelPreset("bert-large", "bert", 24, 1024, 16, 4096, 30522, 32, 512),
+        ModelPreset("gpt2-xl", "gpt2", 48, 1600, 25, 6400, 50257, 8, 1024),
+        ModelPreset("llama-7b", "llama", 32, 4096, 32, 11008, 32000, 1, 4096),
+    ]
+    tiny = [
+        ModelPreset(f"{p.name}-tiny", p.family, **_TINY, batch=2, seq=32)
+        for p in full
+    ]
+    return {p.name: p for p in full + tiny}
+
+
+MODEL_PRESETS: dict[str, ModelPreset] = _presets()
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def build_model(
+    name: str,
+    *,
+    batch: int | None = None,
+    seq: int | None = None,
+    attn: str = "sdpa",
+    dtype: str = "bf16",
+    fake: bool = True,
+    seed: int = 0,
+    device: str = "cpu",
+) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """Build a preset in training mode and its example batch (``input_ids`` and ``labels``).
+
+    ``fake=True`` builds the weights under ``FakeTensorMode``: no memory, for analytic
+    profiling of full-size models. The batch is always real (it is small).
+    """
+    if name not in MODEL_PRESETS:
+        raise InputError(
+            f"unknown model '{name}'; presets: {', '.join(MODEL_PRESETS)} "
+            "(or package.module:factory)"
+        )
+    if attn not in ("sdpa", "eager"):
+        raise InputError(f"unknown attention '{attn}'; use sdpa or eager")
+    if dtype not in DTYPES:
+        raise InputError(f"unknown dtype '{dtype}'; use one of {', '.join(DTYPES)}")
+    preset = MODEL_PRESETS[name]
+    b = preset.batch if batch is None else batch
+    s = preset.seq if seq is None else seq
+    if b <= 0 or s <= 0:
+        raise InputError("--batch and --seq must be positive")
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    config = preset.config(s, attn)
+    torch.manual_seed(seed)
+    mode = FakeTensorMode() if fake else contextlib.nullcontext()
+    with mode, _default_dtype(DTYPES[dtype]):
+        model = preset.model_class()(config)
+    model.train()
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, preset.vocab, (b, s), generator=generator)
+    if not fake:
+        model, ids = model.to(device), ids.to(device)
+    return model, {"input_ids": ids, "labels": ids.clone()}
+
+
+def load_factory(spec: str) -> tuple[torch.nn.Module, Any]:
+    """Call a ``package.module:factory`` that returns ``(model, example_batch)``."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise InputError(f"'{spec}' is not package.module:factory")
+    if os.getcwd() not in sys.path:  # like `python -m`: modules in the working directory import
+        sys.path.insert(0, os.getcwd())
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise InputError(f"cannot import factory '{spec}': {e}") from None
+    try:
+        result = factory()
+    except Exception as e:
+        raise InputError(f"factory '{spec}' raised {type(e).__name__}: {e}") from None
+    is_pair = isinstance(result, tuple) and len(result) == 2
+    if not (is_pair and isinstance(result[0], torch.nn.Module)):
+        raise InputError(f"factory '{spec}' must return (model, example_batch)")
+    return result
+
+
+def load_workload(
+    spec: str,
+    *,
+    batch: int | None = None,
+    seq: int | None = None,
+    attn: str | None = None,
+    dtype: str | None = None,
+    fake: bool = True,
+    device: str = "cpu",
+) -> tuple[torch.nn.Module, Any]:
+    """A preset name (with shape options) or a ``package.module:factory``.
+
+    Presets are built fake (for analytic profiling) or real on ``device``; a factory
+    returns its model as it builds it.
+    """
+    if ":" in spec:
+        given = [o for o, v in (("--batch", batch), ("--seq", seq), ("--attn", attn),
+                                ("--dtype", dtype)) if v is not None]
+        if given:
+            raise InputError(f"{', '.join(given)} apply to presets only, not to factory '{spec}'")
+        return load_factory(spec)
+    return build_model(spec, batch=batch, seq=seq, attn=attn or "sdpa", dtype=dtype or "bf16",
+                       fake=fake, device=device)

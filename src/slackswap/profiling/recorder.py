@@ -1,0 +1,189 @@
+"""Records every aten op and every tensor autograd saves during one training step.
+
+One :class:`StepRecorder` is the ``TorchDispatchMode`` (ops, inputs, outputs, FLOPs,
+bytes), the ``saved_tensors_hooks`` pair (what is saved, which backward op first needs
+it) and the clock (measured mode). Tensors are identified by storage, so a view resolves
+to its base and each saved storage is counted once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry
+
+from slackswap.core.profile import OpCategory, OpRecord, TensorKind, TensorRecord
+from slackswap.profiling.kernels import attention_flops
+
+__all__ = ["StepRecorder", "dtype_name"]
+
+_DTYPE_NAMES = {
+    torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
+    torch.int64: "int64", torch.int32: "int32", torch.int8: "int8", torch.uint8: "uint8",
+    torch.bool: "bool", torch.uint64: "uint64",
+}
+# Ops that allocate or reinterpret memory without launching a kernel.
+_FREE = {
+    "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
+    "_local_scalar_dense", "lift_fresh", "lift_fresh_copy", "resize_", "set_",
+}
+_RANDOM = ("bernoulli", "rand", "randn", "randint", "normal", "uniform", "exponential",
+           "multinomial", "native_dropout", "dropout", "randperm")
+# Fused attention kernels: kind -> (position of the query argument, of ``is_causal``).
+_ATTENTION = {
+    "fused_attention": (0, 5),
+    "fused_attention_backward": (1, 9),
+    "_scaled_dot_product_flash_attention_for_cpu": (0, 4),
+    "_scaled_dot_product_flash_attention_for_cpu_backward": (1, 7),
+    "_scaled_dot_product_flash_attention": (0, 4),
+    "_scaled_dot_product_flash_attention_backward": (1, 11),
+    "_scaled_dot_product_efficient_attention": (0, 6),
+    "_scaled_dot_product_efficient_attention_backward": (1, 11),
+}
+_MATMUL = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "_scaled_mm"}
+# FlashAttention's backward recomputes q k^T and runs five matmuls to the forward's two.
+_ATTENTION_BACKWARD_RATIO = 2.5
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def _is_random(kind: str) -> bool:
+    return kind.rstrip("_").startswith(_RANDOM)
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    leaves = tree_leaves(tree)
+    return [t for t in leaves if isinstance(t, torch.Tensor) and t.layout == torch.strided]
+
+
+class StepRecorder(TorchDispatchMode):
+    """Collects ``OpRecord`` and ``TensorRecord`` entries for one step.
+
+    ``module_path`` returns the innermost module running now; ``clock``, when given, times
+    one op call (measured mode) and returns ``(output, seconds)``.
+    """
+
+    def __init__(
+        self,
+        module_path: Callable[[], str],
+        clock: Callable[[Callable[[], Any]], tuple[Any, float]] | None = None,
+    ) -> None:
+        super().__init__()
+        self.module_path = module_path
+        self.clock = clock
+        self.phase = "forward"
+        self.ops: list[OpRecord] = []
+        self.tensors: list[TensorRecord] = []
+        self._ids: dict[int, tuple[StorageWeakRef, int]] = {}
+        self._unpacked: list[int] = []
+
+    # -- tensor identity -------------------------------------------------------------
+    def register(self, tensor: torch.Tensor, kind: TensorKind) -> int:
+        """Give ``tensor``'s storage an id (parameters, buffers and batch inputs up front)."""
+        return self._id(tensor, kind, None)
+
+    def _id(self, t: torch.Tensor, kind: TensorKind, producer: int | None) -> int:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        known = self._ids.get(key)
+        if known is not None and not known[0].expired():
+            return known[1]
+        tid = len(self.tensors)
+        # NOTE: holding the weak reference keeps the StorageImpl's address from being reused
+        # while the trace runs, so ``_cdata`` keys never collide.
+        self._ids[key] = (StorageWeakRef(storage), tid)
+        self.tensors.append(
+            TensorRecord(
+                id=tid, kind=kind, bytes=storage.nbytes(), dtype=dtype_name(t.dtype),
+                shape=list(t.shape), producer=producer,
+            )
+        )
+        return tid
+
+    # -- saved_tensors_hooks ------------------------------------------------------------
+    def pack(self, t: torch.Tensor) -> tuple[int, torch.Tensor]:
+        tid = self._id(t, "input", None)
+        self.tensors[tid].saved = True
+        return tid, t
+
+    def unpack(self, packed: tuple[int, torch.Tensor]) -> torch.Tensor:
+        self._unpacked.append(packed[0])
+        return packed[1]
+
+    # -- dispatch --------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "prim" or func.is_view or func.__name__.startswith(
+            ("detach", "alias")
+        ):
+            return func(*args, **kwargs)
+        inputs = _tensors((args, kwargs))
+        in_ids = [self._id(t, "input", None) for t in inputs]
+        if self.clock is None:
+            out, seconds = func(*args, **kwargs), 0.0
+        else:
+            out, seconds = self.clock(lambda: func(*args, **kwargs))
+        index = len(self.ops)
+        kind = func.__name__.split(".")[0]
+        outputs = _tensors(out)
+        out_ids = [self._id(t, "activation", index) for t in outputs]
+        random = _is_random(kind) or (kind == "fused_attention" and args[4] > 0)
+        floats = [t.dtype for t in inputs + outputs if t.is_floating_point()]
+        self.ops.append(
+            OpRecord(
+                index=index, name=str(func), kind=kind, phase=self.phase,
+                module=self.module_path(), category=self._category(kind),
+                dtype=dtype_name(floats[0]) if floats else "fp32",
+                flops=self._flops(func, kind, args, kwargs, out),
+                bytes_read=sum(min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
+                               for t in inputs),
+                bytes_written=sum(t.numel() * t.element_size() for t in outputs),
+                time_s=seconds, inputs=in_ids, outputs=out_ids, random=random,
+                inplace=func._schema.is_mutable,
+            )
+        )
+        consumers = "forward_consumers" if self.phase == "forward" else "backward_consumers"
+        for tid in dict.fromkeys(in_ids):
+            getattr(self.tensors[tid], consumers).append(index)
+        if random:
+            for tid in out_ids:
+                self.tensors[tid].random = True
+        for tid in self._unpacked:
+            record = self.tensors[tid]
+            if record.first_backward_use is None:
+                record.first_backward_use = index
+        self._unpacked.clear()
+        return out
+
+    @staticmethod
+    def _category(kind: str) -> OpCategory:
+        if kind in _FREE:
+            return "free"
+        if kind in _ATTENTION:
+            return "attention_backward" if kind.endswith("backward") else "attention_forward"
+        if kind in _MATMUL or "convolution" in kind:
+            return "matmul"
+        return "memory"
+
+    @staticmethod
+    def _flops(func, kind: str, args, kwargs, out) -> float:
+        if kind in _ATTENTION:
+            qi, ci = _ATTENTION[kind]
+            q, k, v = args[qi:qi + 3]
+            causal = bool(args[ci]) if len(args) > ci else bool(kwargs.get("is_causal", False))
+            flops = attention_flops(q.shape, k.shape, v.shape, causal)
+            return flops * _ATTENTION_BACKWARD_RATIO if kind.endswith("backward") else flops
+        counter = flop_registry.get(func.overloadpacket)
+        if counter is None:
+            return 0.0
+        try:
+            return float(counter(*args, **kwargs, out_val=out))
+        except Exception:  # a counter that cannot read these arguments counts nothing
+            return 0.0

@@ -1,0 +1,302 @@
+"""Profile one training step (forward, loss, backward) of any ``nn.Module``."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.distributed._tools.mod_tracker import ModTracker
+from torch.func import functional_call
+
+from slackswap.core.costmodel import op_time
+from slackswap.core.hardware import Hardware, load_hardware
+from slackswap.core.profile import StepProfile
+from slackswap.errors import InputError, ProfileError
+from slackswap.profiling.kernels import TargetKernels
+from slackswap.profiling.recorder import StepRecorder
+
+__all__ = ["default_device", "fingerprint", "profile", "transformer_blocks"]
+
+Batch = Mapping[str, Any] | tuple | list | torch.Tensor
+
+
+def profile(
+    model: torch.nn.Module,
+    batch: Batch,
+    hardware: str | Hardware = "a100-80gb",
+    mode: Literal["analytic", "measured"] = "analytic",
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    *,
+    kernels: Literal["cuda", "native"] | None = None,
+    name: str | None = None,
+    warmup: int = 1,
+) -> StepProfile:
+    """Profile one training step of ``model`` on ``batch``.
+
+    ``analytic`` traces under ``FakeTensorMode`` (no weights, no compute) and prices each
+    op on ``hardware`` with the roofline cost model; ``kernels`` picks whose kernel
+    semantics to trace: the hardware's (``cuda``) or the local CPU's (``native``).
+    ``measured`` runs a real step on the model's device and times each op.
+    The loss is ``output.loss`` when the model returns one, otherwise ``loss_fn(output)``.
+    """
+    hw = load_hardware(hardware)
+    name = name or type(model).__name__
+    if mode == "analytic":
+        rec, device = _trace_analytic(model, batch, loss_fn, name, kernels or hw.kernels)
+        for op in rec.ops:
+            op.time_s = op_time(op, hw)
+        used_kernels = kernels or hw.kernels
+    elif mode == "measured":
+        rec, device = _trace_measured(model, batch, loss_fn, name, warmup)
+        used_kernels = "cuda" if device.startswith("cuda") else "native"
+    else:
+        raise InputError(f"unknown profiling mode '{mode}'; use 'analytic' or 'measured'")
+    _name_saved_activations(rec)
+    return StepProfile(
+        model=name,
+        fingerprint=fingerprint(model, batch),
+        hardware=hw.name,
+        mode=mode,
+        kernels=used_kernels,
+        device=device,
+        layers=transformer_blocks(model),
+        model_state_bytes=sum(t.untyped_storage().nbytes() for t in _state(model).values()),
+        ops=rec.ops,
+        tensors=rec.tensors,
+    )
+
+
+def fingerprint(model: torch.nn.Module, batch: Batch) -> str:
+    """Hash of the module tree, parameter and buffer shapes and dtypes, and batch shapes."""
+    parts = {
+        "modules": [(n, type(m).__name__) for n, m in model.named_modules()],
+        "state": [(n, list(t.shape), str(t.dtype)) for n, t in _state(model).items()],
+        "batch": [(k, list(t.shape), str(t.dtype)) for k, t in _batch_tensors(batch)],
+        "training": model.training,
+    }
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+
+
+def transformer_blocks(model: torch.nn.Module) -> list[str]:
+    """Module paths of the repeated blocks: the longest ``ModuleList`` of one class."""
+    best: list[str] = []
+    for path, module in model.named_modules():
+        longer = isinstance(module, torch.nn.ModuleList) and len(module) > len(best)
+        if longer and len({type(child) for child in module}) == 1:
+            best = [f"{path}.{i}" if path else str(i) for i in range(len(module))]
+    return best
+
+
+# -- tracing ---------------------------------------------------------------------------
+
+
+def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
+
+
+def _batch_tensors(batch: Batch) -> list[tuple[str, torch.Tensor]]:
+    if isinstance(batch, torch.Tensor):
+        return [("input", batch)]
+    items = batch.items() if isinstance(batch, Mapping) else enumerate(batch)
+    return [(str(k), v) for k, v in items if isinstance(v, torch.Tensor)]
+
+
+def _call(model: torch.nn.Module, batch: Batch, name: str) -> Any:
+    try:
+        if isinstance(batch, Mapping):
+            return model(**batch)
+        if isinstance(batch, (tuple, list)):
+            return model(*batch)
+        return model(batch)
+    except ProfileError:
+        raise
+    except Exception as e:
+        raise ProfileError(f"model '{name}' raised in forward: {type(e).__name__}: {e}") from e
+
+
+def _loss(output: Any, loss_fn: Callable[[Any], torch.Tensor] | None, name: str) -> torch.Tensor:
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, Mapping):
+        loss = output.get("loss")
+    if loss is None and loss_fn is not None:
+        loss = loss_fn(output)
+    if loss is None:
+        raise ProfileError(
+            f"model '{name}' returned no loss; pass labels in the batch or give a loss_fn"
+        )
+    if not isinstance(loss, torch.Tensor) or not loss.requires_grad or loss.numel() != 1:
+        raise ProfileError(
+            f"model '{name}': the loss is not a differentiable scalar; check that the model "
+            "is in training mode with parameters that require grad"
+        )
+    return loss
+
+
+def _module_path(tracker: ModTracker, root: str) -> Callable[[], str]:
+    prefix = root + "."
+
+    def innermost() -> str:
+        names = [p for p in tracker.parents if p != "Global"]
+        path = max(names, key=len, default="")
+        return path[len(prefix):] if path.startswith(prefix) else ""
+
+    return innermost
+
+
+def _run_step(
+    call: Callable[[], Any], loss_fn: Callable[[Any], torch.Tensor] | None, name: str,
+    recorder: StepRecorder, tracker: ModTracker, extra: contextlib.AbstractContextManager,
+) -> None:
+    with tracker, recorder, extra:
+        with torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack):
+            loss = _loss(call(), loss_fn, name)
+        recorder.phase = "backward"
+        loss.backward()
+
+
+def _register_state(
+    recorder: StepRecorder, model: torch.nn.Module, state: dict[str, torch.Tensor],
+    batch_items: list[tuple[str, torch.Tensor]],
+) -> None:
+    params = dict(model.named_parameters())
+    for path, t in state.items():
+        recorder.register(t, "parameter" if path in params else "buffer")
+    for _, t in batch_items:
+        recorder.register(t, "input")
+
+
+def _has_padding(batch: Batch) -> bool:
+    mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+    if not isinstance(mask, torch.Tensor) or isinstance(mask, FakeTensor):
+        return mask is not None
+    return not bool(mask.bool().all())
+
+
+def _is_causal_lm(model: torch.nn.Module) -> bool:
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return False
+    return type(model).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+
+
+def _trace_analytic(
+    model: torch.nn.Module, batch: Batch, loss_fn, name: str, kernels: str,
+) -> tuple[StepRecorder, str]:
+    state = _state(model)
+    fakes = [t for t in state.values() if isinstance(t, FakeTensor)]
+    fake_mode = fakes[0].fake_mode if fakes else FakeTensorMode()
+    if not fakes:  # a real model: trace it with fake copies of its weights
+        state = {k: fake_mode.from_tensor(t) for k, t in state.items()}
+    elif len(fakes) != len(state):
+        raise ProfileError(f"model '{name}' mixes fake and real parameters; build it one way")
+    fake_batch = _map_batch(
+        batch, lambda t: t if isinstance(t, FakeTensor) else fake_mode.from_tensor(t)
+    )
+    tracker = ModTracker()
+    recorder = StepRecorder(_module_path(tracker, type(model).__name__))
+    _register_state(recorder, model, state, _batch_tensors(fake_batch))
+    causal = _is_causal_lm(model) and not _has_padding(batch)
+    extra = TargetKernels(kernels, dense_masks_are_causal=causal)
+
+    def call() -> Any:
+        if fakes:
+            return _call(model, fake_batch, name)
+        return _call(_Functional(model, state), fake_batch, name)
+
+    with fake_mode:
+        _run_step(call, loss_fn, name, recorder, tracker, extra)
+    return recorder, str(next(iter(state.values())).device) if state else "cpu"
+
+
+class _Functional:
+    """Calls ``model`` with ``state`` swapped in for its parameters and buffers."""
+
+    def __init__(self, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+        self.model, self.state = model, state
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return functional_call(self.model, self.state, args, kwargs, tie_weights=True)
+
+
+def _map_batch(batch: Batch, fn: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, Mapping):
+        return {k: fn(v) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    return type(batch)(fn(v) if isinstance(v, torch.Tensor) else v for v in batch)
+
+
+def _trace_measured(
+    model: torch.nn.Module, batch: Batch, loss_fn, name: str, warmup: int,
+) -> tuple[StepRecorder, str]:
+    params = list(model.parameters())
+    device = params[0].device if params else torch.device("cpu")
+    for _ in range(warmup):
+        _loss(_call(model, batch, name), loss_fn, name).backward()
+    model.zero_grad(set_to_none=True)
+    clock = _CudaClock() if device.type == "cuda" else _wall_clock
+    tracker = ModTracker()
+    recorder = StepRecorder(_module_path(tracker, type(model).__name__), clock)
+    _register_state(recorder, model, _state(model), _batch_tensors(batch))
+    _run_step(lambda: _call(model, batch, name), loss_fn, name, recorder, tracker,
+              contextlib.nullcontext())
+    model.zero_grad(set_to_none=True)
+    if isinstance(clock, _CudaClock):
+        for op, seconds in zip(recorder.ops, clock.durations(), strict=True):
+            op.time_s = seconds
+    return recorder, str(device)
+
+
+def _wall_clock(run: Callable[[], Any]) -> tuple[Any, float]:
+    start = time.perf_counter()
+    out = run()
+    return out, time.perf_counter() - start
+
+
+class _CudaClock:
+    """Times each op with a pair of CUDA events; read after one synchronize."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def __call__(self, run: Callable[[], Any]) -> tuple[Any, float]:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = run()
+        end.record()
+        self.events.append((start, end))
+        return out, 0.0
+
+    def durations(self) -> list[float]:
+        torch.cuda.synchronize()
+        return [s.elapsed_time(e) / 1e3 for s, e in self.events]
+
+
+def _name_saved_activations(rec: StepRecorder) -> None:
+    """Stable readable ids: ``<module>:<op kind>:<k>`` in production order; inputs by key."""
+    counts: Counter[tuple[str, str]] = Counter()
+    inputs = 0
+    for t in sorted(rec.tensors, key=lambda t: (t.producer is None, t.producer or 0, t.id)):
+        if not t.saved or t.is_parameter:
+            continue
+        if t.producer is None:
+            t.name = f"input:{inputs}"
+            inputs += 1
+            continue
+        op = rec.ops[t.producer]
+        module = op.module or "(top)"
+        t.name = f"{module}:{op.kind}:{counts[module, op.kind]}"
+        counts[module, op.kind] += 1
+
+
+def default_device() -> str:
+    """Where a measured profile runs: CUDA when present, else CPU."""
+    return "cuda" if torch.cuda.is_available() else "cpu"

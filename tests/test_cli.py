@@ -1,0 +1,88 @@
+"""The command line: one-line errors, the summary JSON other tools read, the profile file."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from slackswap.cli import main
+from slackswap.core.jsonio import load_model
+from slackswap.core.profile import StepProfile
+
+
+def run(*args: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(main, list(args))
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_summary_json(tmp_path) -> None:
+    out = tmp_path / "p.json"
+    code, stdout, _ = run("profile", "gpt2-xl-tiny", "--summary", "-o", str(out))
+    assert code == 0
+    summary = json.loads(stdout)
+    for key in ("saved_bytes_total", "saved_bytes_per_layer", "forward_flops", "backward_flops",
+                "forward_time_s", "backward_time_s", "num_saved_tensors"):
+        assert key in summary
+    assert len(summary["saved_bytes_per_layer"]) == 2
+    profile = load_model(StepProfile, out)
+    assert profile.summary()["saved_bytes_total"] == summary["saved_bytes_total"]
+    assert profile.hardware == "a100-80gb"
+
+
+def test_table_output_and_shape_options() -> None:
+    code, stdout, _ = run("profile", "bert-large-tiny", "--batch", "3", "--seq", "16",
+                          "--attn", "eager", "--hardware", "h200")
+    assert code == 0
+    assert "Saved activation bytes by layer" in stdout and "by op kind" in stdout
+    assert "h200" in stdout
+
+
+def test_factory_model() -> None:
+    code, stdout, _ = run("profile", "factories:mlp", "--summary")
+    assert code == 0
+    assert len(json.loads(stdout)["saved_bytes_per_layer"]) == 3
+
+
+def test_measured_mode() -> None:
+    code, stdout, _ = run("profile", "llama-7b-tiny", "--mode", "measured", "--summary")
+    assert code == 0
+    assert json.loads(stdout)["mode"] == "measured"
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["nope"], "unknown model 'nope'; presets: bert-large, gpt2-xl, llama-7b"),
+    (["bert-large-tiny", "--hardware", "tpu"], "unknown hardware 'tpu'; presets: a100-40gb"),
+    (["missing_module:make"], "cannot import factory 'missing_module:make'"),
+    (["factories:nothing_here"], "cannot import factory 'factories:nothing_here'"),
+    (["factories:raises"], "raised in forward: ValueError: shape mismatch"),
+    (["factories:no_loss"], "returned no loss"),
+    (["factories:frozen"], "not a differentiable scalar"),
+    (["factories:mlp", "--batch", "2"], "--batch apply to presets only"),
+    (["bert-large-tiny", "--batch", "0"], "must be positive"),
+])
+def test_errors_are_one_line(args: list[str], message: str) -> None:
+    code, stdout, stderr = run("profile", *args)
+    assert code == 2
+    assert message in stderr
+    assert stderr.count("\n") == 1 and "Traceback" not in stderr
+    assert stdout == ""
+
+
+def test_bad_hardware_file(tmp_path) -> None:
+    path = tmp_path / "hw.toml"
+    path.write_text('schema_version = 1\nname = "x"\n[compute]\n')
+    code, _, stderr = run("profile", "bert-large-tiny", "--hardware", str(path))
+    assert code == 2 and "field 'compute.peak_flops'" in stderr
+
+
+def test_console_script_end_to_end() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "slackswap", "profile", "nope"],
+        capture_output=True, text=True,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: unknown model 'nope'") and "Traceback" not in proc.stderr

@@ -1,0 +1,192 @@
+"""The analytic and measured profilers against independent counts."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from factories import TinyMLP, WithMSE, frozen, no_loss, raises
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import slackswap
+from slackswap.core.profile import StepProfile
+from slackswap.errors import ProfileError
+from slackswap.models import MODEL_PRESETS, build_model
+
+TINY = ["bert-large-tiny", "gpt2-xl-tiny", "llama-7b-tiny"]
+
+
+@functools.cache
+def analytic(name: str, attn: str = "sdpa", batch: int | None = None,
+             seq: int | None = None) -> StepProfile:
+    model, example = build_model(name, attn=attn, batch=batch, seq=seq)
+    return slackswap.profile(model, example, "a100-80gb", name=name)
+
+
+# -- Korthikanti et al. (2022), activations per transformer layer ---------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize(("batch", "seq"), [(32, 512), (8, 256)])
+def test_bert_layer_bytes_match_korthikanti(attn: str, batch: int, seq: int) -> None:
+    p = analytic("bert-large", attn, batch, seq)
+    h, a, s, b = 1024, 16, seq, batch
+    expected = s * b * h * (34 + (5 * a * s / h if attn == "eager" else 0))
+    per_layer = p.summary()["saved_bytes_per_layer"]
+    assert len(per_layer) == 24
+    for got in per_layer:
+        assert got == pytest.approx(expected, rel=0.01)
+
+
+# -- forward FLOPs against a closed form --------------------------------------------
+
+
+def closed_form_forward_flops(name: str) -> float:
+    """Matmul and attention FLOPs of the forward pass, written from the architecture."""
+    p = MODEL_PRESETS[name]
+    b, s, h, f, v, n = p.batch, p.seq, p.hidden, p.ffn, p.vocab, p.layers
+    projections = 4 * 2 * b * s * h * h  # q, k, v, output
+    attention = 2 * 2 * b * s * s * h  # q k^T and p v
+    if p.family == "bert":
+        mlp = 2 * 2 * b * s * h * f
+        head = 2 * b * s * h * h + 2 * b * s * h * v  # transform + decoder
+        return n * (projections + attention + mlp) + head
+    causal = attention / 2
+    mlp = (3 if p.family == "llama" else 2) * 2 * b * s * h * f  # SwiGLU has three matmuls
+    return n * (projections + causal + mlp) + 2 * b * s * h * v
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["bert-large", "gpt2-xl", "llama-7b"])
+def test_forward_flops_match_closed_form(name: str) -> None:
+    got = analytic(name).summary()["forward_flops"]
+    assert got == pytest.approx(closed_form_forward_flops(name), rel=0.03)
+
+
+# -- what the target GPU saves --------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_cuda_kernels_saved_set(name: str) -> None:
+    p = analytic(name)
+    kinds = {p.ops[t.producer].kind for t in p.saved_activations if t.producer is not None}
+    assert "fused_attention" in kinds
+    for t in p.saved_activations:
+        op = p.ops[t.producer] if t.producer is not None else None
+        if op and op.kind == "native_dropout" and t.dtype == "bool":
+            assert t.bytes == torch.Size(t.shape).numel()  # 1 byte per element
+        # no seq x seq tensor survives to backward under fused attention
+        assert t.shape[-2:] != [32, 32], t.name
+    assert not any(t.is_parameter for t in p.saved_activations)
+    assert len({t.name for t in p.saved_activations}) == len(p.saved_activations)
+
+
+def test_bert_dropout_and_attention_under_cuda_kernels() -> None:
+    p = analytic("bert-large-tiny")
+    masks = [t for t in p.saved_activations if t.name.endswith("dropout:native_dropout:0")
+             and t.dtype == "bool"]
+    assert masks and all(t.random for t in masks)
+    attn = [op for op in p.ops if op.kind == "fused_attention"]
+    assert len(attn) == 2 and all(op.random for op in attn)  # attention dropout is on
+    # out, logsumexp and RNG state are the kernel's own saves; q, k, v come from the linears
+    saved = [t for t in p.saved_activations if t.producer == attn[0].index]
+    assert [t.dtype for t in saved] == ["bf16", "fp32", "int64"]
+
+
+def test_causal_attention_counts_half() -> None:
+    gpt = next(op for op in analytic("gpt2-xl-tiny").ops if op.kind == "fused_attention")
+    bert = next(op for op in analytic("bert-large-tiny").ops if op.kind == "fused_attention")
+    b, s, h = 2, 32, 64
+    assert bert.flops == 4 * b * s * s * h
+    assert gpt.flops == 2 * b * s * s * h
+
+
+def test_views_resolve_to_their_base() -> None:
+    """GPT-2 splits one c_attn output into q, k, v views: one saved storage."""
+    p = analytic("gpt2-xl-tiny")
+    qkv = p.by_name["transformer.h.0.attn.c_attn:addmm:0"]
+    assert qkv.bytes == 2 * 32 * 3 * 64 * 2
+    attn = next(op for op in p.ops if op.kind == "fused_attention")
+    assert attn.inputs[:3] == [qkv.id] * 3
+
+
+def test_first_backward_use_and_consumers() -> None:
+    p = analytic("llama-7b-tiny")
+    first_bwd = next(op.index for op in p.ops if op.phase == "backward")
+    for t in p.saved_activations:
+        if t.producer is None:
+            continue
+        assert t.first_backward_use is not None and t.first_backward_use >= first_bwd
+        assert t.producer < first_bwd
+        assert p.ops[t.first_backward_use].phase == "backward"
+
+
+# -- analytic (native kernels) against measured --------------------------------------
+
+
+def _saved(p: StepProfile) -> dict[str, int]:
+    return {t.name: t.bytes for t in p.saved_activations}
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_measured_matches_analytic_native(name: str) -> None:
+    real, example = build_model(name, fake=False)
+    measured = slackswap.profile(real, example, mode="measured", name=name)
+    fake, example = build_model(name)
+    native = slackswap.profile(fake, example, kernels="native", name=name)
+    assert _saved(measured) == _saved(native)
+    assert measured.fingerprint == native.fingerprint
+    assert measured.device == "cpu" and measured.kernels == "native"
+    assert all(op.time_s >= 0 for op in measured.ops)
+    assert sum(op.time_s for op in measured.ops) > 0
+
+
+def test_real_model_traced_analytically_equals_fake_build() -> None:
+    real, example = build_model("gpt2-xl-tiny", fake=False)
+    p = slackswap.profile(real, example, name="gpt2-xl-tiny")
+    assert _saved(p) == _saved(analytic("gpt2-xl-tiny"))
+    assert p.summary()["forward_flops"] == analytic("gpt2-xl-tiny").summary()["forward_flops"]
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(width=st.sampled_from([4, 8, 12]), depth=st.integers(1, 3),
+       act=st.sampled_from([torch.nn.GELU, torch.nn.ReLU, torch.nn.SiLU, torch.nn.Tanh]),
+       batch=st.integers(1, 3))
+def test_custom_models_measured_equals_analytic(width, depth, act, batch) -> None:
+    torch.manual_seed(0)
+    inner = TinyMLP(width, depth)
+    for block in inner.blocks:
+        block.act = act()
+    model = WithMSE(inner)
+    x = torch.randn(batch, 5, width)
+    native = slackswap.profile(model, x, kernels="native")
+    measured = slackswap.profile(model, x, mode="measured")
+    assert _saved(native) == _saved(measured)
+    # every block saves its own activations, the same bytes for each
+    per_layer = native.summary()["saved_bytes_per_layer"]
+    assert len(per_layer) == depth and len(set(per_layer)) == 1 and per_layer[0] > 0
+
+
+# -- errors --------------------------------------------------------------------------
+
+
+def test_forward_error_names_the_model() -> None:
+    model, x = raises()
+    with pytest.raises(ProfileError, match="model 'mine' raised in forward: ValueError: shape"):
+        slackswap.profile(model, x, name="mine")
+
+
+@pytest.mark.parametrize("factory", [no_loss, frozen])
+def test_no_differentiable_loss(factory) -> None:
+    model, x = factory()
+    with pytest.raises(ProfileError, match="loss"):
+        slackswap.profile(model, x)
+
+
+def test_loss_fn_for_models_without_loss() -> None:
+    model, x = no_loss()
+    p = slackswap.profile(model, x, loss_fn=lambda out: out["logits"].sum())
+    assert p.summary()["backward_flops"] > 0
