@@ -32,8 +32,10 @@ def small_profile() -> StepProfile:
                  bytes_read=8, bytes_written=4, time_s=3e-4, inputs=[3], outputs=[4]),
     ]
     tensors = [
-        TensorRecord(id=0, kind="input", bytes=4, dtype="bf16", shape=[2], forward_consumers=[0]),
-        TensorRecord(id=1, kind="parameter", bytes=4, dtype="bf16", shape=[2], saved=True),
+        TensorRecord(id=0, name="input:x", kind="input", bytes=4, dtype="bf16", shape=[2],
+                     forward_consumers=[0], saved=True, first_backward_use=2),
+        TensorRecord(id=1, name="lin.weight", kind="parameter", bytes=4, dtype="bf16",
+                     shape=[2], saved=True),
         TensorRecord(id=2, kind="activation", bytes=4, dtype="bf16", shape=[2], producer=0,
                      forward_consumers=[1]),
         TensorRecord(id=3, name="act:relu:0", kind="activation", bytes=4, dtype="bf16",
@@ -48,9 +50,10 @@ def small_profile() -> StepProfile:
 
 def test_profile_views() -> None:
     p = small_profile()
-    assert [t.name for t in p.saved_activations] == ["act:relu:0"]  # the parameter is excluded
+    # the parameter is excluded, the batch input is not
+    assert [t.name for t in p.saved_activations] == ["input:x", "act:relu:0"]
     s = p.summary()
-    assert s["saved_bytes_total"] == 4
+    assert s["saved_bytes_total"] == 8
     assert s["saved_bytes_per_layer"] == [0, 4]
     assert s["forward_time_s"] == pytest.approx(1.2e-3)
     assert s["backward_time_s"] == pytest.approx(3e-4)
@@ -107,6 +110,10 @@ def test_plan_check() -> None:
         Plan(fingerprint="0" * 64, strategy="x", decisions={}).check(p)
     with pytest.raises(InputError, match="does not save"):
         Plan(fingerprint=p.fingerprint, strategy="x", decisions={"lin:mm:7": "offload"}).check(p)
+    with pytest.raises(InputError, match="'lin.weight', a parameter or buffer"):
+        Plan(fingerprint=p.fingerprint, strategy="x", decisions={"lin.weight": "offload"}).check(p)
+    with pytest.raises(InputError, match="'input:x', a batch input"):
+        Plan(fingerprint=p.fingerprint, strategy="x", decisions={"input:x": "recompute"}).check(p)
 
 
 def test_atomic_write_leaves_old_file_on_failure(tmp_path) -> None:

@@ -42,6 +42,17 @@ class Plan(pydantic.BaseModel):
                 f"plan was made for a different model or batch shape (fingerprint "
                 f"{self.fingerprint[:12]} != {profile.fingerprint[:12]}); re-plan for this profile"
             )
+        state = {t.name for t in profile.tensors if t.is_parameter}
+        planned = [n for n, d in self.decisions.items() if d != "keep"] + list(self.prefetch)
+        if fixed := [n for n in planned if n in state]:
+            raise InputError(
+                f"plan moves '{fixed[0]}', a parameter or buffer; model state is never planned"
+            )
+        inputs = {t.name for t in profile.saved_activations if t.producer is None}
+        if fixed := [n for n in planned if n in inputs]:
+            raise InputError(
+                f"plan moves '{fixed[0]}', a batch input; only activations can be planned"
+            )
         unknown = [n for n in (*self.decisions, *self.prefetch) if n not in profile.by_name]
         if unknown:
             raise InputError(

@@ -85,9 +85,12 @@ class StepRecorder(TorchDispatchMode):
         self._unpacked: list[int] = []
 
     # -- tensor identity -------------------------------------------------------------
-    def register(self, tensor: torch.Tensor, kind: TensorKind) -> int:
-        """Give ``tensor``'s storage an id (parameters, buffers and batch inputs up front)."""
-        return self._id(tensor, kind, None)
+    def register(self, tensor: torch.Tensor, kind: TensorKind, name: str) -> int:
+        """Name ``tensor``'s storage up front: parameters, buffers and batch inputs."""
+        tid = self._id(tensor, kind, None)
+        if self.tensors[tid].name is None:  # tied weights keep their first name
+            self.tensors[tid].name = name
+        return tid
 
     def _id(self, t: torch.Tensor, kind: TensorKind, producer: int | None) -> int:
         storage = t.untyped_storage()

@@ -167,9 +167,9 @@ def _register_state(
 ) -> None:
     params = dict(model.named_parameters())
     for path, t in state.items():
-        recorder.register(t, "parameter" if path in params else "buffer")
-    for _, t in batch_items:
-        recorder.register(t, "input")
+        recorder.register(t, "parameter" if path in params else "buffer", path)
+    for key, t in batch_items:
+        recorder.register(t, "input", f"input:{key}")
 
 
 def _has_padding(batch: Batch) -> bool:
@@ -281,15 +281,18 @@ class _CudaClock:
 
 
 def _name_saved_activations(rec: StepRecorder) -> None:
-    """Stable readable ids: ``<module>:<op kind>:<k>`` in production order; inputs by key."""
+    """Stable readable ids: ``<module>:<op kind>:<k>`` in production order.
+
+    Batch inputs are ``input:<key>``; other tensors from outside the step ``external:<k>``.
+    """
     counts: Counter[tuple[str, str]] = Counter()
-    inputs = 0
+    external = 0
     for t in sorted(rec.tensors, key=lambda t: (t.producer is None, t.producer or 0, t.id)):
-        if not t.saved or t.is_parameter:
+        if not t.saved or t.is_parameter or t.name is not None:
             continue
         if t.producer is None:
-            t.name = f"input:{inputs}"
-            inputs += 1
+            t.name = f"external:{external}"
+            external += 1
             continue
         op = rec.ops[t.producer]
         module = op.module or "(top)"
