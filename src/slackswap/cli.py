@@ -90,6 +90,67 @@ def profile(model: str, hardware: str, batch: int | None, seq: int | None, attn:
         _print_profile(result, output)
 
 
+@main.command()
+@click.argument("profile_path", metavar="PROFILE.json", type=click.Path(dir_okay=False))
+@click.option("--plan", "plan_path", type=click.Path(dir_okay=False),
+              help="Plan JSON; keep-all when omitted.")
+@click.option("--hardware", help="Hardware preset or .toml file; default: the profile's.")
+@click.option("--memory-limit", help="Bytes, a size such as 24GiB, or a fraction of the "
+              "keep-all peak such as 0.5.")
+@click.option("--trace", type=click.Path(dir_okay=False), help="Write a Perfetto trace JSON.")
+@click.option("--plot", type=click.Path(dir_okay=False), help="Write a memory plot PNG.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
+@_user_errors
+def simulate(profile_path: str, plan_path: str | None, hardware: str | None,
+             memory_limit: str | None, trace: str | None, plot: str | None,
+             as_json: bool) -> None:
+    """Simulate one training step of a profile under a plan."""
+    from slackswap.core.jsonio import load_model
+    from slackswap.core.plan import Plan
+    from slackswap.sim import simulate as run_simulation
+    from slackswap.sim.outputs import write_memory_plot, write_trace
+
+    prof = load_model(StepProfile, profile_path)
+    plan = load_model(Plan, plan_path) if plan_path else None
+    result = run_simulation(prof, plan, hardware, memory_limit)
+    if trace:
+        write_trace(result, trace)
+    if plot:
+        write_memory_plot(result, plot, keep_all=run_simulation(prof, None, hardware))
+    if as_json:
+        click.echo(result.model_dump_json())
+    else:
+        _print_result(prof, result, trace, plot)
+    if not result.feasible:
+        sys.exit(1)
+
+
+def _print_result(prof: StepProfile, result: Any, trace: str | None, plot: str | None) -> None:
+    out = Console()
+    status = "feasible" if result.feasible else f"[red]INFEASIBLE[/red]: {result.infeasible_reason}"
+    limit = (format_bytes(result.memory_limit_bytes) if result.memory_limit_bytes
+             else "no limit")
+    out.print(f"[bold]{prof.model}[/bold], plan {result.strategy}, {limit}: {status}")
+    table = Table(show_header=False)
+    rows = [
+        ("step time", f"{result.step_time_s * 1e3:.2f} ms "
+                      f"(ideal {result.ideal_step_time_s * 1e3:.2f} ms)"),
+        ("throughput retained", f"{result.retention:.2%}"),
+        ("peak activation memory", f"{format_bytes(result.peak_bytes)} "
+                                   f"(keep-all {format_bytes(result.keep_all_peak_bytes)})"),
+        ("stalls", ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in result.stall_s.items())),
+        ("offloaded / reloaded", f"{format_bytes(result.d2h_bytes)} / "
+                                 f"{format_bytes(result.h2d_bytes)}"),
+        ("busy", ", ".join(f"{k} {v:.0%}" for k, v in result.busy_fraction.items())),
+    ]
+    for row in rows:
+        table.add_row(*row)
+    out.print(table)
+    for label, path in (("trace", trace), ("plot", plot)):
+        if path:
+            out.print(f"{label} written to {path}")
+
+
 @main.command("hardware")
 def hardware_list() -> None:
     """List the hardware presets."""

@@ -87,6 +87,31 @@ class StepProfile(_Record):
     def by_name(self) -> dict[str, TensorRecord]:
         return {t.name: t for t in self.saved_activations if t.name is not None}
 
+    @cached_property
+    def keep_all_peak(self) -> int:
+        """Peak activation memory with every activation kept and no limit.
+
+        Each activation is resident from the start of its producer to the end of its last
+        use (forward or backward consumer, or the backward op that unpacks it).
+        """
+        last_use: dict[int, int] = {}
+        for t in self.tensors:
+            if t.kind == "activation" and t.producer is not None:
+                uses = [t.producer, *t.forward_consumers, *t.backward_consumers]
+                if t.first_backward_use is not None:
+                    uses.append(t.first_backward_use)
+                last_use[t.id] = max(uses)
+        frees: dict[int, int] = defaultdict(int)
+        for tid, op in last_use.items():
+            frees[op] += self.tensors[tid].bytes
+        used = peak = 0
+        for op in self.ops:
+            used += sum(self.tensors[t].bytes for t in dict.fromkeys(op.outputs)
+                        if self.tensors[t].producer == op.index and t in last_use)
+            peak = max(peak, used)
+            used -= frees[op.index]
+        return peak
+
     def layer_index(self, module: str) -> int | None:
         """Index of the transformer block that contains ``module``, or None."""
         for i, layer in enumerate(self.layers):

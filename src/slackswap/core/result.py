@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pydantic
 
 __all__ = ["SimResult"]
@@ -19,8 +21,10 @@ class SimResult(pydantic.BaseModel):
     infeasible_reason: str | None = None
     step_time_s: float
     ideal_step_time_s: float
+    retention: float  # throughput retained: ideal step time / step time (0 if infeasible)
     peak_bytes: int
     peak_time_s: float
+    keep_all_peak_bytes: int = 0
     memory_limit_bytes: int | None = None
     stall_s: dict[str, float] = {}  # by cause: "reload", "memory", "recompute"
     d2h_bytes: int = 0
@@ -28,7 +32,9 @@ class SimResult(pydantic.BaseModel):
     recompute_s: float = 0.0
     busy_fraction: dict[str, float] = {}  # by stream: "compute", "d2h", "h2d"
 
+    # The schedule and timeline behind this result (set by ``simulate``; not serialized).
+    _run: Any = pydantic.PrivateAttr(default=None)
+
     @property
-    def retention(self) -> float:
-        """Throughput retained: ideal step time / simulated step time."""
-        return self.ideal_step_time_s / self.step_time_s if self.step_time_s > 0 else 0.0
+    def run(self) -> Any:
+        return self._run

@@ -7,7 +7,7 @@ from decimal import Decimal
 
 from slackswap.errors import InputError
 
-__all__ = ["parse_bytes", "format_bytes"]
+__all__ = ["parse_bytes", "format_bytes", "resolve_budget"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -39,3 +39,19 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     return f"{n:.2f} TiB"
+
+
+def resolve_budget(spec: str | int | float, peak: int) -> int:
+    """A memory budget in bytes: a fraction of ``peak`` (``0.5``), bytes, or ``"24GiB"``.
+
+    Numbers up to 1 are fractions; larger numbers and strings with a unit are bytes.
+    """
+    try:
+        value = float(spec)
+    except (TypeError, ValueError):
+        return parse_bytes(spec)  # type: ignore[arg-type]
+    if value != value or value <= 0:
+        raise InputError(f"budget '{spec}' must be positive: a fraction such as 0.5, or bytes")
+    if value <= 1:
+        return int(value * peak)
+    return parse_bytes(spec)

@@ -1,0 +1,242 @@
+"""The discrete-event engine: one compute stream, a D2H and an H2D copy engine, a memory
+counter. Plain Python.
+
+A hand-written next-event loop rather than SimPy: a planner calls it thousands of times,
+and with only three in-order streams the state fits in a few variables. The tests check
+it against an independent SimPy model of the same semantics.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from slackswap.core.hardware import HostLink
+from slackswap.sim.schedule import Copy, Schedule
+
+__all__ = ["Blocked", "Span", "Timeline", "run_schedule"]
+
+
+@dataclass(frozen=True, slots=True)
+class Blocked:
+    """The run stopped: an item (or the reload it waits for) can never get its memory."""
+
+    item: int  # compute item that could not start
+    reload: int | None  # h2d copy that could not start, when that is what it waits for
+    need: int  # bytes the blocked allocation asks for
+    used: int  # bytes in use when the run stopped
+    limit: float
+
+
+@dataclass(slots=True)
+class Span:
+    stream: str  # "compute", "d2h" or "h2d"
+    index: int  # item index (compute) or copy index (d2h, h2d)
+    start: float
+    end: float
+
+
+@dataclass
+class Timeline:
+    """What happened, in order: spans per stream, memory after every change, the outcome."""
+
+    spans: list[Span] = field(default_factory=list)
+    memory: list[tuple[float, int]] = field(default_factory=list)
+    alloc_time: dict[int, float] = field(default_factory=dict)  # residency -> allocated at
+    free_time: dict[int, float] = field(default_factory=dict)  # residency -> freed at
+    stall: dict[str, float] = field(default_factory=lambda: {"reload": 0.0, "memory": 0.0})
+    end: float = 0.0
+    peak: int = 0
+    peak_time: float = 0.0
+    blocked: Blocked | None = None  # why the run could not finish
+
+
+class _Transfer:
+    """An in-order copy engine: latency first, then bytes at the rate the link allows."""
+
+    __slots__ = ("queue", "head", "active", "latency_end", "remaining", "rate", "start")
+
+    def __init__(self, queue: list[Copy]) -> None:
+        self.queue = queue
+        self.head = 0
+        self.active: Copy | None = None
+        self.latency_end = 0.0
+        self.remaining = 0.0
+        self.rate = 0.0
+        self.start = 0.0
+
+    def moving(self, now: float) -> bool:
+        return self.active is not None and now >= self.latency_end
+
+    def next_event(self, now: float) -> float:
+        if self.active is None:
+            return math.inf
+        if now < self.latency_end:
+            return self.latency_end
+        return now + (self.remaining / self.rate if self.remaining > 0 else 0.0)
+
+
+class _Headroom:
+    """How much more memory the compute stream will take between two items.
+
+    NOTE [prefetch headroom]: a reload may start early only if it leaves room for every
+    allocation the compute stream makes before the reload's consumer runs. Otherwise
+    greedy prefetching fills memory with tensors needed later and starves the kernel that
+    would free it: a deadlock the real runtime must avoid too. Reloads are issued in
+    consumer order, so an earlier reload never waits behind a later one.
+    """
+
+    def __init__(self, sched: Schedule) -> None:
+        res = sched.residencies
+        level = 0
+        self.before: list[int] = []  # compute-allocated bytes resident before item k starts
+        self.during: list[int] = []  # ... while item k runs
+        for item in sched.items:
+            self.before.append(level)
+            level += sum(res[r].bytes for r in item.allocs)
+            self.during.append(level)
+            level -= sum(res[r].bytes for r in item.frees if res[r].source == "compute")
+        # sparse table for range maxima of ``during``
+        self.table = [self.during]
+        width = 1
+        while 2 * width <= len(self.during):
+            prev = self.table[-1]
+            self.table.append([max(prev[i], prev[i + width])
+                               for i in range(len(prev) - width)])
+            width *= 2
+
+    def growth(self, first: int, last: int, started: bool) -> int:
+        """Peak compute level over items ``first..last`` above the level now."""
+        k = (last - first + 1).bit_length() - 1
+        row = self.table[k]
+        peak = max(row[first], row[last - (1 << k) + 1])
+        now = self.during[first] if started else self.before[first]
+        return max(peak - now, 0)
+
+
+def run_schedule(sched: Schedule, link: HostLink, limit: float = math.inf) -> Timeline:
+    """Time ``sched`` on ``link`` under a memory ``limit`` (bytes of activation memory)."""
+    items, res = sched.items, sched.residencies
+    headroom = _Headroom(sched) if limit < math.inf else None
+    tl = Timeline()
+    used = 0
+    holds = [r.holds for r in res]
+    d2h, h2d = _Transfer(sched.d2h), _Transfer(sched.h2d)
+    d2h_done = [False] * len(sched.d2h)
+    h2d_done = [False] * len(sched.h2d)
+    item_end = [math.inf] * len(items)
+    nxt = 0  # next compute item
+    running = -1  # item on the compute stream, or -1
+    run_end = 0.0
+    now = 0.0
+    idle_since: float | None = None
+    cause = "reload"
+
+    def allocate(rid: int) -> None:
+        nonlocal used
+        used += res[rid].bytes
+        tl.alloc_time[rid] = now
+        tl.memory.append((now, used))
+        if used > tl.peak:
+            tl.peak, tl.peak_time = used, now
+
+    def release(rid: int) -> None:
+        nonlocal used
+        holds[rid] -= 1
+        if holds[rid] == 0:
+            used -= res[rid].bytes
+            tl.free_time[rid] = now
+            tl.memory.append((now, used))
+
+    def set_rates() -> None:
+        both = d2h.moving(now) and h2d.moving(now)
+        d2h.rate = link.duplex_d2h_bandwidth if both else link.d2h_bandwidth
+        h2d.rate = link.duplex_h2d_bandwidth if both else link.h2d_bandwidth
+
+    def start_copy(eng: _Transfer) -> None:
+        eng.active = eng.queue[eng.head]
+        eng.start = now
+        eng.latency_end = now + link.latency_s
+        eng.remaining = float(eng.active.bytes)
+
+    while True:
+        # -- start what can start at ``now`` (compute has first claim on memory) ------------
+        progress = True
+        while progress:
+            progress = False
+            if running < 0 and nxt < len(items):
+                item = items[nxt]
+                need = sum(res[r].bytes for r in item.allocs)
+                ready = all(h2d_done[h] for h in item.needs)
+                if ready and used + need <= limit:
+                    if idle_since is not None:
+                        tl.stall[cause] += now - idle_since
+                        idle_since = None
+                    for rid in item.allocs:
+                        allocate(rid)
+                    running, run_end = nxt, now + item.duration
+                    tl.spans.append(Span("compute", nxt, now, run_end))
+                    nxt += 1
+                    progress = True
+                else:
+                    if idle_since is None:
+                        idle_since = now
+                    cause = "reload" if not ready else "memory"
+            if d2h.active is None and d2h.head < len(d2h.queue):
+                copy = d2h.queue[d2h.head]
+                if item_end[copy.after_item] <= now:
+                    start_copy(d2h)
+                    progress = True
+            if h2d.active is None and h2d.head < len(h2d.queue):
+                copy = h2d.queue[h2d.head]
+                current = running if running >= 0 else nxt
+                cursor = items[current].position if current < len(items) else math.inf
+                reserve = 0
+                if headroom is not None and current < copy.need_item:
+                    reserve = headroom.growth(current, copy.need_item, running >= 0)
+                if (cursor >= copy.issue_position and d2h_done[copy.d2h]
+                        and used + copy.bytes + reserve <= limit):
+                    allocate(copy.residency)
+                    start_copy(h2d)
+                    progress = True
+        set_rates()
+        # -- advance to the next event -------------------------------------------------------
+        t_compute = run_end if running >= 0 else math.inf
+        t_d2h, t_h2d = d2h.next_event(now), h2d.next_event(now)
+        t_next = min(t_compute, t_d2h, t_h2d)
+        if t_next == math.inf:
+            break
+        done_d2h = d2h.moving(now) and t_d2h == t_next
+        done_h2d = h2d.moving(now) and t_h2d == t_next
+        for eng in (d2h, h2d):
+            if eng.moving(now):
+                eng.remaining -= eng.rate * (t_next - now)
+        now = t_next
+        if running >= 0 and run_end == now:
+            item_end[running] = now
+            for rid in items[running].frees:
+                release(rid)
+            running = -1
+        for eng, done, finished, name in ((d2h, done_d2h, d2h_done, "d2h"),
+                                          (h2d, done_h2d, h2d_done, "h2d")):
+            if done:
+                assert eng.active is not None
+                eng.remaining = 0.0
+                tl.spans.append(Span(name, eng.head, eng.start, now))
+                finished[eng.head] = True
+                if name == "d2h":
+                    release(eng.active.residency)
+                eng.active = None
+                eng.head += 1
+    tl.end = now
+    if nxt < len(items) or running >= 0:
+        tl.blocked = _why_blocked(sched, nxt, used, limit, h2d.head)
+    return tl
+
+
+def _why_blocked(sched: Schedule, nxt: int, used: int, limit: float, h2d_head: int) -> Blocked:
+    item = sched.items[nxt]
+    if any(h >= h2d_head for h in item.needs):
+        return Blocked(nxt, h2d_head, sched.h2d[h2d_head].bytes, used, limit)
+    need = sum(sched.residencies[r].bytes for r in item.allocs)
+    return Blocked(nxt, None, need, used, limit)

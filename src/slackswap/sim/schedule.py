@@ -1,0 +1,248 @@
+"""From a profile and a plan to the work of one step: compute items, residencies, copies.
+
+The schedule is static: it fixes which kernels run in what order (recompute inserted
+before the backward op that needs it), which memory each kernel or reload allocates and
+after which kernel it is freed. The engine (:mod:`slackswap.sim.engine`) then times it.
+
+NOTE [recompute semantics]
+    Before backward op ``j`` every activation it needs is made resident. A kept tensor is
+    resident already; an offloaded one waits for its reload; a recomputed one (or a tensor
+    that was never saved but is needed to rebuild one) is rebuilt by re-running its
+    producer, inputs first, recursively. Rebuilt *saved* activations stay until their last
+    backward use; rebuilt intermediates are freed after the group that needed them and
+    rebuilt again if a later group needs them. A kept or reloaded tensor that a rebuild
+    reads stays resident until that rebuild.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from slackswap.core.plan import Plan
+from slackswap.core.profile import StepProfile, TensorRecord
+
+__all__ = ["Item", "Residency", "Copy", "Schedule", "build_schedule", "min_working_set"]
+
+
+@dataclass(slots=True)
+class Item:
+    """One kernel on the compute stream."""
+
+    op: int  # profile op index
+    position: int  # profile op index it runs at (recompute runs at the op that needs it)
+    duration: float
+    recompute: bool
+    allocs: list[int] = field(default_factory=list)  # residencies allocated at start
+    frees: list[int] = field(default_factory=list)  # residencies whose last use this is
+    needs: list[int] = field(default_factory=list)  # reloads (index into h2d) to wait for
+    reads: list[int] = field(default_factory=list)  # residencies read (for invariant checks)
+
+
+@dataclass(slots=True)
+class Residency:
+    """One stay of a tensor in device memory."""
+
+    tensor: int
+    bytes: int
+    source: Literal["compute", "reload"]
+    holds: int = 1  # releases before it is freed: last-use item end (+ D2H completion)
+
+
+@dataclass(slots=True)
+class Copy:
+    """A host-link transfer of one tensor."""
+
+    tensor: int
+    bytes: int
+    residency: int  # D2H: released when done; H2D: allocated at start
+    after_item: int = -1  # D2H: starts after this item (the producer) ends
+    issue_position: int = 0  # H2D: may start once the compute stream reaches this op
+    need_item: int = 0  # H2D: first item that waits for it
+    d2h: int = -1  # H2D: the offload that must finish first
+
+
+@dataclass(slots=True)
+class Schedule:
+    items: list[Item]
+    residencies: list[Residency]
+    d2h: list[Copy]
+    h2d: list[Copy]
+    ideal_time: float  # keep-all with no limit: the sum of op times
+    first_backward: int  # op index where backward starts
+
+
+def _is_activation(t: TensorRecord) -> bool:
+    return t.kind == "activation"
+
+
+def build_schedule(profile: StepProfile, plan: Plan) -> Schedule:
+    """Lay out the step's compute items, device residencies and copies under ``plan``."""
+    return _Builder(profile, plan).build()
+
+
+class _Builder:
+    def __init__(self, profile: StepProfile, plan: Plan) -> None:
+        self.p = profile
+        self.ops = profile.ops
+        self.tensors = profile.tensors
+        self.decision: dict[int, str] = {}
+        for t in profile.saved_activations:
+            if t.producer is not None and t.name is not None:
+                self.decision[t.id] = plan.decisions.get(t.name, "keep")
+        self.prefetch = {profile.by_name[n].id: i for n, i in plan.prefetch.items()}
+        self.first_backward = next(
+            (op.index for op in self.ops if op.phase == "backward"), len(self.ops)
+        )
+        self.items: list[Item] = []
+        self.res: list[Residency] = []
+        self.d2h: list[Copy] = []
+        self.h2d: list[Copy] = []
+        self.uses: dict[int, list[int]] = {}  # residency -> items reading it
+        self.live: dict[int, int] = {}  # tensor -> residency resident in backward
+        self.reload_of: dict[int, int] = {}  # tensor -> h2d index
+        self.mutators: dict[int, list[int]] = {}  # tensor -> forward in-place ops on it
+        for op in self.ops[: self.first_backward]:
+            for tid in op.outputs:
+                if self.tensors[tid].producer != op.index and op.inplace:
+                    self.mutators.setdefault(tid, []).append(op.index)
+
+    # -- helpers --------------------------------------------------------------------------
+    def _keeps(self, t: TensorRecord) -> bool:
+        """Stays on the device from production to its last use."""
+        d = self.decision.get(t.id)
+        return d == "keep" or (d is None and bool(t.backward_consumers))
+
+    def _new_residency(self, t: TensorRecord, source: str, item: int) -> int:
+        rid = len(self.res)
+        self.res.append(Residency(t.id, t.bytes, source))  # type: ignore[arg-type]
+        self.uses[rid] = [item]
+        if source == "compute":
+            self.items[item].allocs.append(rid)
+        return rid
+
+    def _read(self, rid: int, item: int) -> None:
+        self.uses[rid].append(item)
+        self.items[item].reads.append(rid)
+
+    # -- forward ------------------------------------------------------------------------
+    def _forward(self) -> None:
+        for op in self.ops[: self.first_backward]:
+            k = len(self.items)
+            self.items.append(Item(op.index, op.index, op.time_s, False))
+            for tid in dict.fromkeys(op.inputs):
+                if (rid := self.live.get(tid)) is not None:
+                    self._read(rid, k)
+            for tid in op.outputs:
+                t = self.tensors[tid]
+                if t.producer == op.index and _is_activation(t) and tid not in self.live:
+                    self.live[tid] = self._new_residency(t, "compute", k)
+            for tid in op.outputs:
+                rid = self.live.get(tid)
+                if rid is not None and k not in self.uses[rid]:
+                    self._read(rid, k)
+        # End of forward: what backward will not find resident leaves the live set.
+        for tid in list(self.live):
+            t = self.tensors[tid]
+            if self._keeps(t):
+                continue
+            rid = self.live.pop(tid)
+            if self.decision.get(tid) == "offload":
+                self.res[rid].holds += 1
+                self.d2h.append(Copy(tid, t.bytes, rid, after_item=t.producer))
+        self.d2h.sort(key=lambda c: c.after_item)
+
+    # -- backward -----------------------------------------------------------------------
+    def _ensure(self, tid: int, pos: int, made: list[int]) -> int | None:
+        """Make ``tid`` resident before the item being built at ``pos``; its residency."""
+        t = self.tensors[tid]
+        if not _is_activation(t):
+            return None
+        if (rid := self.live.get(tid)) is not None:
+            return rid
+        if self.decision.get(tid) == "offload":
+            return self._reload(t, pos)
+        assert t.producer is not None and self.ops[t.producer].phase == "forward"
+        # Re-run the producer, then the forward in-place ops that mutated the tensor.
+        for index in (t.producer, *self.mutators.get(tid, ())):
+            op = self.ops[index]
+            reads = [r for x in dict.fromkeys(op.inputs)
+                     if (r := self._ensure(x, pos, made)) is not None]
+            k = len(self.items)
+            self.items.append(Item(op.index, pos, op.time_s, True))
+            for rid in reads:
+                self._read(rid, k)
+            for out in op.outputs:
+                o = self.tensors[out]
+                if o.producer == op.index and _is_activation(o) and out not in self.live:
+                    self.live[out] = self._new_residency(o, "compute", k)
+                    if self.decision.get(out) != "recompute":
+                        made.append(out)  # an intermediate: freed after the group
+                elif out in self.live and k not in self.uses[self.live[out]]:
+                    self._read(self.live[out], k)
+        return self.live[tid]
+
+    def _reload(self, t: TensorRecord, pos: int) -> int:
+        k = len(self.items)  # the item about to be built needs it
+        rid = len(self.res)
+        self.res.append(Residency(t.id, t.bytes, "reload"))
+        self.uses[rid] = []
+        issue = min(self.prefetch.get(t.id, self.first_backward), pos)
+        d2h = next(i for i, c in enumerate(self.d2h) if c.tensor == t.id)
+        self.reload_of[t.id] = len(self.h2d)
+        self.h2d.append(Copy(t.id, t.bytes, rid, issue_position=issue, need_item=k, d2h=d2h))
+        self.live[t.id] = rid
+        return rid
+
+    def _backward(self) -> None:
+        needed_at: dict[int, list[int]] = {}
+        for t in self.p.saved_activations:
+            if t.first_backward_use is not None:
+                needed_at.setdefault(t.first_backward_use, []).append(t.id)
+        for op in self.ops[self.first_backward:]:
+            made: list[int] = []
+            wanted = dict.fromkeys([*op.inputs, *needed_at.get(op.index, [])])
+            reads = [r for tid in wanted
+                     if (r := self._ensure(tid, op.index, made)) is not None]
+            k = len(self.items)
+            self.items.append(Item(op.index, op.index, op.time_s, False))
+            for rid in dict.fromkeys(reads):
+                self._read(rid, k)
+            for tid in op.outputs:
+                t = self.tensors[tid]
+                if t.producer == op.index and _is_activation(t) and tid not in self.live:
+                    self.live[tid] = self._new_residency(t, "compute", k)
+            for tid in made:  # intermediates rebuilt for this op only
+                self.live.pop(tid, None)
+
+    def build(self) -> Schedule:
+        self._forward()
+        self._backward()
+        for rid, items in self.uses.items():
+            last = max(items) if items else None
+            if last is None:  # a reload nobody read: free it once it lands
+                continue
+            self.items[last].frees.append(rid)
+        for copy in self.h2d:  # the first item that waits for it
+            copy.need_item = min(self.uses[copy.residency], default=copy.need_item)
+        self.h2d.sort(key=lambda c: (c.issue_position, c.need_item))
+        for h, copy in enumerate(self.h2d):
+            self.reload_of[copy.tensor] = h
+        for item in self.items:
+            item.needs = sorted({self.reload_of[self.res[rid].tensor]
+                                 for rid in item.reads if self.res[rid].source == "reload"})
+        return Schedule(self.items, self.res, self.d2h, self.h2d,
+                        ideal_time=sum(op.time_s for op in self.ops),
+                        first_backward=self.first_backward)
+
+
+def min_working_set(profile: StepProfile) -> tuple[int, int]:
+    """The largest set of activations one op needs at once, and that op: no plan goes below."""
+    best, where = 0, 0
+    for op in profile.ops:
+        ids = {tid for tid in (*op.inputs, *op.outputs)
+               if _is_activation(profile.tensors[tid])}
+        size = sum(profile.tensors[tid].bytes for tid in ids)
+        if size > best:
+            best, where = size, op.index
+    return best, where

@@ -1,0 +1,95 @@
+"""``simulate``: time one step of a profile under a plan, with a memory limit."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from slackswap.core.hardware import Hardware, load_hardware
+from slackswap.core.plan import Plan
+from slackswap.core.profile import StepProfile
+from slackswap.core.result import SimResult
+from slackswap.core.units import format_bytes, resolve_budget
+from slackswap.errors import InputError
+from slackswap.sim.engine import Blocked, Timeline, run_schedule
+from slackswap.sim.schedule import Schedule, build_schedule, min_working_set
+
+__all__ = ["simulate", "SimRun"]
+
+
+class SimRun:
+    """The schedule and timeline behind a :class:`SimResult`, for traces and plots."""
+
+    def __init__(self, profile: StepProfile, schedule: Schedule, timeline: Timeline,
+                 keep_all: Timeline | None) -> None:
+        self.profile, self.schedule, self.timeline, self.keep_all = (
+            profile, schedule, timeline, keep_all)
+
+
+def simulate(
+    profile: StepProfile,
+    plan: Plan | None = None,
+    hardware: str | Path | Hardware | None = None,
+    memory_limit: str | int | float | None = None,
+) -> SimResult:
+    """Simulate one step of ``profile`` under ``plan`` (keep-all when None).
+
+    ``hardware`` defaults to the preset the profile was made for; ``memory_limit`` is
+    bytes, a string such as ``"24GiB"``, or a fraction of the keep-all peak (``0.5``).
+    The result's ``run`` attribute holds the schedule and timeline.
+    """
+    plan = plan or Plan.keep_all(profile)
+    plan.check(profile)
+    hw = load_hardware(hardware or profile.hardware)
+    peak_keep_all = profile.keep_all_peak
+    limit = None if memory_limit is None else resolve_budget(memory_limit, peak_keep_all)
+    if limit is not None:
+        minimum, op = min_working_set(profile)
+        if limit < minimum:
+            raise InputError(
+                f"memory limit {format_bytes(limit)} is below the step's irreducible working "
+                f"set: op {op} ({profile.ops[op].kind}) needs {minimum} bytes "
+                f"({format_bytes(minimum)}) of activations at once"
+            )
+    schedule = build_schedule(profile, plan)
+    tl = run_schedule(schedule, hw.host_link, math.inf if limit is None else limit)
+    feasible = tl.blocked is None
+    step = tl.end
+    busy = {"compute": 0.0, "d2h": 0.0, "h2d": 0.0}
+    for span in tl.spans:
+        busy[span.stream] += span.end - span.start
+    recompute = sum(i.duration for i in schedule.items if i.recompute)
+    result = SimResult(
+        fingerprint=profile.fingerprint,
+        strategy=plan.strategy,
+        feasible=feasible,
+        infeasible_reason=None if tl.blocked is None else _describe(profile, schedule,
+                                                                       tl.blocked),
+        step_time_s=step,
+        ideal_step_time_s=schedule.ideal_time,
+        retention=schedule.ideal_time / step if feasible and step > 0 else 0.0,
+        peak_bytes=tl.peak,
+        peak_time_s=tl.peak_time,
+        keep_all_peak_bytes=peak_keep_all,
+        memory_limit_bytes=limit,
+        stall_s={**tl.stall, "recompute": recompute},
+        d2h_bytes=sum(c.bytes for c in schedule.d2h),
+        h2d_bytes=sum(c.bytes for c in schedule.h2d),
+        recompute_s=recompute,
+        busy_fraction={k: v / step if step > 0 else 0.0 for k, v in busy.items()},
+    )
+    result._run = SimRun(profile, schedule, tl, None)
+    return result
+
+
+def _describe(profile: StepProfile, schedule: Schedule, b: Blocked) -> str:
+    item = schedule.items[b.item]
+    op = profile.ops[item.op]
+    what = f"{'recompute of ' if item.recompute else ''}op {op.index} ({op.kind} in " \
+           f"{op.module or '(top)'})"
+    if b.reload is not None:
+        tensor = profile.tensors[schedule.h2d[b.reload].tensor]
+        what = f"the reload of '{tensor.name}' needed by {what}"
+    return (f"{what} needs {format_bytes(b.need)} with {format_bytes(b.used)} of the "
+            f"{format_bytes(b.limit)} limit in use and nothing left to free: "
+            f"short by {format_bytes(b.used + b.need - b.limit)}")
