@@ -64,7 +64,7 @@ def test_profile_views() -> None:
     small_profile,
     lambda: Plan.keep_all(small_profile()),
     lambda: SimResult(fingerprint="f", strategy="keep-all", feasible=True, step_time_s=2.0,
-                      ideal_step_time_s=1.0, peak_bytes=10, peak_time_s=0.5,
+                      ideal_step_time_s=1.0, retention=0.5, peak_bytes=10, peak_time_s=0.5,
                       stall_s={"reload": 0.25}),
 ])
 def test_json_round_trip(tmp_path, make) -> None:
@@ -74,12 +74,6 @@ def test_json_round_trip(tmp_path, make) -> None:
     data = json.loads(path.read_text())
     assert data["schema_version"] == 1
     assert load_model(type(obj), path) == obj
-
-
-def test_retention() -> None:
-    r = SimResult(fingerprint="f", strategy="x", feasible=True, step_time_s=2.0,
-                  ideal_step_time_s=1.5, peak_bytes=1, peak_time_s=0.0)
-    assert r.retention == 0.75
 
 
 def test_newer_schema_is_refused(tmp_path) -> None:
