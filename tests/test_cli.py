@@ -12,6 +12,7 @@ from click.testing import CliRunner
 from slackswap.cli import main
 from slackswap.core.jsonio import load_model
 from slackswap.core.profile import StepProfile
+from slackswap.sim.schedule import min_working_set
 
 
 def run(*args: str) -> tuple[int, str, str]:
@@ -86,3 +87,39 @@ def test_console_script_end_to_end() -> None:
     )
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: unknown model 'nope'") and "Traceback" not in proc.stderr
+
+
+def test_simulate_command(tmp_path) -> None:
+    prof = tmp_path / "p.json"
+    assert run("profile", "gpt2-xl-tiny", "-o", str(prof), "--summary")[0] == 0
+    code, stdout, _ = run("simulate", str(prof), "--json")
+    assert code == 0
+    result = json.loads(stdout)
+    for key in ("step_time_s", "ideal_step_time_s", "retention", "peak_bytes", "feasible",
+                "stall_s", "d2h_bytes", "h2d_bytes", "recompute_s"):
+        assert key in result
+    assert result["retention"] == 1.0
+    trace, plot = tmp_path / "t.json", tmp_path / "m.png"
+    code, stdout, _ = run("simulate", str(prof), "--memory-limit", "0.99", "--trace",
+                          str(trace), "--plot", str(plot), "--hardware", "h200")
+    assert "throughput retained" in stdout
+    assert json.loads(trace.read_text())["traceEvents"]
+    assert plot.stat().st_size > 0
+
+
+def test_simulate_errors(tmp_path) -> None:
+    prof = tmp_path / "p.json"
+    run("profile", "bert-large-tiny", "-o", str(prof), "--summary")
+    code, _, stderr = run("simulate", str(prof), "--memory-limit", "10")
+    assert code == 2 and "irreducible working set" in stderr
+    plan = tmp_path / "plan.json"
+    plan.write_text('{"schema_version": 1, "fingerprint": "x", "strategy": "s"}')
+    code, _, stderr = run("simulate", str(prof), "--plan", str(plan))
+    assert code == 2 and "plan.json: field 'decisions': Field required" in stderr
+    code, _, stderr = run("simulate", str(tmp_path / "missing.json"))
+    assert code == 2 and "cannot read" in stderr
+    code, _, stderr = run("simulate", str(prof), "--memory-limit", "-3")
+    assert code == 2 and "must be positive" in stderr
+    minimum, _ = min_working_set(load_model(StepProfile, prof))
+    code, stdout, _ = run("simulate", str(prof), "--memory-limit", str(minimum))
+    assert code == 1 and "INFEASIBLE" in stdout and "short by" in stdout

@@ -1,0 +1,122 @@
+"""Hand-built and random step graphs (``StepProfile``) for simulator tests."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from slackswap.core.hardware import Hardware, load_hardware
+from slackswap.core.plan import Plan
+from slackswap.core.profile import OpRecord, StepProfile, TensorRecord
+
+
+@dataclass
+class Op:
+    phase: str
+    time: float
+    inputs: list[int]
+    outputs: list[int]
+    inplace: bool = False
+
+
+@dataclass
+class T:
+    bytes: int
+    kind: str = "activation"
+    saved: bool = False
+    first_backward_use: int | None = None
+    producer: int | None = field(default=None)
+
+
+def build(ops: list[Op], tensors: list[T], layers: int = 0) -> StepProfile:
+    """A profile from op and tensor lists; producers and consumers are derived."""
+    records = [
+        TensorRecord(id=i, name=None, kind=t.kind, bytes=t.bytes, dtype="bf16",
+                     shape=[t.bytes // 2], saved=t.saved,
+                     first_backward_use=t.first_backward_use)
+        for i, t in enumerate(tensors)
+    ]
+    op_records = []
+    for i, op in enumerate(ops):
+        for tid in op.outputs:
+            if records[tid].producer is None and records[tid].kind == "activation":
+                records[tid].producer = i
+        for tid in dict.fromkeys(op.inputs):
+            side = records[tid].forward_consumers if op.phase == "forward" \
+                else records[tid].backward_consumers
+            side.append(i)
+        op_records.append(OpRecord(
+            index=i, name=f"op{i}", kind=f"k{i % 3}", phase=op.phase,
+            module=f"layers.{i % max(layers, 1)}" if layers else "", category="memory",
+            dtype="bf16", flops=0, bytes_read=0, bytes_written=0, time_s=op.time,
+            inputs=op.inputs, outputs=op.outputs, inplace=op.inplace))
+    for t in records:
+        if t.saved and t.kind == "activation":
+            t.name = f"t{t.id}"
+        elif t.saved and t.kind == "input":
+            t.name = f"input:{t.id}"
+    return StepProfile(model="graph", fingerprint=str(len(ops)) * 8, hardware="a100-80gb",
+                       mode="analytic", kernels="cuda", device="cpu",
+                       layers=[f"layers.{i}" for i in range(layers)], model_state_bytes=0,
+                       ops=op_records, tensors=records)
+
+
+def random_step(rng: random.Random, n: int) -> StepProfile:
+    """A forward chain-DAG of ``n`` ops, autograd-shaped backward, random saves."""
+    tensors = [T(rng.randint(1, 64) * 1000, kind="input", saved=True)]
+    ops: list[Op] = []
+    saves: list[list[int]] = []
+    pool = [0]
+    for i in range(n):
+        if i > 0 and rng.random() < 0.15:  # an in-place op on an earlier activation
+            target = rng.choice(pool[1:]) if len(pool) > 1 else None
+            if target is not None:
+                ops.append(Op("forward", rng.uniform(1e-5, 1e-3), [target, rng.choice(pool)],
+                              [target], inplace=True))
+                saves.append([])
+                continue
+        inputs = rng.sample(pool, min(len(pool), rng.choice([1, 1, 2])))
+        tid = len(tensors)
+        tensors.append(T(rng.randint(1, 64) * 1000))
+        ops.append(Op("forward", rng.uniform(1e-5, 1e-3), inputs, [tid]))
+        candidates = [x for x in [*inputs, tid] if rng.random() < 0.6]
+        saves.append(candidates)
+        pool.append(tid)
+    grad = len(tensors)
+    tensors.append(T(1000))
+    ops.append(Op("backward", rng.uniform(1e-5, 1e-4), [], [grad]))
+    for i in reversed(range(n)):
+        index = len(ops)
+        for tid in saves[i]:
+            t = tensors[tid]
+            t.saved = True
+            if t.first_backward_use is None:
+                t.first_backward_use = index
+        new = len(tensors)
+        tensors.append(T(rng.randint(1, 64) * 1000))
+        ops.append(Op("backward", rng.uniform(1e-5, 2e-3), [grad, *saves[i]], [new]))
+        grad = new
+    return build(ops, tensors)
+
+
+def random_plan(rng: random.Random, profile: StepProfile, kinds=("keep", "offload", "recompute")
+                ) -> Plan:
+    decisions, prefetch = {}, {}
+    first_bwd = next(op.index for op in profile.ops if op.phase == "backward")
+    for t in profile.saved_activations:
+        if t.producer is None:
+            continue
+        decisions[t.name] = rng.choice(kinds)
+        if decisions[t.name] == "offload" and rng.random() < 0.3:
+            prefetch[t.name] = rng.randint(first_bwd, t.first_backward_use)
+    return Plan(fingerprint=profile.fingerprint, strategy="random", decisions=decisions,
+                prefetch=prefetch)
+
+
+def link_hardware(d2h: float, h2d: float, duplex_d2h: float, duplex_h2d: float,
+                  latency: float = 0.0):
+    """The reference preset with a different host link."""
+    data = load_hardware("a100-80gb").model_dump()
+    data["host_link"].update(d2h_bandwidth=d2h, h2d_bandwidth=h2d, duplex_d2h_bandwidth=duplex_d2h,
+                             duplex_h2d_bandwidth=duplex_h2d, latency_s=latency)
+    return Hardware.model_validate(data)

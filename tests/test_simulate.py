@@ -1,0 +1,292 @@
+"""The step simulator: invariants on random graphs, a SimPy reference, hand-computed cases."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from simpy_reference import reference_run
+from stepgraphs import Op, T, build, link_hardware, random_plan, random_step
+
+from slackswap.core.plan import Plan
+from slackswap.errors import InputError
+from slackswap.sim import simulate
+from slackswap.sim.outputs import chrome_trace, write_memory_plot, write_trace
+
+SETTINGS = settings(max_examples=150, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+
+def _case(seed: int, with_limit: bool):
+    rng = random.Random(seed)
+    profile = random_step(rng, rng.randint(1, 14))
+    plan = random_plan(rng, profile)
+    d2h, h2d = rng.uniform(2e7, 5e8), rng.uniform(2e7, 5e8)
+    hw = link_hardware(d2h, h2d, d2h * rng.uniform(0.3, 1), h2d * rng.uniform(0.3, 1),
+                       rng.choice([0.0, 1e-6, 2e-5]))
+    limit = None
+    if with_limit:
+        limit = int(profile.keep_all_peak * rng.uniform(0.3, 1.1))
+    return profile, plan, hw, limit
+
+
+def _simulate(profile, plan, hw, limit):
+    try:
+        return simulate(profile, plan, hw, limit)
+    except InputError as e:  # a limit below the irreducible working set
+        assert "irreducible working set" in str(e)
+        return None
+
+
+def independent_keep_all_peak(profile) -> int:
+    """Brute force: at every op, the bytes of activations produced by then and used later."""
+    last = {}
+    for t in profile.tensors:
+        if t.kind == "activation":
+            uses = [t.producer, *t.forward_consumers, *t.backward_consumers]
+            uses += [t.first_backward_use] if t.first_backward_use is not None else []
+            last[t.id] = max(uses)
+    return max(
+        sum(profile.tensors[tid].bytes for tid, end in last.items()
+            if profile.tensors[tid].producer <= op.index <= end)
+        for op in profile.ops
+    )
+
+
+# -- invariants ------------------------------------------------------------------------
+
+
+@SETTINGS
+@given(seed=st.integers(0, 10**9), with_limit=st.booleans())
+def test_invariants(seed: int, with_limit: bool) -> None:
+    profile, plan, hw, limit = _case(seed, with_limit)
+    result = _simulate(profile, plan, hw, limit)
+    if result is None:
+        return
+    run = result.run
+    sched, tl = run.schedule, run.timeline
+    # memory never negative, never above the limit
+    assert all(used >= 0 for _, used in tl.memory)
+    if limit is not None:
+        assert result.peak_bytes <= limit
+    if not result.feasible:
+        assert "short by" in result.infeasible_reason
+        return
+    assert tl.memory[-1][1] == 0  # everything is freed by the end
+    # no op starts before every input it reads is resident, nor after it is freed
+    h2d_end = {s.index: s.end for s in tl.spans if s.stream == "h2d"}
+    reload_of = {c.residency: h for h, c in enumerate(sched.h2d)}
+    for span in tl.spans:
+        if span.stream != "compute":
+            continue
+        for rid in sched.items[span.index].reads:
+            assert tl.alloc_time[rid] <= span.start
+            assert tl.free_time[rid] >= span.end
+            if rid in reload_of:
+                assert h2d_end[reload_of[rid]] <= span.start
+    # every offloaded activation is back before its first backward use
+    start_of_op = {sched.items[s.index].op: s.start for s in tl.spans
+                   if s.stream == "compute" and not sched.items[s.index].recompute
+                   and profile.ops[sched.items[s.index].op].phase == "backward"}
+    for h, copy in enumerate(sched.h2d):
+        use = profile.tensors[copy.tensor].first_backward_use
+        assert h2d_end[h] <= start_of_op[use]
+    # the step takes at least its compute time, which is at least the ideal
+    compute = sum(item.duration for item in sched.items)
+    assert result.step_time_s >= compute * (1 - 1e-12)
+    assert compute >= result.ideal_step_time_s * (1 - 1e-12)
+    assert 0 < result.retention <= 1 + 1e-12
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10**9))
+def test_keep_all_is_the_sum_of_op_times_and_the_analytic_peak(seed: int) -> None:
+    rng = random.Random(seed)
+    profile = random_step(rng, rng.randint(1, 14))
+    result = simulate(profile)
+    assert result.step_time_s == sum(op.time_s for op in profile.ops)
+    assert result.retention == 1.0
+    assert result.peak_bytes == independent_keep_all_peak(profile) == profile.keep_all_peak
+    assert result.stall_s == {"reload": 0.0, "memory": 0.0, "recompute": 0.0}
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10**9))
+def test_free_link_offload_equals_keep_all(seed: int) -> None:
+    rng = random.Random(seed)
+    profile = random_step(rng, rng.randint(1, 14))
+    plan = random_plan(rng, profile, kinds=("keep", "offload"))
+    free = link_hardware(math.inf, math.inf, math.inf, math.inf, 0.0)
+    result = simulate(profile, plan, free)
+    assert result.step_time_s == sum(op.time_s for op in profile.ops)
+    assert result.peak_bytes <= profile.keep_all_peak
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10**9), with_limit=st.booleans())
+def test_deterministic(seed: int, with_limit: bool) -> None:
+    profile, plan, hw, limit = _case(seed, with_limit)
+    first = _simulate(profile, plan, hw, limit)
+    second = _simulate(profile, plan, hw, limit)
+    if first is not None:
+        assert first.model_dump_json() == second.model_dump_json()
+        assert json.dumps(chrome_trace(first)) == json.dumps(chrome_trace(second))
+
+
+# -- an independent SimPy model agrees -------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_agrees_with_simpy_reference(seed: int) -> None:
+    profile, plan, hw, limit = _case(seed, with_limit=seed % 2 == 1)
+    result = _simulate(profile, plan, hw, limit)
+    if result is None:
+        return
+    step, peak = reference_run(result.run.schedule, hw.host_link,
+                               math.inf if limit is None else limit)
+    if not result.feasible:
+        assert step == math.inf
+        return
+    assert result.step_time_s == pytest.approx(step, rel=1e-9, abs=1e-15)
+    assert result.peak_bytes == peak
+
+
+# -- hand-computed cases ---------------------------------------------------------------
+
+
+def _chain(f1_time: float, b_bytes: int | None = None):
+    """f0 -> A (offloaded), f1 -> B; backward: b0 reads A (and b1 reads B)."""
+    ms = 1e-3
+    tensors = [T(1_000_000, saved=True, first_backward_use=2)]
+    ops = [Op("forward", 1 * ms, [], [0])]
+    if b_bytes is None:
+        ops += [Op("forward", f1_time, [0], [1]), Op("backward", 1 * ms, [0], [2])]
+        tensors += [T(1000), T(1000)]
+    else:
+        tensors += [T(b_bytes, saved=True, first_backward_use=3), T(1000), T(1000)]
+        ops += [Op("forward", f1_time, [0], [1]), Op("backward", 1 * ms, [0], [2]),
+                Op("backward", 1 * ms, [1, 2], [3])]
+    return build(ops, tensors)
+
+
+def test_offload_longer_than_the_compute_it_hides_under() -> None:
+    """A takes 2 ms each way and only 1 ms of forward hides the offload: 3 ms of stall."""
+    profile = _chain(1e-3)
+    plan = Plan(fingerprint=profile.fingerprint, strategy="hand",
+                decisions={"t0": "offload"})
+    hw = link_hardware(0.5e9, 0.5e9, 0.5e9, 0.5e9, 0.0)
+    r = simulate(profile, plan, hw)
+    # f0 0-1, D2H 1-3, f1 1-2, reload 3-5 (after the offload lands), b0 5-6
+    assert r.step_time_s == pytest.approx(6e-3, rel=1e-12)
+    assert r.stall_s["reload"] == pytest.approx(3e-3, rel=1e-12)
+    assert r.ideal_step_time_s == pytest.approx(3e-3, rel=1e-12)
+    assert r.retention == pytest.approx(0.5, rel=1e-12)
+    assert r.d2h_bytes == r.h2d_bytes == 1_000_000
+
+
+def test_duplex_sharing_slows_a_reload() -> None:
+    """A's reload overlaps B's offload: both share the link until B lands at 7 ms."""
+    profile = _chain(3e-3, b_bytes=1_200_000)
+    plan = Plan(fingerprint=profile.fingerprint, strategy="hand",
+                decisions={"t0": "offload", "t1": "offload"})
+    hw = link_hardware(0.5e9, 0.5e9, 0.4e9, 0.2e9, 0.0)
+    r = simulate(profile, plan, hw)
+    spans = {(s.stream, s.index): (s.start, s.end) for s in r.run.timeline.spans}
+    # D2H A 1-3; f1 1-4; D2H B 4-7 at 0.4 GB/s; reload A from 4: 0.6 MB by 7 at 0.2 GB/s,
+    # the last 0.4 MB alone at 0.5 GB/s: done at 7.8 instead of 6.0 without sharing
+    assert spans["d2h", 1] == pytest.approx((4e-3, 7e-3), rel=1e-12)
+    assert spans["h2d", 0] == pytest.approx((4e-3, 7.8e-3), rel=1e-12)
+    # b0 7.8-8.8; reload B 7.8-10.2 at full rate; b1 10.2-11.2
+    assert spans["h2d", 1] == pytest.approx((7.8e-3, 10.2e-3), rel=1e-12)
+    assert r.step_time_s == pytest.approx(11.2e-3, rel=1e-12)
+
+
+def test_recompute_chain_rebuilds_dropped_inputs_first() -> None:
+    """t1 = f(t0), t2 = g(t1); only t2 is saved and recomputed, t1 was never saved."""
+    ms = 1e-3
+    tensors = [T(100, saved=True, first_backward_use=3), T(200), T(300, saved=True,
+               first_backward_use=3), T(10), T(10)]
+    ops = [Op("forward", 1 * ms, [], [0]), Op("forward", 2 * ms, [0], [1]),
+           Op("forward", 4 * ms, [1], [2]), Op("backward", 1 * ms, [0, 2], [3])]
+    profile = build(ops, tensors)
+    plan = Plan(fingerprint=profile.fingerprint, strategy="hand",
+                decisions={"t2": "recompute"})
+    r = simulate(profile, plan)
+    items = [(i.op, i.recompute) for i in r.run.schedule.items]
+    assert items == [(0, False), (1, False), (2, False), (1, True), (2, True), (3, False)]
+    assert r.recompute_s == pytest.approx(6 * ms)
+    assert r.step_time_s == pytest.approx(14 * ms)
+
+
+def test_memory_limit_makes_ops_wait_or_is_infeasible() -> None:
+    """A and B (1 MB each) cannot both be resident under a 1.5 MB limit."""
+    ms = 1e-3
+    tensors = [T(1_000_000, saved=True, first_backward_use=3),
+               T(1_000_000, saved=True, first_backward_use=2), T(10), T(10)]
+    ops = [Op("forward", 1 * ms, [], [0]), Op("forward", 1 * ms, [], [1]),
+           Op("backward", 1 * ms, [1], [2]), Op("backward", 1 * ms, [0, 2], [3])]
+    profile = build(ops, tensors)
+    hw = link_hardware(0.5e9, 0.5e9, 0.5e9, 0.5e9, 0.0)
+    keep = simulate(profile, None, hw, memory_limit=1_500_000)
+    assert not keep.feasible
+    assert keep.infeasible_reason.startswith("op 1 (k1 in (top)) needs 976.56 KiB")
+    assert "short by 488.28 KiB" in keep.infeasible_reason
+    plan = Plan(fingerprint=profile.fingerprint, strategy="hand", decisions={"t0": "offload"})
+    ok = simulate(profile, plan, hw, memory_limit=1_500_000)
+    # f1 waits for A's offload (1-3) to free its memory: f1 3-4; b0 4-5 frees B; A's
+    # reload waits for that memory too: 5-7; b1 7-8
+    assert ok.feasible and ok.peak_bytes <= 1_500_000
+    assert ok.stall_s["memory"] == pytest.approx(2 * ms, rel=1e-12)
+    assert ok.stall_s["reload"] == pytest.approx(2 * ms, rel=1e-12)
+    assert ok.step_time_s == pytest.approx(8 * ms, rel=1e-12)
+
+
+# -- outputs and errors ----------------------------------------------------------------
+
+
+def test_trace_schema(tmp_path) -> None:
+    profile, plan, hw, _ = _case(7, with_limit=False)
+    result = simulate(profile, plan, hw)
+    path = tmp_path / "trace.json"
+    write_trace(result, path)
+    trace = json.loads(path.read_text())
+    events = trace["traceEvents"]
+    names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert names == {"compute stream", "D2H copy engine", "H2D copy engine"}
+    for e in events:
+        assert e["ph"] in {"M", "X", "C"} and isinstance(e["pid"], int)
+        if e["ph"] == "X":
+            assert e["dur"] >= 0 and e["ts"] >= 0 and e["tid"] in (0, 1, 2)
+        if e["ph"] == "C":
+            assert e["args"]["bytes"] >= 0
+    spans = [e for e in events if e["ph"] == "X"]
+    assert len([e for e in spans if e["tid"] == 0]) == len(result.run.schedule.items)
+
+
+def test_memory_plot(tmp_path) -> None:
+    profile, plan, hw, _ = _case(3, with_limit=False)
+    path = tmp_path / "memory.png"
+    write_memory_plot(simulate(profile, plan, hw, memory_limit=0.9), path,
+                      keep_all=simulate(profile))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bad_inputs(tmp_path) -> None:
+    profile = _chain(1e-3)
+    with pytest.raises(InputError, match="irreducible working set.*1001000 bytes"):
+        simulate(profile, memory_limit=1000)
+    with pytest.raises(InputError, match="different model or batch shape"):
+        simulate(profile, Plan(fingerprint="x", strategy="s", decisions={}))
+    with pytest.raises(InputError, match="does not save"):
+        simulate(profile, Plan(fingerprint=profile.fingerprint, strategy="s",
+                               decisions={"nope": "offload"}))
+    preset = Path(__file__).parents[1] / "src/slackswap/hardware/presets/a100-80gb.toml"
+    bad = tmp_path / "bad.toml"
+    bad.write_text(preset.read_text().replace("h2d_bandwidth = 24.8e9", "h2d_bandwidth = 0"))
+    with pytest.raises(InputError, match=r"bad\.toml: field 'host_link\.h2d_bandwidth'"):
+        simulate(profile, hardware=bad)
