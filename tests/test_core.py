@@ -137,7 +137,8 @@ def test_parse_bytes_rejects(bad: str) -> None:
 def test_core_does_not_import_torch() -> None:
     code = (
         "import sys, slackswap, slackswap.core.costmodel, slackswap.core.plan, "
-        "slackswap.core.result, slackswap.core.jsonio, slackswap.core.units\n"
+        "slackswap.core.result, slackswap.core.jsonio, slackswap.core.units, "
+        "slackswap.sim, slackswap.sim.outputs\n"
         "slackswap.load_hardware('a100-80gb')\n"
         "assert 'torch' not in sys.modules, 'core imported torch'"
     )
