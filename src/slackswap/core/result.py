@@ -19,6 +19,7 @@ class SimResult(pydantic.BaseModel):
     strategy: str
     feasible: bool
     infeasible_reason: str | None = None
+    shortfall_bytes: int = 0  # when infeasible: what the blocked allocation lacked
     step_time_s: float
     ideal_step_time_s: float
     retention: float  # throughput retained: ideal step time / step time (0 if infeasible)

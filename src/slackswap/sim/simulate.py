@@ -65,6 +65,8 @@ def simulate(
         feasible=feasible,
         infeasible_reason=None if tl.blocked is None else _describe(profile, schedule,
                                                                        tl.blocked),
+        shortfall_bytes=0 if tl.blocked is None else int(
+            tl.blocked.used + tl.blocked.need - tl.blocked.limit),
         step_time_s=step,
         ideal_step_time_s=schedule.ideal_time,
         retention=schedule.ideal_time / step if feasible and step > 0 else 0.0,

@@ -1,0 +1,84 @@
+"""``plan``: one entry point for every strategy, with budgets as users write them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from slackswap.core.hardware import Hardware, load_hardware
+from slackswap.core.plan import Plan
+from slackswap.core.profile import StepProfile
+from slackswap.core.result import SimResult
+from slackswap.core.units import format_bytes, resolve_budget
+from slackswap.errors import InputError
+from slackswap.planners import baselines
+from slackswap.planners.context import PlanContext
+from slackswap.planners.search import Attempt
+from slackswap.planners.slackswap import slackswap
+from slackswap.sim.schedule import min_working_set
+from slackswap.sim.simulate import simulate
+
+__all__ = ["STRATEGIES", "plan", "plan_with_result", "smallest_feasible_budget"]
+
+STRATEGIES: dict[str, Callable[[PlanContext], Attempt | None]] = {
+    "slackswap": slackswap,
+    "recompute-only": baselines.recompute_only,
+    "checkpoint-blocks": baselines.checkpoint_blocks,
+    "offload-only": baselines.offload_only,
+    "capuchin": baselines.capuchin,
+    "module-policy": baselines.module_policy,
+}
+
+
+def smallest_feasible_budget(profile: StepProfile, hardware: Hardware | None = None) -> int:
+    """The lowest peak any plan reaches: every planable activation recomputed, or every
+    one offloaded, whichever is lower, and never below one op's working set."""
+    hw = hardware or load_hardware(profile.hardware)
+    ctx = PlanContext(profile, hw, profile.keep_all_peak)
+    names = [c.name for c in ctx.candidates]
+    peaks = [simulate(profile, ctx.plan("all", {n: d for n in names}), hw).peak_bytes
+             for d in ("recompute", "offload")]
+    return max(min(peaks), min_working_set(profile)[0])
+
+
+def plan_with_result(
+    profile: StepProfile,
+    budget: str | int | float,
+    hardware: str | Path | Hardware | None = None,
+    strategy: str = "slackswap",
+) -> tuple[Plan, SimResult] | None:
+    """Like :func:`plan`, with the simulated result; None when the strategy has no plan
+    (a model with no transformer blocks for ``checkpoint-blocks``, say). The result may
+    be infeasible: the strategy could not fit the budget."""
+    if strategy not in STRATEGIES:
+        raise InputError(f"unknown strategy '{strategy}'; strategies: {', '.join(STRATEGIES)}")
+    hw = load_hardware(hardware or profile.hardware)
+    ctx = PlanContext(profile, hw, resolve_budget(budget, profile.keep_all_peak))
+    if ctx.budget >= ctx.keep_all_peak:
+        keep = Plan.keep_all(profile).model_copy(
+            update={"strategy": strategy, "budget_bytes": ctx.budget})
+        return keep, ctx.check(keep)
+    return STRATEGIES[strategy](ctx)
+
+
+def plan(
+    profile: StepProfile,
+    budget: str | int | float,
+    hardware: str | Path | Hardware | None = None,
+    strategy: str = "slackswap",
+) -> Plan:
+    """Keep, offload or recompute for every saved activation so the step fits ``budget``:
+    a fraction of the keep-all activation peak (``0.5``), bytes, or a string (``"24GiB"``).
+    """
+    hw = load_hardware(hardware or profile.hardware)
+    attempt = plan_with_result(profile, budget, hw, strategy)
+    if attempt is None or not attempt[1].feasible:
+        need = resolve_budget(budget, profile.keep_all_peak)
+        floor = smallest_feasible_budget(profile, hw)
+        reason = "fits no plan" if need < floor else f"is out of reach of '{strategy}'"
+        raise InputError(
+            f"budget {format_bytes(need)} {reason}; the smallest feasible budget for this "
+            f"profile is {format_bytes(floor)} ({floor / profile.keep_all_peak:.1%} of the "
+            f"keep-all peak)"
+        )
+    return attempt[0]

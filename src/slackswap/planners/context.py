@@ -1,0 +1,88 @@
+"""What every planner needs to know about a step: candidates, timings, the memory curve."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from slackswap.core.hardware import Hardware
+from slackswap.core.plan import Plan
+from slackswap.core.profile import StepProfile
+from slackswap.sim.simulate import simulate
+
+__all__ = ["Candidate", "PlanContext", "MIN_PLANNED_BYTES"]
+
+# The runtime never moves tensors this small; planners leave them kept.
+MIN_PLANNED_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A saved activation a plan may offload or recompute."""
+
+    name: str
+    tensor: int
+    bytes: int
+    producer: int  # op index
+    recompute_s: float  # producer time alone (a chain may cost more)
+    produced_at: float  # end of the producer in the keep-all timeline (s)
+    freed_op: int  # last forward use: after it an evicted tensor's memory can go
+    first_use: int  # first backward op that needs it
+    needed_at: float  # start of that op in the keep-all timeline (s)
+    layer: int | None
+    kind: str  # producer op kind
+    random: bool
+
+
+class PlanContext:
+    """A profile, the hardware, a budget in bytes, and derived tables, computed once."""
+
+    def __init__(self, profile: StepProfile, hardware: Hardware, budget: int) -> None:
+        self.profile, self.hw, self.budget = profile, hardware, budget
+        keep = simulate(profile, None, hardware)
+        self.ideal = keep.ideal_step_time_s
+        self.keep_all_peak = keep.peak_bytes
+        items = keep.run.schedule.items
+        spans = [s for s in keep.run.timeline.spans if s.stream == "compute"]
+        self.op_start = [0.0] * len(profile.ops)
+        self.op_end = [0.0] * len(profile.ops)
+        for span in spans:
+            self.op_start[items[span.index].op] = span.start
+            self.op_end[items[span.index].op] = span.end
+        self.first_backward = keep.run.schedule.first_backward
+        self.forward_end = self.op_start[self.first_backward] if self.first_backward < len(
+            profile.ops) else keep.step_time_s
+        # memory in use while each op runs, keep-all (allocations at start, frees at end)
+        res = keep.run.schedule.residencies
+        level, self.memory = 0, []
+        for item in items:
+            level += sum(res[r].bytes for r in item.allocs)
+            self.memory.append(level)
+            level -= sum(res[r].bytes for r in item.frees)
+
+    @cached_property
+    def candidates(self) -> list[Candidate]:
+        """Saved activations above the runtime's size floor, in production order."""
+        p, out = self.profile, []
+        for t in p.saved_activations:
+            if t.producer is None or t.bytes < MIN_PLANNED_BYTES or t.first_backward_use is None:
+                continue
+            op = p.ops[t.producer]
+            forward_uses = [c for c in t.forward_consumers if c < self.first_backward]
+            out.append(Candidate(
+                name=t.name, tensor=t.id, bytes=t.bytes, producer=t.producer,
+                recompute_s=op.time_s, produced_at=self.op_end[t.producer],
+                freed_op=max([t.producer, *forward_uses]), first_use=t.first_backward_use,
+                needed_at=self.op_start[t.first_backward_use],
+                layer=p.layer_index(op.module), kind=op.kind, random=t.random,
+            ))
+        return sorted(out, key=lambda c: (c.producer, c.tensor))
+
+    def plan(self, strategy: str, decisions: dict[str, str],
+             prefetch: dict[str, int] | None = None) -> Plan:
+        return Plan(fingerprint=self.profile.fingerprint, strategy=strategy,
+                    budget_bytes=self.budget, decisions=decisions, prefetch=prefetch or {})
+
+    def check(self, plan: Plan):
+        """Simulate ``plan`` under the budget."""
+        return simulate(self.profile, plan, self.hw, self.budget)

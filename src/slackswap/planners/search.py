@@ -1,0 +1,64 @@
+"""Fit a plan family to the budget by simulation: the loop every strategy shares."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from slackswap.core.plan import Plan
+from slackswap.core.result import SimResult
+from slackswap.planners.context import PlanContext
+
+__all__ = ["Attempt", "fit_margin", "smallest_fitting"]
+
+Attempt = tuple[Plan, SimResult]
+
+
+def _better(a: Attempt | None, b: Attempt | None) -> Attempt | None:
+    if a is None or not a[1].feasible:
+        return b if b is not None and b[1].feasible else a
+    if b is None or not b[1].feasible:
+        return a
+    return b if b[1].retention > a[1].retention else a
+
+
+def fit_margin(ctx: PlanContext, make: Callable[[int], Plan | None],
+               tries: int = 6) -> Attempt | None:
+    """Call ``make(margin)`` with a growing safety margin (bytes below the budget) until
+    the simulated plan fits; one more, larger margin is tried in case memory stalls cost
+    more than the extra evictions. Returns the best feasible attempt."""
+    margin, best = 0, None
+    step = max(ctx.budget // 100, 1)
+    fitted = False
+    for _ in range(tries):
+        plan = make(margin)
+        if plan is None:
+            break
+        result = ctx.check(plan)
+        best = _better(best, (plan, result))
+        if result.feasible:
+            if fitted or result.stall_s.get("memory", 0.0) == 0.0:
+                break
+            fitted = True
+            margin += 2 * step
+        else:
+            margin += max(result.shortfall_bytes, step)
+    return best
+
+
+def smallest_fitting(ctx: PlanContext, make: Callable[[int], Plan], lo: int,
+                     hi: int) -> Attempt | None:
+    """Binary search the smallest ``k`` in ``[lo, hi]`` whose plan is feasible (assuming
+    more ``k`` evicts more); its attempt, or the attempt at ``hi`` when none fits."""
+    found = None  # always the attempt at ``hi`` once set
+    while lo < hi:
+        mid = (lo + hi) // 2
+        plan = make(mid)
+        result = ctx.check(plan)
+        if result.feasible:
+            hi, found = mid, (plan, result)
+        else:
+            lo = mid + 1
+    if found is None:
+        plan = make(hi)
+        found = (plan, ctx.check(plan))
+    return found

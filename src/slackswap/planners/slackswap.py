@@ -1,0 +1,130 @@
+"""The SlackSwap planner: offload within the transfer slack what is expensive to rebuild,
+recompute the rest at least cost, refine against the simulator.
+
+NOTE [slack]
+    The D2H engine can move bytes while forward computes, the H2D engine while backward
+    computes. An offload is *within slack* when, queued in production order behind the
+    offloads already chosen, its copy lands before forward ends, and, queued in the order
+    backward needs them from the start of backward, its reload lands before the op that
+    needs it starts. Activations are considered most expensive to rebuild per byte first
+    (attention and GEMM outputs), so the slack goes where recomputation would cost most.
+    An offload lowers memory at a point of pressure only once its copy has landed there.
+    What still exceeds the budget is covered by the least-cost recompute set
+    (:mod:`slackswap.planners.recompute`), whose rebuild costs count the never-saved
+    inputs a rebuild needs. The simulator then checks the plan: a shortfall raises the
+    safety margin and the plan is rebuilt. A reload that lands just in time in the
+    keep-all timeline can still stall once recomputation stretches backward, so the
+    planner also tries spending half the slack and none of it, and keeps the plan the
+    simulator rates best. The reload start points of that plan become its prefetch points.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+
+from slackswap.planners.context import Candidate, PlanContext
+from slackswap.planners.memory import pressure_points
+from slackswap.planners.recompute import choose_recompute, rebuild_cost
+from slackswap.planners.search import Attempt, fit_margin
+
+__all__ = ["slackswap", "offload_within_slack", "SLACK_FRACTIONS"]
+
+SLACK_FRACTIONS = (1.0, 0.5, 0.0)
+
+
+def _d2h_landing(ctx: PlanContext, chosen: list[Candidate]) -> dict[str, float] | None:
+    """When each offload lands, queued in production order; None if one misses forward."""
+    link, t, landed = ctx.hw.host_link, 0.0, {}
+    for c in sorted(chosen, key=lambda c: (c.produced_at, c.tensor)):
+        t = max(t, c.produced_at) + link.latency_s + c.bytes / link.d2h_bandwidth
+        if t > ctx.forward_end:
+            return None
+        landed[c.name] = t
+    return landed
+
+
+def _reloads_in_time(ctx: PlanContext, chosen: list[Candidate]) -> bool:
+    link, t = ctx.hw.host_link, ctx.forward_end
+    for c in sorted(chosen, key=lambda c: (c.first_use, c.tensor)):
+        t += link.latency_s + c.bytes / link.h2d_bandwidth
+        if t > c.needed_at:
+            return False
+    return True
+
+
+def offload_within_slack(ctx: PlanContext, order: list[Candidate]) -> list[Candidate]:
+    """Greedy in ``order``: take each activation whose offload and reload both stay
+    hidden given those already taken."""
+    chosen: list[Candidate] = []
+    for c in order:
+        trial = [*chosen, c]
+        if _d2h_landing(ctx, trial) is not None and _reloads_in_time(ctx, trial):
+            chosen = trial
+    return chosen
+
+
+def slackswap(ctx: PlanContext) -> Attempt | None:
+    cands = ctx.candidates
+    cost = {c.name: rebuild_cost(ctx, c) for c in cands}
+    order = sorted(cands, key=lambda c: (-cost[c.name] / c.bytes, c.producer))
+    slack = offload_within_slack(ctx, order)
+    total = sum(c.bytes for c in slack)
+    best: Attempt | None = None
+    for fraction in SLACK_FRACTIONS:
+        offload, spent = [], 0
+        for c in slack:  # the most expensive to rebuild first
+            if spent + c.bytes <= fraction * total:
+                offload.append(c)
+                spent += c.bytes
+        attempt = _hybrid(ctx, offload)
+        if attempt is not None and attempt[1].feasible and (
+                best is None or attempt[1].retention > best[1].retention):
+            best = attempt
+    return _with_prefetch_points(ctx, best) if best is not None else None
+
+
+def _hybrid(ctx: PlanContext, offload: list[Candidate]) -> Attempt | None:
+    landed = _d2h_landing(ctx, offload) or {}
+    offloaded = {c.name for c in offload}
+    rest = [c for c in ctx.candidates if c.name not in offloaded]
+
+    def freed(c: Candidate, op: int) -> bool:
+        if op < ctx.first_backward:
+            return c.freed_op < op and landed[c.name] <= ctx.op_start[op]
+        return c.first_use > op
+
+    def make(margin: int):
+        points = pressure_points(ctx, margin)
+        credit = {pt.op: sum(c.bytes for c in offload if freed(c, pt.op)) for pt in points}
+        chosen = choose_recompute(ctx, rest, points, credit)
+        if chosen is None:
+            return None
+        decisions = {c.name: "offload" for c in offload}
+        decisions.update({n: "recompute" for n in chosen})
+        return ctx.plan("slackswap", decisions)
+
+    return fit_margin(ctx, make)
+
+
+def _with_prefetch_points(ctx: PlanContext, attempt: Attempt) -> Attempt:
+    """Write down where each reload started in the simulated step as the plan's prefetch
+    points, so a runtime issues them at the same places; keep them if the step agrees."""
+    plan, result = attempt
+    run = result.run
+    items, h2d = run.schedule.items, run.schedule.h2d
+    compute = [s for s in run.timeline.spans if s.stream == "compute"]
+    starts = [s.start for s in compute]
+    prefetch = {}
+    for span in (s for s in run.timeline.spans if s.stream == "h2d"):
+        # the kernel running when the reload started, or the next one to start
+        k = bisect_right(starts, span.start) - 1
+        if k < 0 or compute[k].end <= span.start:
+            k += 1
+        if k < len(compute):
+            name = ctx.profile.tensors[h2d[span.index].tensor].name
+            prefetch[name] = items[compute[k].index].position
+    explicit = plan.model_copy(update={"prefetch": prefetch})
+    checked = ctx.check(explicit)
+    if checked.feasible and checked.retention >= result.retention:
+        return explicit, checked
+    return attempt
