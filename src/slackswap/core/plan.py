@@ -53,7 +53,14 @@ class Plan(pydantic.BaseModel):
             raise InputError(
                 f"plan moves '{fixed[0]}', a batch input; only activations can be planned"
             )
-        unknown = [n for n in (*self.decisions, *self.prefetch) if n not in profile.by_name]
+        moved = [n for n, d in self.decisions.items() if d != "keep"]
+        if bad := [n for n in (*moved, *self.prefetch) if n in profile.checkpointable]:
+            raise InputError(
+                f"plan moves '{bad[0]}', which autograd does not save; such tensors can "
+                "only be kept (as checkpoints)"
+            )
+        known = profile.by_name.keys() | profile.checkpointable.keys()
+        unknown = [n for n in (*self.decisions, *self.prefetch) if n not in known]
         if unknown:
             raise InputError(
                 f"plan names {len(unknown)} activation(s) the profile does not save, "

@@ -85,7 +85,15 @@ class StepProfile(_Record):
 
     @cached_property
     def by_name(self) -> dict[str, TensorRecord]:
+        """Saved activations by id: what a plan decides on."""
         return {t.name: t for t in self.saved_activations if t.name is not None}
+
+    @cached_property
+    def checkpointable(self) -> dict[str, TensorRecord]:
+        """Forward activations autograd does not save, by id: a plan may keep them as
+        checkpoints to recompute from (the inputs of checkpointed blocks)."""
+        return {t.name: t for t in self.tensors
+                if t.kind == "activation" and not t.saved and t.name is not None}
 
     @cached_property
     def keep_all_peak(self) -> int:

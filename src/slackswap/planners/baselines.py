@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from slackswap.planners.context import Candidate, PlanContext
+from slackswap.planners.context import PlanContext
 from slackswap.planners.memory import pressure_points
 from slackswap.planners.recompute import choose_recompute, rebuild_cost
 from slackswap.planners.search import Attempt, fit_margin, smallest_fitting
+from slackswap.planners.slack import d2h_landing, offload_within_slack
 
 __all__ = ["recompute_only", "checkpoint_blocks", "offload_only", "capuchin", "module_policy"]
 
@@ -23,32 +24,35 @@ def recompute_only(ctx: PlanContext) -> Attempt | None:
     return fit_margin(ctx, make)
 
 
-def _block_outputs(ctx: PlanContext) -> set[str]:
-    """Activations a block hands to the next one: kept by block checkpointing."""
+def _block_inputs(ctx: PlanContext, layer: int) -> list[str]:
+    """Activations made before block ``layer`` that it reads: its checkpoint."""
     p = ctx.profile
-    out = set()
-    for c in ctx.candidates:
-        if c.layer is None:
+    names = []
+    for op in p.ops[: ctx.first_backward]:
+        if p.layer_index(op.module) != layer:
             continue
-        for consumer in p.tensors[c.tensor].forward_consumers:
-            layer = p.layer_index(p.ops[consumer].module)
-            if layer is not None and layer > c.layer:
-                out.add(c.name)
-    return out
+        for tid in op.inputs:
+            t = p.tensors[tid]
+            if t.kind == "activation" and t.producer is not None and t.name is not None and (
+                    p.layer_index(p.ops[t.producer].module) != layer):
+                names.append(t.name)
+    return list(dict.fromkeys(names))
 
 
 def checkpoint_blocks(ctx: PlanContext) -> Attempt | None:
     """Recompute whole transformer blocks from their kept inputs, first blocks first,
     as few as fit (Hugging Face ``gradient_checkpointing_enable`` on a prefix)."""
-    keep = _block_outputs(ctx)
     layers = len(ctx.profile.layers)
     if not layers:
         return None
+    inputs = [_block_inputs(ctx, i) for i in range(layers)]
 
     def make(k: int):
-        return ctx.plan("checkpoint-blocks", {
-            c.name: "recompute" for c in ctx.candidates
-            if c.layer is not None and c.layer < k and c.name not in keep})
+        decisions = {c.name: "recompute" for c in ctx.candidates
+                     if c.layer is not None and c.layer < k}
+        for names in inputs[:k]:
+            decisions.update({n: "keep" for n in names})
+        return ctx.plan("checkpoint-blocks", decisions)
 
     return smallest_fitting(ctx, make, 0, layers)
 
@@ -64,32 +68,33 @@ def offload_only(ctx: PlanContext) -> Attempt | None:
     return smallest_fitting(ctx, make, 0, len(cands))
 
 
-def _swap_time(ctx: PlanContext, c: Candidate) -> float:
-    link = ctx.hw.host_link
-    return 2 * link.latency_s + c.bytes / link.d2h_bandwidth + c.bytes / link.h2d_bandwidth
-
-
 def capuchin(ctx: PlanContext) -> Attempt | None:
-    """Capuchin's greedy hybrid: swap tensors whose idle time hides the transfer, then
-    take swap or recompute by memory saved per second of overhead until the excess is
-    covered."""
-    scored = []
-    for c in ctx.candidates:
-        idle = c.needed_at - c.produced_at
-        swap = max(_swap_time(ctx, c) - idle, 0.0)
-        recompute = rebuild_cost(ctx, c)
-        choice, overhead = ("offload", swap) if swap <= recompute else ("recompute", recompute)
-        scored.append((c.bytes / max(overhead, 1e-12), choice, c))
-    scored.sort(key=lambda s: -s[0])
-    excess = ctx.keep_all_peak - ctx.budget
+    """Capuchin's policy: swap first, the tensors idle longest between forward and
+    backward, while the copy engines can hide the swaps; then evict more by memory saved
+    per second of overhead (recompute), greedily, until the peak's excess is covered."""
+    idle_first = sorted(ctx.candidates, key=lambda c: (c.produced_at - c.needed_at, c.tensor))
+    swaps = offload_within_slack(ctx, idle_first)
+    landed = d2h_landing(ctx, swaps) or {}
+    swapped = {c.name for c in swaps}
+    msps = sorted((c for c in ctx.candidates if c.name not in swapped),
+                  key=lambda c: (-c.bytes / max(rebuild_cost(ctx, c), 1e-12), c.tensor))
+    peak_op = max(range(len(ctx.memory)), key=ctx.memory.__getitem__)
+
+    def gone_at_peak(c) -> bool:
+        if peak_op >= ctx.first_backward:
+            return c.first_use > peak_op
+        return c.freed_op < peak_op and landed[c.name] <= ctx.op_start[peak_op]
+
+    excess = ctx.keep_all_peak - ctx.budget - sum(c.bytes for c in swaps if gone_at_peak(c))
 
     def make(margin: int):
-        decisions, covered = {}, 0
-        for _, choice, c in scored:
-            if covered >= excess + margin:
+        decisions = {c.name: "offload" for c in swaps}
+        freed = 0
+        for c in msps:
+            if freed >= excess + margin:
                 break
-            decisions[c.name] = choice
-            covered += c.bytes
+            decisions[c.name] = "recompute"
+            freed += c.bytes
         return ctx.plan("capuchin", decisions)
 
     return fit_margin(ctx, make)
@@ -102,7 +107,8 @@ _NORM_OR_ACT = ("norm", "act", "ln_", "dropout", "drop")
 
 def module_policy(ctx: PlanContext) -> Attempt | None:
     """Megatron-style fixed rules on a prefix of blocks: recompute norms and activation
-    functions, offload attention outputs and linear inputs, keep the rest."""
+    functions (where their inputs are saved), offload attention outputs and linear
+    inputs, keep the rest."""
     p = ctx.profile
     linear_inputs = set()
     for op in p.ops[: ctx.first_backward]:
@@ -111,7 +117,8 @@ def module_policy(ctx: PlanContext) -> Attempt | None:
     rules: dict[str, str] = {}
     for c in ctx.candidates:
         module = p.ops[c.producer].module.rsplit(".", 1)[-1].lower()
-        if c.kind in _RECOMPUTE_KINDS and any(key in module for key in _NORM_OR_ACT):
+        local = rebuild_cost(ctx, c) == c.recompute_s  # rebuilt from saved inputs alone
+        if c.kind in _RECOMPUTE_KINDS and any(key in module for key in _NORM_OR_ACT) and local:
             rules[c.name] = "recompute"
         elif c.kind == "fused_attention" or c.tensor in linear_inputs:
             rules[c.name] = "offload"

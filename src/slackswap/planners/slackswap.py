@@ -26,41 +26,11 @@ from slackswap.planners.context import Candidate, PlanContext
 from slackswap.planners.memory import pressure_points
 from slackswap.planners.recompute import choose_recompute, rebuild_cost
 from slackswap.planners.search import Attempt, fit_margin
+from slackswap.planners.slack import d2h_landing, offload_within_slack
 
-__all__ = ["slackswap", "offload_within_slack", "SLACK_FRACTIONS"]
+__all__ = ["slackswap", "SLACK_FRACTIONS"]
 
 SLACK_FRACTIONS = (1.0, 0.5, 0.0)
-
-
-def _d2h_landing(ctx: PlanContext, chosen: list[Candidate]) -> dict[str, float] | None:
-    """When each offload lands, queued in production order; None if one misses forward."""
-    link, t, landed = ctx.hw.host_link, 0.0, {}
-    for c in sorted(chosen, key=lambda c: (c.produced_at, c.tensor)):
-        t = max(t, c.produced_at) + link.latency_s + c.bytes / link.d2h_bandwidth
-        if t > ctx.forward_end:
-            return None
-        landed[c.name] = t
-    return landed
-
-
-def _reloads_in_time(ctx: PlanContext, chosen: list[Candidate]) -> bool:
-    link, t = ctx.hw.host_link, ctx.forward_end
-    for c in sorted(chosen, key=lambda c: (c.first_use, c.tensor)):
-        t += link.latency_s + c.bytes / link.h2d_bandwidth
-        if t > c.needed_at:
-            return False
-    return True
-
-
-def offload_within_slack(ctx: PlanContext, order: list[Candidate]) -> list[Candidate]:
-    """Greedy in ``order``: take each activation whose offload and reload both stay
-    hidden given those already taken."""
-    chosen: list[Candidate] = []
-    for c in order:
-        trial = [*chosen, c]
-        if _d2h_landing(ctx, trial) is not None and _reloads_in_time(ctx, trial):
-            chosen = trial
-    return chosen
 
 
 def slackswap(ctx: PlanContext) -> Attempt | None:
@@ -84,7 +54,7 @@ def slackswap(ctx: PlanContext) -> Attempt | None:
 
 
 def _hybrid(ctx: PlanContext, offload: list[Candidate]) -> Attempt | None:
-    landed = _d2h_landing(ctx, offload) or {}
+    landed = d2h_landing(ctx, offload) or {}
     offloaded = {c.name for c in offload}
     rest = [c for c in ctx.candidates if c.name not in offloaded]
 

@@ -58,7 +58,7 @@ def profile(
         used_kernels = "cuda" if device.startswith("cuda") else "native"
     else:
         raise InputError(f"unknown profiling mode '{mode}'; use 'analytic' or 'measured'")
-    _name_saved_activations(rec)
+    _name_activations(rec)
     return StepProfile(
         model=name,
         fingerprint=fingerprint(model, batch),
@@ -280,24 +280,29 @@ class _CudaClock:
         return [s.elapsed_time(e) / 1e3 for s, e in self.events]
 
 
-def _name_saved_activations(rec: StepRecorder) -> None:
-    """Stable readable ids: ``<module>:<op kind>:<k>`` in production order.
+def _name_activations(rec: StepRecorder) -> None:
+    """Stable readable ids for forward activations: ``<module>:<op kind>:<k>``, the k-th
+    tensor that module made with that op, in production order.
 
-    Batch inputs are ``input:<key>``; other tensors from outside the step ``external:<k>``.
+    Saved batch inputs are ``input:<key>``; other saved tensors from outside the step
+    ``external:<k>``. Plans name saved activations (and unsaved ones to keep as
+    checkpoints) by these ids.
     """
     counts: Counter[tuple[str, str]] = Counter()
-    external = 0
-    for t in sorted(rec.tensors, key=lambda t: (t.producer is None, t.producer or 0, t.id)):
-        if not t.saved or t.is_parameter or t.name is not None:
-            continue
-        if t.producer is None:
-            t.name = f"external:{external}"
-            external += 1
+    for t in rec.tensors:  # ids follow production order
+        if t.kind != "activation" or t.producer is None:
             continue
         op = rec.ops[t.producer]
+        if op.phase != "forward":
+            continue
         module = op.module or "(top)"
         t.name = f"{module}:{op.kind}:{counts[module, op.kind]}"
         counts[module, op.kind] += 1
+    external = 0
+    for t in rec.tensors:
+        if t.saved and t.name is None and not t.is_parameter:
+            t.name = f"external:{external}"
+            external += 1
 
 
 def default_device() -> str:

@@ -90,6 +90,9 @@ class _Builder:
         for t in profile.saved_activations:
             if t.producer is not None and t.name is not None:
                 self.decision[t.id] = plan.decisions.get(t.name, "keep")
+        for name, d in plan.decisions.items():  # unsaved tensors kept as checkpoints
+            if name in profile.checkpointable:
+                self.decision[profile.checkpointable[name].id] = d
         self.prefetch = {profile.by_name[n].id: i for n, i in plan.prefetch.items()}
         self.first_backward = next(
             (op.index for op in self.ops if op.phase == "backward"), len(self.ops)

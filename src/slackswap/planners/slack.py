@@ -1,0 +1,39 @@
+"""Transfer slack: which offloads the copy engines can hide (see NOTE [slack] in
+:mod:`slackswap.planners.slackswap`)."""
+
+from __future__ import annotations
+
+from slackswap.planners.context import Candidate, PlanContext
+
+__all__ = ["d2h_landing", "reloads_in_time", "offload_within_slack"]
+
+
+def d2h_landing(ctx: PlanContext, chosen: list[Candidate]) -> dict[str, float] | None:
+    """When each offload lands, queued in production order; None if one misses forward."""
+    link, t, landed = ctx.hw.host_link, 0.0, {}
+    for c in sorted(chosen, key=lambda c: (c.produced_at, c.tensor)):
+        t = max(t, c.produced_at) + link.latency_s + c.bytes / link.d2h_bandwidth
+        if t > ctx.forward_end:
+            return None
+        landed[c.name] = t
+    return landed
+
+
+def reloads_in_time(ctx: PlanContext, chosen: list[Candidate]) -> bool:
+    link, t = ctx.hw.host_link, ctx.forward_end
+    for c in sorted(chosen, key=lambda c: (c.first_use, c.tensor)):
+        t += link.latency_s + c.bytes / link.h2d_bandwidth
+        if t > c.needed_at:
+            return False
+    return True
+
+
+def offload_within_slack(ctx: PlanContext, order: list[Candidate]) -> list[Candidate]:
+    """Greedy in ``order``: take each activation whose offload and reload both stay
+    hidden given those already taken."""
+    chosen: list[Candidate] = []
+    for c in order:
+        trial = [*chosen, c]
+        if d2h_landing(ctx, trial) is not None and reloads_in_time(ctx, trial):
+            chosen = trial
+    return chosen
