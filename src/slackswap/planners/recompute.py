@@ -71,3 +71,4 @@ def choose_recompute(
     if res.x is None:
         return None
     return {c.name for c, x in zip(candidates, res.x, strict=True) if x > 0.5}
+
