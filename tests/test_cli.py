@@ -123,3 +123,56 @@ def test_simulate_errors(tmp_path) -> None:
     minimum, _ = min_working_set(load_model(StepProfile, prof))
     code, stdout, _ = run("simulate", str(prof), "--memory-limit", str(minimum))
     assert code == 1 and "INFEASIBLE" in stdout and "short by" in stdout
+
+
+def test_plan_command(tmp_path) -> None:
+    prof, out = tmp_path / "p.json", tmp_path / "plan.json"
+    run("profile", "gpt2-xl-tiny", "-o", str(prof), "--summary")
+    code, stdout, _ = run("plan", str(prof), "--budget", "0.8", "-o", str(out))
+    assert code == 0, stdout
+    assert "predicted retention" in stdout and "by op kind" in stdout and "by layer" in stdout
+    plan = json.loads(out.read_text())
+    assert plan["strategy"] == "slackswap" and plan["schema_version"] == 1
+    code, stdout, _ = run("simulate", str(prof), "--plan", str(out), "--memory-limit", "0.8",
+                          "--json")
+    assert code == 0 and json.loads(stdout)["feasible"]
+    code, stdout, _ = run("plan", "llama-7b-tiny", "--budget", "0.8", "--strategy",
+                          "checkpoint-blocks")
+    assert code == 0 and "checkpoint-blocks" in stdout
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--budget", "0.01"], "smallest feasible budget for this profile is"),
+    (["--budget", "-1"], "must be positive"),
+    (["--budget", "lots"], "'lots' is not a byte count"),
+    (["--budget", "0.5", "--strategy", "magic"], "unknown strategy 'magic'; strategies:"),
+])
+def test_plan_errors(tmp_path, args: list[str], message: str) -> None:
+    prof = tmp_path / "p.json"
+    run("profile", "bert-large-tiny", "-o", str(prof), "--summary")
+    code, _, stderr = run("plan", str(prof), *args)
+    assert code == 2 and message in stderr and stderr.count("\n") == 1
+
+
+def test_reproduce_command(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("SLACKSWAP_CACHE", str(tmp_path / "cache"))
+    out, js = tmp_path / "results", tmp_path / "r.json"
+    code, stdout, _ = run("reproduce", "--workloads", "gpt2-xl-tiny", "--out", str(out),
+                          "--json", str(js), "--budget", "0.85")
+    assert code == 0, stdout
+    results = json.loads(js.read_text())
+    assert results["budget_fraction"] == 0.85 and results["hardware"] == "a100-80gb"
+    w = results["workloads"][0]
+    assert w["name"] == "gpt2-xl-tiny"
+    for key in ("ideal_step_time_s", "keep_all_peak_bytes", "budget_bytes", "bound_retention"):
+        assert key in w
+    for entry in w["strategies"].values():
+        assert set(entry) >= {"retention", "peak_bytes", "feasible", "offloaded_bytes",
+                              "recomputed_bytes", "plan_time_s"}
+        assert entry["retention"] <= w["bound_retention"] + 1e-9
+    for name in ("report.md", "results.json", "gpt2-xl-tiny-retention.png",
+                 "gpt2-xl-tiny-slackswap-trace.json"):
+        assert (out / name).exists(), name
+    assert list((tmp_path / "cache" / "profiles").glob("gpt2-xl-tiny-*.json"))
+    code, _, stderr = run("reproduce", "--workloads", "gpt3")
+    assert code == 2 and "unknown workload 'gpt3'" in stderr

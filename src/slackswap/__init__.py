@@ -6,12 +6,13 @@ from slackswap.core.plan import Plan
 from slackswap.core.profile import OpRecord, StepProfile, TensorRecord
 from slackswap.core.result import SimResult
 from slackswap.errors import InputError, ProfileError, SlackSwapError
+from slackswap.planners import STRATEGIES, plan
 from slackswap.sim import simulate
 
 __all__ = [
     "Hardware", "OpRecord", "Plan", "SimResult", "StepProfile", "TensorRecord",
     "InputError", "ProfileError", "SlackSwapError",
-    "hardware_presets", "load_hardware", "profile", "simulate",
+    "STRATEGIES", "hardware_presets", "load_hardware", "plan", "profile", "simulate",
 ]
 
 

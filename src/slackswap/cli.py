@@ -17,7 +17,7 @@ from slackswap.core.hardware import hardware_presets, load_hardware
 from slackswap.core.jsonio import dump_model
 from slackswap.core.profile import StepProfile
 from slackswap.core.units import format_bytes
-from slackswap.errors import SlackSwapError
+from slackswap.errors import InputError, SlackSwapError
 
 __all__ = ["main"]
 
@@ -39,13 +39,13 @@ def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 @contextlib.contextmanager
-def _progress(message: str) -> Iterator[None]:
-    """A spinner on a terminal; nothing when output is piped."""
+def _progress(message: str) -> Iterator[Callable[[str], None]]:
+    """A spinner on a terminal, with an updater for its message; silent when piped."""
     if _err.is_terminal:
-        with _err.status(message):
-            yield
+        with _err.status(message) as status:
+            yield lambda text: status.update(f"{message}: {text}")
     else:
-        yield
+        yield lambda text: None
 
 
 @click.group()
@@ -151,6 +151,72 @@ def _print_result(prof: StepProfile, result: Any, trace: str | None, plot: str |
             out.print(f"{label} written to {path}")
 
 
+@main.command("plan")
+@click.argument("source", metavar="PROFILE.json|MODEL")
+@click.option("--budget", required=True, help="Fraction of the keep-all peak (0.5), bytes, "
+              "or a size such as 24GiB.")
+@click.option("--strategy", default="slackswap", show_default=True,
+              help="slackswap, recompute-only, checkpoint-blocks, offload-only, capuchin, "
+                   "module-policy.")
+@click.option("--hardware", help="Hardware preset or .toml file; default: the profile's "
+              "(a100-80gb for a model).")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the plan JSON.")
+@_user_errors
+def plan_command(source: str, budget: str, strategy: str, hardware: str | None,
+                 output: str | None) -> None:
+    """Plan keep / offload / recompute for every saved activation under a budget."""
+    from slackswap.core.jsonio import load_model
+    from slackswap.planners import plan_with_result
+    from slackswap.planners.api import plan as make_plan
+
+    if source.endswith(".json"):
+        prof = load_model(StepProfile, source)
+    else:
+        from slackswap.models import load_workload
+        from slackswap.profiling import profile as run_profile
+
+        with _progress(f"profiling {source}"):
+            net, example = load_workload(source)
+            prof = run_profile(net, example, load_hardware(hardware or "a100-80gb"),
+                               name=source)
+    with _progress(f"planning with {strategy}"):
+        attempt = plan_with_result(prof, budget, hardware, strategy)
+        if attempt is None or not attempt[1].feasible:
+            make_plan(prof, budget, hardware, strategy)  # raises, naming the smallest budget
+        chosen, result = attempt
+    if output:
+        dump_model(chosen, output)
+    _print_plan(prof, chosen, result, output)
+
+
+@main.command()
+@click.option("--budget", type=float, default=0.5, show_default=True,
+              help="Budget as a fraction of each workload's keep-all peak.")
+@click.option("--hardware", default="a100-80gb", show_default=True)
+@click.option("--workloads", default="bert-large,gpt2-xl,llama-7b", show_default=True,
+              help="Comma-separated presets.")
+@click.option("--out", default="slackswap-results", show_default=True,
+              type=click.Path(file_okay=False), help="Results folder.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False),
+              help="Also write the results JSON here.")
+@_user_errors
+def reproduce(budget: float, hardware: str, workloads: str, out: str,
+              json_path: str | None) -> None:
+    """Reproduce the paper's table: every strategy on the reference workloads."""
+    from slackswap.core.jsonio import atomic_write_text
+    from slackswap.models import MODEL_PRESETS
+    from slackswap.reproduce import reproduce as run
+
+    names = tuple(w.strip() for w in workloads.split(",") if w.strip())
+    if unknown := [n for n in names if n not in MODEL_PRESETS]:
+        raise InputError(f"unknown workload '{unknown[0]}'; presets: {', '.join(MODEL_PRESETS)}")
+    with _progress("reproducing") as update:
+        results = run(out, budget, hardware, names, progress=update)
+    if json_path:
+        atomic_write_text(json_path, json.dumps(results, indent=2))
+    _print_reproduce(results, out)
+
+
 @main.command("hardware")
 def hardware_list() -> None:
     """List the hardware presets."""
@@ -190,3 +256,48 @@ def _print_profile(p: StepProfile, output: str | None) -> None:
     out.print(kinds)
     if output:
         out.print(f"profile written to {output}")
+
+
+def _print_plan(prof: StepProfile, chosen: Any, result: Any, output: str | None) -> None:
+    from slackswap.planners.summary import decision_bytes
+
+    out = Console()
+    totals = decision_bytes(prof, chosen, by="total")["total"]
+    out.print(f"[bold]{prof.model}[/bold], {chosen.strategy}, budget "
+              f"{format_bytes(chosen.budget_bytes or 0)}: predicted retention "
+              f"{result.retention:.2%}, peak {format_bytes(result.peak_bytes)} "
+              f"(keep-all {format_bytes(result.keep_all_peak_bytes)})")
+    out.print("  ".join(f"{d} {format_bytes(b)}" for d, b in totals.items()))
+    for by, title in (("kind", "op kind"), ("layer", "layer")):
+        table = Table(title=f"Saved activation bytes by {title}")
+        for col in (title, "keep", "offload", "recompute"):
+            table.add_column(col, justify="left" if col == title else "right")
+        groups = decision_bytes(prof, chosen, by=by)
+        keys = sorted(groups, key=lambda k: (not k.isdigit(), int(k) if k.isdigit() else k))
+        for key in keys:
+            row = groups[key]
+            table.add_row(key, *(format_bytes(row[d]) for d in ("keep", "offload", "recompute")))
+        out.print(table)
+    if output:
+        out.print(f"plan written to {output}")
+
+
+def _print_reproduce(results: dict[str, Any], out_dir: str) -> None:
+    from slackswap.planners import STRATEGIES
+
+    out = Console()
+    table = Table(title=f"Throughput retained at {results['budget_fraction']:.0%} budget, "
+                        f"{results['hardware']} (simulated)")
+    table.add_column("workload")
+    table.add_column("paper*", justify="right")
+    for s in STRATEGIES:
+        table.add_column(s, justify="right")
+    table.add_column("bound", justify="right")
+    for w in results["workloads"]:
+        cells = [f"{e['retention']:.1%}" if e["feasible"] else "infeasible"
+                 for e in w["strategies"].values()]
+        paper = f"{w['paper_retention']:.1%}" if w["paper_retention"] else "-"
+        table.add_row(w["name"], paper, *cells, f"{w['bound_retention']:.1%}")
+    out.print(table)
+    out.print("* the paper's own simulation (A100, PCIe 4.0, 50% budget)")
+    out.print(f"results written to {out_dir}/ (results.json, report.md, plots, traces)")

@@ -54,6 +54,8 @@ def plan_with_result(
         raise InputError(f"unknown strategy '{strategy}'; strategies: {', '.join(STRATEGIES)}")
     hw = load_hardware(hardware or profile.hardware)
     ctx = PlanContext(profile, hw, resolve_budget(budget, profile.keep_all_peak))
+    if not ctx.reachable:
+        return None
     if ctx.budget >= ctx.keep_all_peak:
         keep = Plan.keep_all(profile).model_copy(
             update={"strategy": strategy, "budget_bytes": ctx.budget})

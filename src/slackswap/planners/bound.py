@@ -42,6 +42,8 @@ def retention_bound(ctx: PlanContext, thresholds: int = 4, max_points: int = 24)
     p, link = ctx.profile, ctx.hw.host_link
     acts = [t for t in p.saved_activations
             if t.producer is not None and t.first_backward_use is not None]
+    if not ctx.reachable:
+        return 0.0
     points = pressure_points(ctx)
     if not points:
         return 1.0

@@ -8,12 +8,14 @@ from functools import cached_property
 from slackswap.core.hardware import Hardware
 from slackswap.core.plan import Plan
 from slackswap.core.profile import StepProfile
+from slackswap.sim.schedule import min_working_set
 from slackswap.sim.simulate import simulate
 
 __all__ = ["Candidate", "PlanContext", "MIN_PLANNED_BYTES"]
 
-# The runtime never moves tensors this small; planners leave them kept.
-MIN_PLANNED_BYTES = 64 * 1024
+# Tensors this small are never moved (torchtune's ``min_offload_size`` default): the
+# copy's fixed cost outweighs the bytes.
+MIN_PLANNED_BYTES = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +41,7 @@ class PlanContext:
 
     def __init__(self, profile: StepProfile, hardware: Hardware, budget: int) -> None:
         self.profile, self.hw, self.budget = profile, hardware, budget
+        self.working_set = min_working_set(profile)[0]
         keep = simulate(profile, None, hardware)
         self.ideal = keep.ideal_step_time_s
         self.keep_all_peak = keep.peak_bytes
@@ -77,6 +80,11 @@ class PlanContext:
                 layer=p.layer_index(op.module), kind=op.kind, random=t.random,
             ))
         return sorted(out, key=lambda c: (c.producer, c.tensor))
+
+    @property
+    def reachable(self) -> bool:
+        """False when the budget is below what one op needs at once: no plan fits."""
+        return self.budget >= self.working_set
 
     def plan(self, strategy: str, decisions: dict[str, str],
              prefetch: dict[str, int] | None = None) -> Plan:

@@ -14,13 +14,14 @@ NOTE [slack]
     inputs a rebuild needs. The simulator then checks the plan: a shortfall raises the
     safety margin and the plan is rebuilt. A reload that lands just in time in the
     keep-all timeline can still stall once recomputation stretches backward, so the
-    planner also tries spending half the slack and none of it, and keeps the plan the
+    planner also tries spending part of the slack or none of it, and keeps the plan the
     simulator rates best. The reload start points of that plan become its prefetch points.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections import defaultdict
 
 from slackswap.planners.context import Candidate, PlanContext
 from slackswap.planners.memory import pressure_points
@@ -30,13 +31,17 @@ from slackswap.planners.slack import d2h_landing, offload_within_slack
 
 __all__ = ["slackswap", "SLACK_FRACTIONS"]
 
-SLACK_FRACTIONS = (1.0, 0.5, 0.0)
+SLACK_FRACTIONS = (1.0, 0.75, 0.5, 0.25, 0.0)
 
 
 def slackswap(ctx: PlanContext) -> Attempt | None:
     cands = ctx.candidates
     cost = {c.name: rebuild_cost(ctx, c) for c in cands}
-    order = sorted(cands, key=lambda c: (-cost[c.name] / c.bytes, c.producer))
+    # per byte of everything the producer saves: rebuilding one output rebuilds them all
+    made = defaultdict(int)
+    for c in cands:
+        made[c.producer] += c.bytes
+    order = sorted(cands, key=lambda c: (-cost[c.name] / made[c.producer], c.producer))
     slack = offload_within_slack(ctx, order)
     total = sum(c.bytes for c in slack)
     best: Attempt | None = None
@@ -50,6 +55,8 @@ def slackswap(ctx: PlanContext) -> Attempt | None:
         if attempt is not None and attempt[1].feasible and (
                 best is None or attempt[1].retention > best[1].retention):
             best = attempt
+        if best is not None and best[1].stall_s["reload"] == best[1].stall_s["memory"] == 0:
+            break  # the copies hide entirely: spending less slack only adds recompute
     return _with_prefetch_points(ctx, best) if best is not None else None
 
 

@@ -1,0 +1,29 @@
+"""What a plan does, in numbers a person reads: bytes kept, offloaded, recomputed."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from slackswap.core.plan import Plan
+from slackswap.core.profile import StepProfile
+
+__all__ = ["decision_bytes"]
+
+
+def decision_bytes(profile: StepProfile, plan: Plan, by: str = "kind") -> dict[str, dict[str, int]]:
+    """Bytes per decision, grouped by producer op kind (``by="kind"``), by layer
+    (``"layer"``), or in total (``"total"``)."""
+    out: dict[str, dict[str, int]] = defaultdict(lambda: {"keep": 0, "offload": 0,
+                                                          "recompute": 0})
+    for t in profile.saved_activations:
+        decision = plan.decisions.get(t.name, "keep")
+        op = profile.ops[t.producer] if t.producer is not None else None
+        if by == "kind":
+            key = op.kind if op else "input"
+        elif by == "layer":
+            idx = profile.layer_index(op.module) if op else None
+            key = str(idx) if idx is not None else "outside blocks"
+        else:
+            key = "total"
+        out[key][decision] += t.bytes
+    return dict(out)
