@@ -3,8 +3,8 @@ and memory model, solved with HiGHS (``scipy.optimize.linprog``).
 
 NOTE [why this is a bound]
     Take any plan and its simulated step. Let r_i, o_i be 1 when saved activation i is
-    recomputed or offloaded, d_ik be 1 when the offloaded i is off the device while
-    forward op k runs, and s_f, s_b the compute stream's idle time in forward and
+    recomputed or offloaded, d_ik be 1 when the offloaded i is off the device while op k
+    runs, and s_f, s_b the compute stream's idle time in forward and
     backward. Then every constraint below holds for those values, so the LP optimum is
     at most the plan's overhead, and ideal / (ideal + optimum) is at least its retention:
 
@@ -12,10 +12,11 @@ NOTE [why this is a bound]
       keep-all memory less what evicted activations past their last forward use have
       freed, so  sum_{i in S_k} b_i (r_i + d_ik) >= M_k - B;
     - memory, backward op j: only activations not yet needed may be away, so
-      sum_{first_use(i) > j} b_i (r_i + o_i) >= M_j - B;
+      sum_{first_use(i) > j} b_i (r_i + d_ij) >= M_j - B;
     - D2H: what is off the device at op k went over the link after its production
-      (at or after p_i in keep-all time) and before op k started (at most t_k + s_f):
-      sum_{i in S_k, p_i >= tau} d_ik (latency + b_i / D2H) <= t_k + s_f - tau;
+      (at or after p_i in keep-all time) and before op k started (at most t_k + s_f in
+      forward; in backward also + s_b + sum r_i c_i):
+      sum_{i away at k, p_i >= tau} d_ik (latency + b_i / D2H) <= t_k + s_f - tau;
     - H2D: what was off the device at the last forward pressure point L came back after
       it and before its first use j (at most t_j + s_f + s_b + sum r_i c_i);
     - time: the step is at least the sum of op times, plus each recomputed activation's
@@ -55,15 +56,16 @@ def retention_bound(ctx: PlanContext, thresholds: int = 4, max_points: int = 24)
         fwd = sorted({*strongest, fwd[-1]}, key=lambda pt: pt.op)
     if len(bwd) > max_points:
         bwd = sorted(sorted(bwd, key=lambda pt: -pt.excess)[:max_points], key=lambda pt: pt.op)
-    n, kf = len(acts), len(fwd)
+    pts = fwd + bwd
+    n, kp = len(acts), len(pts)
     freed = [max([t.producer, *(c for c in t.forward_consumers if c < ctx.first_backward)])
              for t in acts]
     produced = [ctx.op_end[t.producer] for t in acts]
     cost = [p.ops[t.producer].time_s for t in acts]
     d2h = [link.latency_s + t.bytes / link.d2h_bandwidth for t in acts]
     h2d = [link.latency_s + t.bytes / link.h2d_bandwidth for t in acts]
-    # columns: r (n), o (n), d (n * kf), s_f, s_b
-    R, OFF, D, SF, SB = 0, n, 2 * n, 2 * n + n * kf, 2 * n + n * kf + 1
+    # columns: r (n), o (n), d (n * kp: offloaded i is off the device at point k), s_f, s_b
+    R, OFF, D, SF, SB = 0, n, 2 * n, 2 * n + n * kp, 2 * n + n * kp + 1
     cols = SB + 1
     rows: list[tuple[int, int, float]] = []
     rhs: list[float] = []
@@ -77,28 +79,30 @@ def retention_bound(ctx: PlanContext, thresholds: int = 4, max_points: int = 24)
     gb = 1e-9  # rows in gigabytes and milliseconds keep HiGHS's tolerances meaningful
     for i in range(n):
         row([(R + i, 1.0), (OFF + i, 1.0)], 1.0)
-    for k, pt in enumerate(fwd):
-        members = [i for i in range(n) if freed[i] < pt.op]
-        row([(c, -acts[i].bytes * gb) for i in members for c in (R + i, D + i * kf + k)],
+    for k, pt in enumerate(pts):
+        backward = pt.op >= ctx.first_backward
+        members = [i for i in range(n) if (acts[i].first_backward_use > pt.op if backward
+                                            else freed[i] < pt.op)]
+        row([(c, -acts[i].bytes * gb) for i in members for c in (R + i, D + i * kp + k)],
             -pt.excess * gb)
         for i in members:
-            row([(D + i * kf + k, 1.0), (OFF + i, -1.0)], 0.0)
+            row([(D + i * kp + k, 1.0), (OFF + i, -1.0)], 0.0)
+        # the op starts no later than its keep-all time plus idle time (and, in
+        # backward, the recomputation inserted before it)
+        late = [(SF, -1e3)] + ([(SB, -1e3)] + [(R + i, -cost[i] * 1e3) for i in range(n)]
+                               if backward else [])
         t_k = ctx.op_start[pt.op]
         releases = sorted({produced[i] for i in members})
         picks = {releases[int(q * (len(releases) - 1) / max(thresholds - 1, 1))]
                  for q in range(thresholds)} if releases else set()
         for tau in sorted(picks | {0.0}):
-            row([(D + i * kf + k, d2h[i] * 1e3) for i in members if produced[i] >= tau]
-                + [(SF, -1e3)], (t_k - tau) * 1e3)
-    for pt in bwd:
-        members = [i for i in range(n) if acts[i].first_backward_use > pt.op]
-        row([(c, -acts[i].bytes * gb) for i in members for c in (R + i, OFF + i)],
-            -pt.excess * gb)
+            row([(D + i * kp + k, d2h[i] * 1e3) for i in members if produced[i] >= tau]
+                + late, (t_k - tau) * 1e3)
     if fwd:
-        last, t_last = kf - 1, ctx.op_start[fwd[-1].op]
+        last, t_last = len(fwd) - 1, ctx.op_start[fwd[-1].op]
         for j in sorted({t.first_backward_use for t in acts}):
             members = [i for i in range(n) if acts[i].first_backward_use <= j]
-            row([(D + i * kf + last, h2d[i] * 1e3) for i in members]
+            row([(D + i * kp + last, h2d[i] * 1e3) for i in members]
                 + [(SF, -1e3), (SB, -1e3)] + [(R + i, -cost[i] * 1e3) for i in range(n)],
                 (ctx.op_start[j] - t_last) * 1e3)
     r, c, v = zip(*rows, strict=True)
