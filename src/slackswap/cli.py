@@ -286,18 +286,19 @@ def _print_reproduce(results: dict[str, Any], out_dir: str) -> None:
     from slackswap.planners import STRATEGIES
 
     out = Console()
+    workloads = results["workloads"]
     table = Table(title=f"Throughput retained at {results['budget_fraction']:.0%} budget, "
                         f"{results['hardware']} (simulated)")
-    table.add_column("workload")
-    table.add_column("paper*", justify="right")
+    table.add_column("strategy")
+    for w in workloads:
+        table.add_column(w["name"], justify="right")
+    table.add_row("paper*", *(f"{w['paper_retention']:.1%}" if w["paper_retention"] else "-"
+                              for w in workloads))
     for s in STRATEGIES:
-        table.add_column(s, justify="right")
-    table.add_column("bound", justify="right")
-    for w in results["workloads"]:
-        cells = [f"{e['retention']:.1%}" if e["feasible"] else "infeasible"
-                 for e in w["strategies"].values()]
-        paper = f"{w['paper_retention']:.1%}" if w["paper_retention"] else "-"
-        table.add_row(w["name"], paper, *cells, f"{w['bound_retention']:.1%}")
+        entries = [w["strategies"][s] for w in workloads]
+        cells = [f"{e['retention']:.1%}" if e["feasible"] else "infeasible" for e in entries]
+        table.add_row(f"[bold]{s}[/bold]" if s == "slackswap" else s, *cells)
+    table.add_row("bound", *(f"{w['bound_retention']:.1%}" for w in workloads))
     out.print(table)
     out.print("* the paper's own simulation (A100, PCIe 4.0, 50% budget)")
     out.print(f"results written to {out_dir}/ (results.json, report.md, plots, traces)")

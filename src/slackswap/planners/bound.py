@@ -19,8 +19,12 @@ NOTE [why this is a bound]
       sum_{i away at k, p_i >= tau} d_ik (latency + b_i / D2H) <= t_k + s_f - tau;
     - H2D: what was off the device at the last forward pressure point L came back after
       it and before its first use j (at most t_j + s_f + s_b + sum r_i c_i);
+    - chains: rebuilding i needs each never-saved input u of its producer back, either
+      rebuilt (z_u >= r_i - k_u, recursively up the never-saved chain) or kept since
+      forward as a checkpoint (k_u), which then occupies memory at every forward point
+      past u's last forward use;
     - time: the step is at least the sum of op times, plus each recomputed activation's
-      producer once (a chain costs more), plus idle time.
+      producer once and each rebuilt never-saved tensor's producer once, plus idle time.
 
     Copy rates are the faster solo rates, and keep-all times are lower bounds on the
     plan's own times, so each relaxation only loosens the bound.
@@ -38,7 +42,8 @@ from slackswap.planners.memory import pressure_points
 __all__ = ["retention_bound"]
 
 
-def retention_bound(ctx: PlanContext, thresholds: int = 4, max_points: int = 24) -> float:
+def retention_bound(ctx: PlanContext, thresholds: int = 4, max_points: int = 24,
+                    chain_depth: int = 2) -> float:
     """The largest retention any plan could reach under the budget (1.0 if keep-all fits)."""
     p, link = ctx.profile, ctx.hw.host_link
     acts = [t for t in p.saved_activations
@@ -64,9 +69,30 @@ def retention_bound(ctx: PlanContext, thresholds: int = 4, max_points: int = 24)
     cost = [p.ops[t.producer].time_s for t in acts]
     d2h = [link.latency_s + t.bytes / link.d2h_bandwidth for t in acts]
     h2d = [link.latency_s + t.bytes / link.h2d_bandwidth for t in acts]
-    # columns: r (n), o (n), d (n * kp: offloaded i is off the device at point k), s_f, s_b
+    # Tensors autograd never saved: rebuilding an activation made from one needs it back,
+    # rebuilt (z_u) or kept since forward as a checkpoint (k_u).
+    unsaved = {t.id: t for t in p.tensors if t.kind == "activation" and not t.saved
+               and t.producer is not None and not t.backward_consumers
+               and p.ops[t.producer].phase == "forward"}
+
+    def unsaved_inputs(op_index: int) -> list[int]:
+        return [u for u in dict.fromkeys(p.ops[op_index].inputs) if u in unsaved]
+
+    chain: dict[int, int] = {}  # unsaved tensor -> its column offset
+    frontier = [u for t in acts for u in unsaved_inputs(t.producer)]
+    for _ in range(chain_depth):  # deeper links are dropped: the bound only loosens
+        deeper = []
+        for u in frontier:
+            if u not in chain:
+                chain[u] = len(chain)
+                deeper.extend(unsaved_inputs(unsaved[u].producer))
+        frontier = deeper
+    m = len(chain)
+    # columns: r (n), o (n), d (n * kp: offloaded i is off the device at point k), s_f, s_b,
+    # z (m), k (m)
     R, OFF, D, SF, SB = 0, n, 2 * n, 2 * n + n * kp, 2 * n + n * kp + 1
-    cols = SB + 1
+    Z, K = SB + 1, SB + 1 + m
+    cols = K + m
     rows: list[tuple[int, int, float]] = []
     rhs: list[float] = []
 
@@ -77,20 +103,29 @@ def retention_bound(ctx: PlanContext, thresholds: int = 4, max_points: int = 24)
         rhs.append(bound)
 
     gb = 1e-9  # rows in gigabytes and milliseconds keep HiGHS's tolerances meaningful
+    recompute = [(R + i, -cost[i] * 1e3) for i in range(n)]  # time inserted in backward
     for i in range(n):
         row([(R + i, 1.0), (OFF + i, 1.0)], 1.0)
+        for u in unsaved_inputs(acts[i].producer):  # r_i <= z_u + k_u
+            row([(R + i, 1.0), (Z + chain[u], -1.0), (K + chain[u], -1.0)], 0.0)
+    for u, col in chain.items():  # z_u <= z_w + k_w: rebuilding u needs w back too
+        for w in (w for w in unsaved_inputs(unsaved[u].producer) if w in chain):
+            row([(Z + col, 1.0), (Z + chain[w], -1.0), (K + chain[w], -1.0)], 0.0)
+    last_fwd_use = {u: max([unsaved[u].producer, *unsaved[u].forward_consumers])
+                    for u in chain}
     for k, pt in enumerate(pts):
         backward = pt.op >= ctx.first_backward
         members = [i for i in range(n) if (acts[i].first_backward_use > pt.op if backward
                                             else freed[i] < pt.op)]
-        row([(c, -acts[i].bytes * gb) for i in members for c in (R + i, D + i * kp + k)],
-            -pt.excess * gb)
+        kept = [] if backward else [(K + col, unsaved[u].bytes * gb)
+                                    for u, col in chain.items() if last_fwd_use[u] < pt.op]
+        row([(c, -acts[i].bytes * gb) for i in members for c in (R + i, D + i * kp + k)]
+            + kept, -pt.excess * gb)
         for i in members:
             row([(D + i * kp + k, 1.0), (OFF + i, -1.0)], 0.0)
         # the op starts no later than its keep-all time plus idle time (and, in
         # backward, the recomputation inserted before it)
-        late = [(SF, -1e3)] + ([(SB, -1e3)] + [(R + i, -cost[i] * 1e3) for i in range(n)]
-                               if backward else [])
+        late = [(SF, -1e3)] + ([(SB, -1e3)] + recompute if backward else [])
         t_k = ctx.op_start[pt.op]
         releases = sorted({produced[i] for i in members})
         picks = {releases[int(q * (len(releases) - 1) / max(thresholds - 1, 1))]
@@ -100,20 +135,21 @@ def retention_bound(ctx: PlanContext, thresholds: int = 4, max_points: int = 24)
                 + late, (t_k - tau) * 1e3)
     if fwd:
         last, t_last = len(fwd) - 1, ctx.op_start[fwd[-1].op]
-        for j in sorted({t.first_backward_use for t in acts}):
+        uses = sorted({t.first_backward_use for t in acts})
+        for j in uses[:: max(len(uses) // max_points, 1)]:
             members = [i for i in range(n) if acts[i].first_backward_use <= j]
             row([(D + i * kp + last, h2d[i] * 1e3) for i in members]
-                + [(SF, -1e3), (SB, -1e3)] + [(R + i, -cost[i] * 1e3) for i in range(n)],
+                + [(SF, -1e3), (SB, -1e3)] + recompute,
                 (ctx.op_start[j] - t_last) * 1e3)
     r, c, v = zip(*rows, strict=True)
     a = coo_matrix((v, (r, c)), shape=(len(rhs), cols)).tocsr()
     objective = np.zeros(cols)
     objective[R:R + n] = np.array(cost) * 1e3
     objective[SF] = objective[SB] = 1e3
-    upper = np.ones(cols)
-    upper[SF] = upper[SB] = None  # type: ignore[call-overload]
-    bounds = [(0.0, None if u is None or np.isnan(u) else 1.0) for u in upper]
-    bounds[SF] = bounds[SB] = (0.0, None)
+    for u, col in chain.items():
+        objective[Z + col] = p.ops[unsaved[u].producer].time_s * 1e3
+    bounds: list[tuple[float, float | None]] = [(0.0, 1.0)] * cols
+    bounds[SF] = bounds[SB] = (0.0, None)  # idle time is unbounded
     res = linprog(objective, A_ub=a, b_ub=np.array(rhs), bounds=bounds, method="highs")
     if res.status == 2:  # infeasible: no plan fits this budget
         return 0.0
