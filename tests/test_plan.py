@@ -107,20 +107,16 @@ def test_reference_workloads_at_half_budget(name: str) -> None:
     assert ours.retention <= retention_bound(ctx) + 1e-9
 
 
+GAP = pytest.mark.xfail(strict=True, reason="open: SlackSwap is 1.3 (bert-large) and 1.7 "
+                        "(gpt2-xl) points under the LP bound; the bound or the planner needs "
+                        "tightening")
+
+
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="open: SlackSwap is ~2.4 points under the LP bound on "
-                   "bert-large and gpt2-xl; the bound or the planner needs tightening")
-@pytest.mark.parametrize("name", ["bert-large", "gpt2-xl"])
+@pytest.mark.parametrize("name", [pytest.param("bert-large", marks=GAP),
+                                  pytest.param("gpt2-xl", marks=GAP), "llama-7b"])
 def test_within_half_a_point_of_the_bound(name: str) -> None:
     profile = reference(name)
-    ctx = PlanContext(profile, slackswap.load_hardware("a100-80gb"),
-                      int(0.5 * profile.keep_all_peak))
-    assert plan_with_result(profile, 0.5)[1].retention >= retention_bound(ctx) - 0.005
-
-
-@pytest.mark.slow
-def test_llama_within_half_a_point_of_the_bound() -> None:
-    profile = reference("llama-7b")
     ctx = PlanContext(profile, slackswap.load_hardware("a100-80gb"),
                       int(0.5 * profile.keep_all_peak))
     assert plan_with_result(profile, 0.5)[1].retention >= retention_bound(ctx) - 0.005
@@ -131,3 +127,14 @@ def test_peak_never_rises_as_the_budget_falls() -> None:
     profile = reference("gpt2-xl")
     peaks = [plan_with_result(profile, b / 10)[1].peak_bytes for b in range(10, 1, -1)]
     assert peaks == sorted(peaks, reverse=True)
+
+
+@pytest.mark.slow
+def test_never_worse_than_a_baseline_across_budgets() -> None:
+    profile = reference("bert-large")
+    for tenths in range(2, 10):
+        ours = plan_with_result(profile, tenths / 10)[1]
+        for strategy in STRATEGIES:
+            attempt = plan_with_result(profile, tenths / 10, strategy=strategy)
+            if attempt is not None and attempt[1].feasible:
+                assert ours.retention >= attempt[1].retention, (tenths, strategy)
