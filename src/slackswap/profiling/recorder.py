@@ -14,11 +14,11 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from slackswap.core.profile import OpCategory, OpRecord, TensorKind, TensorRecord
 from slackswap.profiling.kernels import attention_flops
+from slackswap.profiling.naming import is_random, is_recorded, op_kind, strided_tensors
 
 __all__ = ["StepRecorder", "dtype_name"]
 
@@ -32,8 +32,6 @@ _FREE = {
     "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
     "_local_scalar_dense", "lift_fresh", "lift_fresh_copy", "resize_", "set_",
 }
-_RANDOM = ("bernoulli", "rand", "randn", "randint", "normal", "uniform", "exponential",
-           "multinomial", "native_dropout", "dropout", "randperm")
 # Fused attention kernels: kind -> (position of the query argument, of ``is_causal``).
 _ATTENTION = {
     "fused_attention": (0, 5),
@@ -52,15 +50,6 @@ _ATTENTION_BACKWARD_RATIO = 2.5
 
 def dtype_name(dtype: torch.dtype) -> str:
     return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
-
-
-def _is_random(kind: str) -> bool:
-    return kind.rstrip("_").startswith(_RANDOM)
-
-
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    leaves = tree_leaves(tree)
-    return [t for t in leaves if isinstance(t, torch.Tensor) and t.layout == torch.strided]
 
 
 class StepRecorder(TorchDispatchMode):
@@ -123,21 +112,19 @@ class StepRecorder(TorchDispatchMode):
     # -- dispatch --------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func.namespace == "prim" or func.is_view or func.__name__.startswith(
-            ("detach", "alias")
-        ):
+        if not is_recorded(func):
             return func(*args, **kwargs)
-        inputs = _tensors((args, kwargs))
+        inputs = strided_tensors((args, kwargs))
         in_ids = [self._id(t, "input", None) for t in inputs]
         if self.clock is None:
             out, seconds = func(*args, **kwargs), 0.0
         else:
             out, seconds = self.clock(lambda: func(*args, **kwargs))
         index = len(self.ops)
-        kind = func.__name__.split(".")[0]
-        outputs = _tensors(out)
+        kind = op_kind(func)
+        outputs = strided_tensors(out)
         out_ids = [self._id(t, "activation", index) for t in outputs]
-        random = _is_random(kind) or (kind == "fused_attention" and args[4] > 0)
+        random = is_random(kind) or (kind == "fused_attention" and args[4] > 0)
         floats = [t.dtype for t in inputs + outputs if t.is_floating_point()]
         self.ops.append(
             OpRecord(

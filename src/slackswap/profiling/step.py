@@ -20,6 +20,7 @@ from slackswap.core.hardware import Hardware, load_hardware
 from slackswap.core.profile import StepProfile
 from slackswap.errors import InputError, ProfileError
 from slackswap.profiling.kernels import TargetKernels
+from slackswap.profiling.naming import activation_name, module_path
 from slackswap.profiling.recorder import StepRecorder
 
 __all__ = ["default_device", "fingerprint", "profile", "transformer_blocks"]
@@ -139,17 +140,6 @@ def _loss(output: Any, loss_fn: Callable[[Any], torch.Tensor] | None, name: str)
     return loss
 
 
-def _module_path(tracker: ModTracker, root: str) -> Callable[[], str]:
-    prefix = root + "."
-
-    def innermost() -> str:
-        names = [p for p in tracker.parents if p != "Global"]
-        path = max(names, key=len, default="")
-        return path[len(prefix):] if path.startswith(prefix) else ""
-
-    return innermost
-
-
 def _run_step(
     call: Callable[[], Any], loss_fn: Callable[[Any], torch.Tensor] | None, name: str,
     recorder: StepRecorder, tracker: ModTracker, extra: contextlib.AbstractContextManager,
@@ -201,7 +191,7 @@ def _trace_analytic(
         batch, lambda t: t if isinstance(t, FakeTensor) else fake_mode.from_tensor(t)
     )
     tracker = ModTracker()
-    recorder = StepRecorder(_module_path(tracker, type(model).__name__))
+    recorder = StepRecorder(module_path(tracker, type(model).__name__))
     _register_state(recorder, model, state, _batch_tensors(fake_batch))
     causal = _is_causal_lm(model) and not _has_padding(batch)
     extra = TargetKernels(kernels, dense_masks_are_causal=causal)
@@ -244,7 +234,7 @@ def _trace_measured(
     model.zero_grad(set_to_none=True)
     clock = _CudaClock() if device.type == "cuda" else _wall_clock
     tracker = ModTracker()
-    recorder = StepRecorder(_module_path(tracker, type(model).__name__), clock)
+    recorder = StepRecorder(module_path(tracker, type(model).__name__), clock)
     _register_state(recorder, model, _state(model), _batch_tensors(batch))
     _run_step(lambda: _call(model, batch, name), loss_fn, name, recorder, tracker,
               contextlib.nullcontext())
@@ -295,9 +285,8 @@ def _name_activations(rec: StepRecorder) -> None:
         op = rec.ops[t.producer]
         if op.phase != "forward":
             continue
-        module = op.module or "(top)"
-        t.name = f"{module}:{op.kind}:{counts[module, op.kind]}"
-        counts[module, op.kind] += 1
+        t.name = activation_name(op.module, op.kind, counts[op.module, op.kind])
+        counts[op.module, op.kind] += 1
     external = 0
     for t in rec.tensors:
         if t.saved and t.name is None and not t.is_parameter:

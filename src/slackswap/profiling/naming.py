@@ -1,0 +1,54 @@
+"""What counts as an op and how activations are named: shared by the profiler and the
+runtime, so a plan made from a profile finds its tensors in a real step."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed._tools.mod_tracker import ModTracker
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["is_recorded", "op_kind", "is_random", "strided_tensors", "module_path",
+           "activation_name"]
+
+_RANDOM = ("bernoulli", "rand", "randn", "randint", "normal", "uniform", "exponential",
+           "multinomial", "native_dropout", "dropout", "randperm")
+
+
+def is_recorded(func: Any) -> bool:
+    """Kernels, not metadata: views, detaches, aliases and prims are resolved to bases."""
+    return not (func.namespace == "prim" or func.is_view
+                or func.__name__.startswith(("detach", "alias")))
+
+
+def op_kind(func: Any) -> str:
+    """Short op name used in ids: ``aten.addmm.default`` -> ``addmm``."""
+    return func.__name__.split(".")[0]
+
+
+def is_random(kind: str) -> bool:
+    return kind.rstrip("_").startswith(_RANDOM)
+
+
+def strided_tensors(tree: Any) -> list[torch.Tensor]:
+    leaves = tree_leaves(tree)
+    return [t for t in leaves if isinstance(t, torch.Tensor) and t.layout == torch.strided]
+
+
+def module_path(tracker: ModTracker, root: str) -> Callable[[], str]:
+    """The innermost module running now, as a path below the root model ("" at the top)."""
+    prefix = root + "."
+
+    def innermost() -> str:
+        names = [p for p in tracker.parents if p != "Global"]
+        path = max(names, key=len, default="")
+        return path[len(prefix):] if path.startswith(prefix) else ""
+
+    return innermost
+
+
+def activation_name(module: str, kind: str, k: int) -> str:
+    """``<module>:<op kind>:<k>``: the k-th tensor that module made with that op."""
+    return f"{module or '(top)'}:{kind}:{k}"
