@@ -12,14 +12,18 @@ from slackswap.sim import simulate
 __all__ = [
     "Hardware", "OpRecord", "Plan", "SimResult", "StepProfile", "TensorRecord",
     "InputError", "ProfileError", "SlackSwapError",
-    "STRATEGIES", "hardware_presets", "load_hardware", "plan", "profile", "simulate",
+    "STRATEGIES", "apply", "hardware_presets", "load_hardware", "plan", "profile", "simulate",
 ]
 
 
 def __getattr__(name: str):
-    # Torch is imported only when profiling is used, so the core stays torch-free.
+    # Torch is imported only when profiling or the runtime is used: the core stays torch-free.
     if name == "profile":
         from slackswap.profiling import profile
 
         return profile
+    if name == "apply":
+        from slackswap.runtime import apply
+
+        return apply
     raise AttributeError(f"module 'slackswap' has no attribute {name!r}")

@@ -1,0 +1,329 @@
+"""``slackswap.apply``: keep, offload or recompute each saved activation of a real step.
+
+NOTE [one owner of the hooks]
+    Only the innermost ``saved_tensors_hooks`` pair runs, so keep, offload and recompute
+    share one pair. A ``TorchDispatchMode`` watches the forward pass: it names every new
+    storage exactly as the profiler does (``<module>:<op>:<k>``, see
+    :mod:`slackswap.profiling.naming`) and records how each was made: the op, its
+    arguments (activations by reference, never by value), and the RNG state before a
+    random op. The pack hook then keeps a tensor, copies its storage to host memory
+    (offload), or drops it and keeps only the recipe (recompute). The unpack hook brings
+    an offloaded storage back, or replays the recipe: inputs first (recursively, when they
+    were dropped too), random ops under the RNG state they first ran with, in-place ops on
+    the storage in their original order, so the rebuilt values are bit-identical.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed._tools.mod_tracker import ModTracker
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+
+from slackswap.core.plan import Plan
+from slackswap.core.profile import StepProfile
+from slackswap.errors import InputError
+from slackswap.planners.context import MIN_PLANNED_BYTES
+from slackswap.profiling.naming import (
+    activation_name,
+    is_random,
+    is_recorded,
+    module_path,
+    op_kind,
+    strided_tensors,
+)
+
+__all__ = ["apply", "RuntimeStats"]
+
+
+@dataclass
+class RuntimeStats:
+    """What the last step did."""
+
+    offloaded_bytes: int = 0
+    reloaded_bytes: int = 0
+    recomputed_ops: int = 0
+    planned_seen: set[str] = field(default_factory=set)
+
+
+@dataclass(frozen=True, slots=True)
+class _Ref:
+    """An activation argument: a view into the storage of ``node`` as it was after
+    ``upto`` of its steps."""
+
+    node: _Node
+    upto: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+
+
+@dataclass(slots=True)
+class _Step:
+    func: Any
+    args: Any  # with activation tensors replaced by _Ref
+    kwargs: Any
+    output: int  # which tensor output of the op is the node's storage
+    rng: tuple[torch.Tensor, torch.Tensor | None] | None
+
+
+class _Node:
+    """How one storage made in forward came to be: its producer, then in-place ops."""
+
+    __slots__ = ("name", "key", "device", "steps", "ref", "storage", "__weakref__")
+
+    def __init__(self, name: str, step: _Step, tensor: torch.Tensor) -> None:
+        self.name = name
+        self.key = _storage_key(tensor)
+        self.device = tensor.device
+        self.steps = [step]
+        self.ref = weakref.ref(tensor)
+        # NOTE: a weak reference to the StorageImpl keeps its address from being reused,
+        # so storage keys stay unique while this node lives.
+        self.storage = StorageWeakRef(tensor.untyped_storage())
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _view(base: torch.Tensor, size, stride, offset, dtype) -> torch.Tensor:
+    out = base.new_empty(0, dtype=dtype)
+    return out.set_(base.untyped_storage(), offset, size, stride)
+
+
+def _rng_state() -> tuple[torch.Tensor, torch.Tensor | None]:
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+class _Tracer(TorchDispatchMode):
+    def __init__(self, owner: apply) -> None:
+        super().__init__()
+        self.owner = owner
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        owner = self.owner
+        if (not is_recorded(func) or owner._replaying
+                or torch._C._current_graph_task_id() != -1):
+            return func(*args, **kwargs)
+        kind = op_kind(func)
+        rng = _rng_state() if is_random(kind) else None
+        out = func(*args, **kwargs)
+        owner._record(func, kind, args, kwargs, out, rng)
+        return out
+
+
+class _Packed:
+    __slots__ = ("decision", "key", "node", "upto", "geometry", "device")
+
+    def __init__(self, decision, key, node, upto, geometry, device) -> None:
+        self.decision, self.key, self.node, self.upto = decision, key, node, upto
+        self.geometry, self.device = geometry, device
+
+
+class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
+    """Run the forward pass inside ``with slackswap.apply(model, plan):``; backward may
+    run inside or after the block. Gradients are bit-identical to training without it.
+
+    ``profile``, when given, is the profile the plan was made for: the plan is checked
+    against it before anything runs. Plans name activations by the ids a profile of the
+    same model, batch shape and kernels gives (profile with ``kernels="native"`` or
+    ``mode="measured"`` for the device you train on).
+    """
+
+    def __init__(self, model: torch.nn.Module, plan: Plan,
+                 profile: StepProfile | None = None) -> None:
+        if profile is not None:
+            plan.check(profile)
+        self.model = model
+        self.decisions = {n: d for n, d in plan.decisions.items() if d != "keep"}
+        self.stats = RuntimeStats()
+        self._active = False
+        self._replaying = False
+        self._nodes: dict[int, _Node] = {}
+        self._external: set[int] = set()  # storages from outside the step: never named
+        self._host: dict[int, torch.Tensor] = {}
+        self._back: dict[int, torch.Tensor] = {}  # storages rebuilt or reloaded, this step
+        self._pending: dict[int, int] = {}  # packed handles not yet unpacked, by storage
+        self._counts: dict[tuple[str, str], int] = {}
+        self._checked = False
+
+    # -- context manager ---------------------------------------------------------------
+    def __enter__(self) -> apply:
+        self._active = torch.is_grad_enabled()  # under no_grad nothing is saved
+        if not self._active:
+            return self
+        self._reset()
+        self._tracker = ModTracker()
+        self._path = module_path(self._tracker, type(self.model).__name__)
+        self._tracker.__enter__()
+        self._tracer = _Tracer(self)
+        self._tracer.__enter__()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if not self._active:
+            return
+        self._hooks.__exit__(*exc)
+        self._tracer.__exit__(*exc)
+        self._tracker.__exit__(*exc)
+
+    def _reset(self) -> None:
+        # What earlier steps packed stays valid: their handles hold their own nodes, and
+        # host copies and rebuilt storages go as they are unpacked.
+        self.stats = RuntimeStats()
+        self._nodes = {}
+        self._counts.clear()
+        self._checked = False
+        self._external = {_storage_key(t) for t in (*self.model.parameters(),
+                                                    *self.model.buffers())}
+
+    # -- forward: naming and recipes ---------------------------------------------------
+    def _record(self, func, kind, args, kwargs, out, rng) -> None:
+        module = self._path()
+
+        def ref(x: Any) -> Any:
+            if isinstance(x, torch.Tensor) and x.layout == torch.strided:
+                node = self._nodes.get(_storage_key(x))
+                if node is not None:
+                    return _Ref(node, len(node.steps), tuple(x.size()), tuple(x.stride()),
+                                x.storage_offset(), x.dtype)
+            return x  # parameters, buffers, batch inputs and constants stay as they are
+
+        for t in strided_tensors((args, kwargs)):
+            key = _storage_key(t)
+            if key not in self._nodes:
+                self._external.add(key)
+        step_args, step_kwargs = tree_map(ref, args), tree_map(ref, kwargs)
+        for i, t in enumerate(strided_tensors(out)):
+            key = _storage_key(t)
+            if key in self._external:
+                continue
+            node = self._nodes.get(key)
+            step = _Step(func, step_args, step_kwargs, i, rng)
+            if node is None:
+                k = self._counts.get((module, kind), 0)
+                self._counts[module, kind] = k + 1
+                self._nodes[key] = _Node(activation_name(module, kind, k), step, t)
+            elif func._schema.is_mutable:
+                node.steps.append(step)
+
+    # -- saved_tensors_hooks -----------------------------------------------------------
+    def _pack(self, t: torch.Tensor) -> Any:
+        key = _storage_key(t)
+        node = self._nodes.get(key)
+        decision = self.decisions.get(node.name) if node is not None else None
+        if decision is None or t.untyped_storage().nbytes() < MIN_PLANNED_BYTES:
+            return t
+        self.stats.planned_seen.add(node.name)
+        geometry = (tuple(t.size()), tuple(t.stride()), t.storage_offset(), t.dtype)
+        self._pending[key] = self._pending.get(key, 0) + 1
+        if decision == "offload" and key not in self._host:
+            storage = t.untyped_storage()
+            pin = t.device.type == "cuda"
+            host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
+            host.untyped_storage().copy_(storage)
+            self._host[key] = host
+            self.stats.offloaded_bytes += storage.nbytes()
+        return _Packed(decision, key, node, len(node.steps), geometry, t.device)
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        if not self._checked:
+            self._check_seen()
+        key = packed.key
+        base = self._back.get(key)
+        if base is None:
+            if packed.decision == "offload":
+                base = self._reload(key, packed.device)
+            else:
+                base = self._rebuild(packed.node, packed.upto)
+            self._back[key] = base
+        out = _view(base, *packed.geometry)
+        self._pending[key] -= 1
+        if self._pending[key] == 0:  # the last saved reference to it is back
+            del self._back[key]
+        return out
+
+    def _reload(self, key: int, device: torch.device) -> torch.Tensor:
+        host = self._host.pop(key)
+        self.stats.reloaded_bytes += host.numel()
+        return host.to(device)
+
+    def _check_seen(self) -> None:
+        self._checked = True
+        produced = {node.name for node in self._nodes.values()}
+        missing = [n for n in self.decisions if n not in produced]
+        if missing:
+            raise InputError(
+                f"plan names '{missing[0]}' (and {len(missing) - 1} more) that this step did "
+                "not produce: it was made for another model, batch shape or kernels"
+            )
+
+    # -- recompute ---------------------------------------------------------------------
+    def _rebuild(self, node: _Node, upto: int) -> torch.Tensor:
+        """The node's storage as it was after ``upto`` steps, as a tensor over it."""
+        alive = node.ref()
+        if alive is not None and len(node.steps) == upto:
+            return alive
+        with torch.no_grad():
+            self._replaying = True
+            try:
+                return self._replay(node, upto)
+            finally:
+                self._replaying = False
+
+    def _replay(self, node: _Node, upto: int) -> torch.Tensor:
+        current: torch.Tensor | None = None
+
+        def resolve(x: Any) -> Any:
+            if not isinstance(x, _Ref):
+                return x
+            base = current if x.node is node else self._materialize(x.node, x.upto)
+            return _view(base, x.size, x.stride, x.offset, x.dtype)
+
+        for step in node.steps[:upto]:
+            args, kwargs = tree_map(resolve, step.args), tree_map(resolve, step.kwargs)
+            if step.rng is not None:
+                saved = _rng_state()
+                torch.set_rng_state(step.rng[0])
+                if step.rng[1] is not None:
+                    torch.cuda.set_rng_state(step.rng[1])
+            out = step.func(*args, **kwargs)
+            if step.rng is not None:
+                torch.set_rng_state(saved[0])
+                if saved[1] is not None:
+                    torch.cuda.set_rng_state(saved[1])
+            self.stats.recomputed_ops += 1
+            if current is None:
+                current = strided_tensors(out)[step.output]
+        assert current is not None
+        return current
+
+    def _materialize(self, node: _Node, upto: int) -> torch.Tensor:
+        """An input of a rebuild: back already, still alive, on the host, or rebuilt."""
+        if node.key in self._back:
+            return self._back[node.key]
+        alive = node.ref()
+        if alive is not None and len(node.steps) == upto:
+            return alive
+        if node.key in self._host and len(node.steps) == upto:
+            base = self._reload(node.key, node.device)  # backward unpacks it later
+        else:
+            base = self._rebuild(node, upto)
+        if self._pending.get(node.key, 0) > 0 and len(node.steps) == upto:
+            # a saved activation backward will unpack later: keep it, as the simulator does
+            self._back[node.key] = base
+        return base
+

@@ -1,0 +1,174 @@
+"""The runtime: gradients bit-identical to training without it, under any plan."""
+
+from __future__ import annotations
+
+import functools
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import slackswap
+from slackswap.core.plan import Plan
+from slackswap.errors import InputError
+from slackswap.models import build_model
+
+MODELS = ["bert-large-tiny", "gpt2-xl-tiny", "llama-7b-tiny", "gpt-neox-tiny"]
+
+
+def _neox(fake: bool):
+    """A model that is not a preset: GPT-NeoX with dropout on."""
+    import transformers
+
+    config = transformers.GPTNeoXConfig(
+        vocab_size=500, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=128, hidden_dropout=0.1, attention_dropout=0.1, use_cache=False,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    if fake:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode():
+            model = transformers.GPTNeoXForCausalLM(config)
+    else:
+        model = transformers.GPTNeoXForCausalLM(config)
+    model.train()
+    ids = torch.randint(0, 500, (2, 24), generator=torch.Generator().manual_seed(1))
+    return model, {"input_ids": ids, "labels": ids.clone()}
+
+
+def _build(name: str, fake: bool):
+    return _neox(fake) if name == "gpt-neox-tiny" else build_model(name, fake=fake, dtype="fp32")
+
+
+@functools.cache
+def setup(name: str):
+    fake, batch = _build(name, fake=True)
+    profile = slackswap.profile(fake, batch, kernels="native", name=name)
+    model, batch = _build(name, fake=False)
+    names = [t.name for t in profile.saved_activations if t.producer is not None]
+    return profile, model, batch, names, run(model, batch)
+
+
+def run(model, batch, plan=None, seed=0):
+    torch.manual_seed(seed)  # the same dropout masks with and without the runtime
+    model.zero_grad(set_to_none=True)
+    if plan is None:
+        loss = model(**batch).loss
+    else:
+        with slackswap.apply(model, plan):
+            loss = model(**batch).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def assert_identical(a, b) -> None:
+    assert torch.equal(a[0], b[0])
+    assert a[1].keys() == b[1].keys()
+    for name in a[1]:
+        assert torch.equal(a[1][name], b[1][name]), name
+
+
+@pytest.mark.parametrize("decision", ["keep", "offload", "recompute"])
+@pytest.mark.parametrize("name", MODELS)
+def test_uniform_plans_are_bit_identical(name: str, decision: str) -> None:
+    profile, model, batch, names, reference = setup(name)
+    plan = Plan(fingerprint=profile.fingerprint, strategy=decision,
+                decisions={n: decision for n in names})
+    assert_identical(run(model, batch, plan), reference)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), name=st.sampled_from(MODELS))
+def test_random_plans_are_bit_identical(data, name: str) -> None:
+    profile, model, batch, names, reference = setup(name)
+    decisions = {n: data.draw(st.sampled_from(["keep", "offload", "recompute"]), label=n)
+                 for n in names}
+    plan = Plan(fingerprint=profile.fingerprint, strategy="random", decisions=decisions)
+    assert_identical(run(model, batch, plan), reference)
+
+
+def test_a_planned_step_moves_and_rebuilds() -> None:
+    profile, model, batch, names, _ = setup("gpt2-xl-tiny")
+    half = {n: ("offload" if i % 2 else "recompute") for i, n in enumerate(names)}
+    runtime = slackswap.apply(model, Plan(fingerprint=profile.fingerprint, strategy="x",
+                                          decisions=half))
+    torch.manual_seed(0)
+    with runtime:
+        loss = model(**batch).loss
+    loss.backward()
+    assert runtime.stats.offloaded_bytes > 0
+    assert runtime.stats.reloaded_bytes == runtime.stats.offloaded_bytes
+    assert runtime.stats.recomputed_ops > 0
+
+
+def test_repeated_steps_hold_nothing_and_repeat_exactly() -> None:
+    profile, model, batch, names, reference = setup("bert-large-tiny")
+    plan = Plan(fingerprint=profile.fingerprint, strategy="x",
+                decisions={n: ("offload", "recompute")[i % 2] for i, n in enumerate(names)})
+    runtime = slackswap.apply(model, plan)
+    for _ in range(20):
+        torch.manual_seed(0)
+        model.zero_grad(set_to_none=True)
+        with runtime:
+            loss = model(**batch).loss
+        loss.backward()
+        assert runtime._host == {} and runtime._back == {}
+        assert all(v == 0 for v in runtime._pending.values())
+        assert torch.equal(loss.detach(), reference[0])
+
+
+def test_gradient_accumulation() -> None:
+    profile, model, batch, names, _ = setup("gpt2-xl-tiny")
+    plan = Plan(fingerprint=profile.fingerprint, strategy="x",
+                decisions={n: "recompute" for n in names})
+
+    def two_micro_batches(with_plan: bool):
+        torch.manual_seed(0)
+        model.zero_grad(set_to_none=True)
+        losses = []
+        for _ in range(2):
+            if with_plan:
+                with slackswap.apply(model, plan):
+                    losses.append(model(**batch).loss)
+            else:
+                losses.append(model(**batch).loss)
+        for loss in losses:  # both forwards first, then both backwards
+            loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    plain, planned = two_micro_batches(False), two_micro_batches(True)
+    assert all(torch.equal(plain[n], planned[n]) for n in plain)
+
+
+def test_no_grad_is_a_no_op() -> None:
+    profile, model, batch, names, _ = setup("llama-7b-tiny")
+    plan = Plan(fingerprint=profile.fingerprint, strategy="x",
+                decisions={n: "offload" for n in names})
+    with torch.no_grad(), slackswap.apply(model, plan) as runtime:
+        model(**batch)
+    assert runtime.stats.offloaded_bytes == 0
+
+
+def test_a_plan_for_another_model_is_refused() -> None:
+    other, _, _, other_names, _ = setup("bert-large-tiny")
+    profile, model, batch, _, _ = setup("llama-7b-tiny")
+    plan = Plan(fingerprint=other.fingerprint, strategy="x",
+                decisions={n: "offload" for n in other_names})
+    with pytest.raises(InputError, match="different model or batch shape"):
+        slackswap.apply(model, plan, profile=profile)
+    with slackswap.apply(model, plan):
+        loss = model(**batch).loss
+    with pytest.raises(InputError, match="that this step did not produce"):
+        loss.backward()
+
+
+def test_readme_training_loop_runs() -> None:
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("## Use it in your training loop", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    exec(compile(code, "README.md", "exec"), {})
