@@ -172,3 +172,41 @@ def test_readme_training_loop_runs() -> None:
     section = readme.split("## Use it in your training loop", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     exec(compile(code, "README.md", "exec"), {})
+
+
+def test_autocast_bf16() -> None:
+    fake, batch = _build("gpt2-xl-tiny", fake=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        profile = slackswap.profile(fake, batch, kernels="native")
+    model, batch = _build("gpt2-xl-tiny", fake=False)
+    names = [t.name for t in profile.saved_activations if t.producer is not None]
+    def step(plan=None):  # one autocast region a step: its weight-cast cache is per region
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return run(model, batch, plan)
+
+    reference = step()
+    for decision in ("offload", "recompute"):
+        plan = Plan(fingerprint=profile.fingerprint, strategy=decision,
+                    decisions={n: decision for n in names})
+        assert_identical(step(plan), reference)
+
+
+class _MutatesAfterUse(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = torch.relu(self.lin(x))
+        y = h * h  # saves h
+        h.add_(1.0)  # changes h after it was read
+        return {"loss": (y + h).sum()}
+
+
+def test_recompute_after_an_in_place_change_is_refused() -> None:
+    model, x = _MutatesAfterUse(), torch.randn(8, 64)
+    profile = slackswap.profile(model, x, kernels="native")
+    [name] = [t.name for t in profile.saved_activations if t.name.endswith(":relu:0")]
+    plan = Plan(fingerprint=profile.fingerprint, strategy="x", decisions={name: "recompute"})
+    with pytest.raises(InputError, match=r"cannot recompute '.*relu:0': add_ .* changes it"):
+        slackswap.apply(model, plan, profile=profile)

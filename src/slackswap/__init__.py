@@ -6,7 +6,8 @@ from slackswap.core.plan import Plan
 from slackswap.core.profile import OpRecord, StepProfile, TensorRecord
 from slackswap.core.result import SimResult
 from slackswap.errors import InputError, ProfileError, SlackSwapError
-from slackswap.planners import STRATEGIES, plan
+from slackswap.planners import STRATEGIES
+from slackswap.planners import plan as _plan_profile
 from slackswap.sim import simulate
 
 __all__ = [
@@ -14,6 +15,17 @@ __all__ = [
     "InputError", "ProfileError", "SlackSwapError",
     "STRATEGIES", "apply", "hardware_presets", "load_hardware", "plan", "profile", "simulate",
 ]
+
+
+def plan(profile_or_model, *args, **kwargs) -> Plan:
+    """``plan(profile, budget, hardware=None, strategy="slackswap")``, or in one call
+    ``plan(model, batch, budget=0.5, hardware=None, strategy="slackswap", loss_fn=None)``:
+    profile the step as the model's device runs it, then plan."""
+    if hasattr(profile_or_model, "named_parameters"):
+        from slackswap.runtime.oneshot import plan_model
+
+        return plan_model(profile_or_model, *args, **kwargs)
+    return _plan_profile(profile_or_model, *args, **kwargs)
 
 
 def __getattr__(name: str):

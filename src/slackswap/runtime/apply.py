@@ -15,6 +15,7 @@ NOTE [one owner of the hooks]
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -98,6 +99,14 @@ def _view(base: torch.Tensor, size, stride, offset, dtype) -> torch.Tensor:
     return out.set_(base.untyped_storage(), offset, size, stride)
 
 
+def _no_autocast() -> contextlib.ExitStack:
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.autocast("cpu", enabled=False))
+    if torch.cuda.is_available():
+        stack.enter_context(torch.autocast("cuda", enabled=False))
+    return stack
+
+
 def _rng_state() -> tuple[torch.Tensor, torch.Tensor | None]:
     cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
     return torch.get_rng_state(), cuda
@@ -143,6 +152,7 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
                  profile: StepProfile | None = None) -> None:
         if profile is not None:
             plan.check(profile)
+            _check_recomputable(profile, plan)
         self.model = model
         self.decisions = {n: d for n, d in plan.decisions.items() if d != "keep"}
         self.stats = RuntimeStats()
@@ -277,7 +287,8 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         alive = node.ref()
         if alive is not None and len(node.steps) == upto:
             return alive
-        with torch.no_grad():
+        # The recorded ops already carry autocast's casts: replay them as they ran.
+        with torch.no_grad(), _no_autocast():
             self._replaying = True
             try:
                 return self._replay(node, upto)
@@ -327,3 +338,21 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
             self._back[node.key] = base
         return base
 
+
+
+def _check_recomputable(profile: StepProfile, plan: Plan) -> None:
+    """Refuse, before anything runs, to recompute an activation that an in-place op
+    changes after a forward op has read it: the values backward needs are gone."""
+    for name, decision in plan.decisions.items():
+        t = profile.by_name.get(name)
+        if decision != "recompute" or t is None:
+            continue
+        reads = [c for c in t.forward_consumers if t.id not in profile.ops[c].outputs]
+        if not reads:
+            continue
+        for op in profile.ops[min(reads) + 1:]:
+            if op.phase == "forward" and op.inplace and t.id in op.outputs:
+                raise InputError(
+                    f"cannot recompute '{name}': {op.kind} (op {op.index}) changes it in "
+                    f"place after op {min(reads)} read it; keep or offload it instead"
+                )
