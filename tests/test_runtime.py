@@ -210,3 +210,21 @@ def test_recompute_after_an_in_place_change_is_refused() -> None:
     plan = Plan(fingerprint=profile.fingerprint, strategy="x", decisions={name: "recompute"})
     with pytest.raises(InputError, match=r"cannot recompute '.*relu:0': add_ .* changes it"):
         slackswap.apply(model, plan, profile=profile)
+
+
+def test_reloads_start_at_their_prefetch_points() -> None:
+    profile, model, batch, names, reference = setup("gpt2-xl-tiny")
+    first_backward = next(op.index for op in profile.ops if op.phase == "backward")
+    plan = Plan(fingerprint=profile.fingerprint, strategy="x",
+                decisions={n: "offload" for n in names},
+                prefetch={n: first_backward for n in names})
+    runtime = slackswap.apply(model, plan, profile=profile)
+    torch.manual_seed(0)
+    model.zero_grad(set_to_none=True)
+    with runtime:
+        loss = model(**batch).loss
+    loss.backward()
+    assert runtime.stats.prefetched > 0 and runtime.stats.late_reloads == 0
+    assert runtime.stats.reloaded_bytes == runtime.stats.offloaded_bytes
+    assert_identical((loss.detach(), {n: p.grad for n, p in model.named_parameters()}),
+                     reference)

@@ -48,6 +48,8 @@ class RuntimeStats:
 
     offloaded_bytes: int = 0
     reloaded_bytes: int = 0
+    prefetched: int = 0  # reloads issued at their prefetch point
+    late_reloads: int = 0  # reloads issued only when backward needed them
     recomputed_ops: int = 0
     planned_seen: set[str] = field(default_factory=set)
 
@@ -150,9 +152,14 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
 
     def __init__(self, model: torch.nn.Module, plan: Plan,
                  profile: StepProfile | None = None) -> None:
+        # Prefetch points are profile op indices; the profile says which op needs what.
+        self._first_use: dict[str, int] = {}
+        self._prefetch = sorted(plan.prefetch.items(), key=lambda kv: (kv[1], kv[0]))
         if profile is not None:
             plan.check(profile)
             _check_recomputable(profile, plan)
+            self._first_use = {n: t.first_backward_use for n, t in profile.by_name.items()
+                               if t.first_backward_use is not None}
         self.model = model
         self.decisions = {n: d for n, d in plan.decisions.items() if d != "keep"}
         self.stats = RuntimeStats()
@@ -165,6 +172,9 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         self._pending: dict[int, int] = {}  # packed handles not yet unpacked, by storage
         self._counts: dict[tuple[str, str], int] = {}
         self._checked = False
+        self._offloaded: dict[str, int] = {}  # activation id -> storage key, this step
+        self._next_prefetch = 0
+        self._copies = _Copies()
 
     # -- context manager ---------------------------------------------------------------
     def __enter__(self) -> apply:
@@ -195,6 +205,8 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         self._nodes = {}
         self._counts.clear()
         self._checked = False
+        self._offloaded = {}
+        self._next_prefetch = 0
         self._external = {_storage_key(t) for t in (*self.model.parameters(),
                                                     *self.model.buffers())}
 
@@ -239,12 +251,9 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         geometry = (tuple(t.size()), tuple(t.stride()), t.storage_offset(), t.dtype)
         self._pending[key] = self._pending.get(key, 0) + 1
         if decision == "offload" and key not in self._host:
-            storage = t.untyped_storage()
-            pin = t.device.type == "cuda"
-            host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
-            host.untyped_storage().copy_(storage)
-            self._host[key] = host
-            self.stats.offloaded_bytes += storage.nbytes()
+            self._host[key] = self._copies.offload(t)
+            self._offloaded[node.name] = key
+            self.stats.offloaded_bytes += self._host[key].numel()
         return _Packed(decision, key, node, len(node.steps), geometry, t.device)
 
     def _unpack(self, packed: Any) -> torch.Tensor:
@@ -253,13 +262,16 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         if not self._checked:
             self._check_seen()
         key = packed.key
+        self._prefetch_up_to(self._first_use.get(packed.node.name), packed.device)
         base = self._back.get(key)
         if base is None:
             if packed.decision == "offload":
+                self.stats.late_reloads += 1  # not prefetched: backward waits for it
                 base = self._reload(key, packed.device)
             else:
                 base = self._rebuild(packed.node, packed.upto)
             self._back[key] = base
+        base = self._copies.ready(base)
         out = _view(base, *packed.geometry)
         self._pending[key] -= 1
         if self._pending[key] == 0:  # the last saved reference to it is back
@@ -269,7 +281,22 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
     def _reload(self, key: int, device: torch.device) -> torch.Tensor:
         host = self._host.pop(key)
         self.stats.reloaded_bytes += host.numel()
-        return host.to(device)
+        return self._copies.reload(host, device)
+
+    def _prefetch_up_to(self, position: int | None, device: torch.device) -> None:
+        """Issue the reloads whose prefetch point is at or before ``position`` (the
+        profile op that needs the tensor being unpacked now), in plan order."""
+        if position is None:
+            return
+        while self._next_prefetch < len(self._prefetch):
+            name, point = self._prefetch[self._next_prefetch]
+            if point > position:
+                break
+            self._next_prefetch += 1
+            key = self._offloaded.get(name)
+            if key is not None and key in self._host and key not in self._back:
+                self._back[key] = self._reload(key, device)
+                self.stats.prefetched += 1
 
     def _check_seen(self) -> None:
         self._checked = True
@@ -330,7 +357,8 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         if alive is not None and len(node.steps) == upto:
             return alive
         if node.key in self._host and len(node.steps) == upto:
-            base = self._reload(node.key, node.device)  # backward unpacks it later
+            # backward unpacks it later; the rebuild reads it now
+            base = self._copies.ready(self._reload(node.key, node.device))
         else:
             base = self._rebuild(node, upto)
         if self._pending.get(node.key, 0) > 0 and len(node.steps) == upto:
@@ -356,3 +384,54 @@ def _check_recomputable(profile: StepProfile, plan: Plan) -> None:
                     f"cannot recompute '{name}': {op.kind} (op {op.index}) changes it in "
                     f"place after op {min(reads)} read it; keep or offload it instead"
                 )
+
+
+class _Copies:
+    """Host copies. On CUDA: pinned buffers, offloads on a D2H stream and reloads on an
+    H2D stream, the compute stream waiting on a reload's event only when it needs the
+    tensor; the caching allocator is told (``record_stream``) not to reuse memory a copy
+    still reads or writes. Elsewhere: plain synchronous copies into separate buffers."""
+
+    def __init__(self) -> None:
+        self._streams: tuple[Any, Any] | None = None
+        self._events: dict[int, Any] = {}  # id of a reloaded tensor -> its copy's event
+
+    def _cuda_streams(self) -> tuple[Any, Any]:
+        if self._streams is None:
+            self._streams = (torch.cuda.Stream(), torch.cuda.Stream())
+        return self._streams
+
+    def offload(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if t.device.type != "cuda":
+            host = torch.empty(storage.nbytes(), dtype=torch.uint8)
+            host.untyped_storage().copy_(storage)
+            return host
+        d2h, _ = self._cuda_streams()
+        host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=True)
+        d2h.wait_stream(torch.cuda.current_stream(t.device))
+        with torch.cuda.stream(d2h):
+            host.untyped_storage().copy_(storage, non_blocking=True)
+        t.record_stream(d2h)  # its memory is not reused before the copy has read it
+        return host
+
+    def reload(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        if device.type != "cuda":
+            return host.to(device)
+        d2h, h2d = self._cuda_streams()
+        h2d.wait_stream(d2h)  # the offload into ``host`` has landed
+        with torch.cuda.stream(h2d):
+            base = host.to(device, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(h2d)
+        self._events[id(base)] = event
+        return base
+
+    def ready(self, base: torch.Tensor) -> torch.Tensor:
+        """Make the compute stream wait for ``base``'s reload, if one is in flight."""
+        event = self._events.pop(id(base), None)
+        if event is not None:
+            current = torch.cuda.current_stream(base.device)
+            current.wait_event(event)
+            base.record_stream(current)
+        return base
