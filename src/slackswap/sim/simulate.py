@@ -20,10 +20,8 @@ __all__ = ["simulate", "SimRun"]
 class SimRun:
     """The schedule and timeline behind a :class:`SimResult`, for traces and plots."""
 
-    def __init__(self, profile: StepProfile, schedule: Schedule, timeline: Timeline,
-                 keep_all: Timeline | None) -> None:
-        self.profile, self.schedule, self.timeline, self.keep_all = (
-            profile, schedule, timeline, keep_all)
+    def __init__(self, profile: StepProfile, schedule: Schedule, timeline: Timeline) -> None:
+        self.profile, self.schedule, self.timeline = profile, schedule, timeline
 
 
 def simulate(
@@ -80,7 +78,7 @@ def simulate(
         recompute_s=recompute,
         busy_fraction={k: v / step if step > 0 else 0.0 for k, v in busy.items()},
     )
-    result._run = SimRun(profile, schedule, tl, None)
+    result._run = SimRun(profile, schedule, tl)
     return result
 
 
