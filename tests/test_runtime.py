@@ -111,7 +111,7 @@ def test_repeated_steps_hold_nothing_and_repeat_exactly() -> None:
     plan = Plan(fingerprint=profile.fingerprint, strategy="x",
                 decisions={n: ("offload", "recompute")[i % 2] for i, n in enumerate(names)})
     runtime = slackswap.apply(model, plan)
-    for _ in range(20):
+    for _ in range(200):
         torch.manual_seed(0)
         model.zero_grad(set_to_none=True)
         with runtime:
@@ -152,6 +152,17 @@ def test_no_grad_is_a_no_op() -> None:
     with torch.no_grad(), slackswap.apply(model, plan) as runtime:
         model(**batch)
     assert runtime.stats.offloaded_bytes == 0
+
+
+def test_a_batch_of_another_shape_is_refused() -> None:
+    profile, model, batch, names, _ = setup("gpt2-xl-tiny")
+    plan = Plan(fingerprint=profile.fingerprint, strategy="x", decisions={})
+    slackswap.apply(model, plan, profile=profile, batch=batch)  # the same shapes pass
+    longer = {k: torch.cat([v, v], dim=1) for k, v in batch.items()}
+    with pytest.raises(InputError, match=r"batch 'input_ids' of shape \[2, 32\], not \[2, 64\]"):
+        slackswap.apply(model, plan, profile=profile, batch=longer)
+    with pytest.raises(InputError, match="different model or batch"):
+        slackswap.apply(model, plan, batch=longer)
 
 
 def test_a_plan_for_another_model_is_refused() -> None:

@@ -23,7 +23,7 @@ from slackswap.profiling.kernels import TargetKernels
 from slackswap.profiling.naming import activation_name, module_path
 from slackswap.profiling.recorder import StepRecorder
 
-__all__ = ["default_device", "fingerprint", "profile", "transformer_blocks"]
+__all__ = ["batch_tensors", "default_device", "fingerprint", "profile", "transformer_blocks"]
 
 Batch = Mapping[str, Any] | tuple | list | torch.Tensor
 
@@ -79,7 +79,7 @@ def fingerprint(model: torch.nn.Module, batch: Batch) -> str:
     parts = {
         "modules": [(n, type(m).__name__) for n, m in model.named_modules()],
         "state": [(n, list(t.shape), str(t.dtype)) for n, t in _state(model).items()],
-        "batch": [(k, list(t.shape), str(t.dtype)) for k, t in _batch_tensors(batch)],
+        "batch": [(k, list(t.shape), str(t.dtype)) for k, t in batch_tensors(batch)],
         "training": model.training,
     }
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
@@ -102,7 +102,7 @@ def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {**dict(model.named_parameters()), **dict(model.named_buffers())}
 
 
-def _batch_tensors(batch: Batch) -> list[tuple[str, torch.Tensor]]:
+def batch_tensors(batch: Batch) -> list[tuple[str, torch.Tensor]]:
     if isinstance(batch, torch.Tensor):
         return [("input", batch)]
     items = batch.items() if isinstance(batch, Mapping) else enumerate(batch)
@@ -192,7 +192,7 @@ def _trace_analytic(
     )
     tracker = ModTracker()
     recorder = StepRecorder(module_path(tracker, type(model).__name__))
-    _register_state(recorder, model, state, _batch_tensors(fake_batch))
+    _register_state(recorder, model, state, batch_tensors(fake_batch))
     causal = _is_causal_lm(model) and not _has_padding(batch)
     extra = TargetKernels(kernels, dense_masks_are_causal=causal)
 
@@ -235,7 +235,7 @@ def _trace_measured(
     clock = _CudaClock() if device.type == "cuda" else _wall_clock
     tracker = ModTracker()
     recorder = StepRecorder(module_path(tracker, type(model).__name__), clock)
-    _register_state(recorder, model, _state(model), _batch_tensors(batch))
+    _register_state(recorder, model, _state(model), batch_tensors(batch))
     _run_step(lambda: _call(model, batch, name), loss_fn, name, recorder, tracker,
               contextlib.nullcontext())
     model.zero_grad(set_to_none=True)

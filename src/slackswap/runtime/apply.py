@@ -16,6 +16,7 @@ NOTE [one owner of the hooks]
 from __future__ import annotations
 
 import contextlib
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +52,7 @@ class RuntimeStats:
     prefetched: int = 0  # reloads issued at their prefetch point
     late_reloads: int = 0  # reloads issued only when backward needed them
     recomputed_ops: int = 0
+    recompute_s: float = 0.0  # wall time spent rebuilding (CPU clock; async on CUDA)
     planned_seen: set[str] = field(default_factory=set)
 
 
@@ -145,16 +147,19 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
     run inside or after the block. Gradients are bit-identical to training without it.
 
     ``profile``, when given, is the profile the plan was made for: the plan is checked
-    against it before anything runs. Plans name activations by the ids a profile of the
-    same model, batch shape and kernels gives (profile with ``kernels="native"`` or
-    ``mode="measured"`` for the device you train on).
+    against it before anything runs, and reloads start at the plan's prefetch points.
+    ``batch``, when given, is checked against the plan's fingerprint. Plans name
+    activations by the ids a profile of the same model, batch shape and kernels gives
+    (profile with ``kernels="native"`` or ``mode="measured"`` for the device you train on).
     """
 
     def __init__(self, model: torch.nn.Module, plan: Plan,
-                 profile: StepProfile | None = None) -> None:
+                 profile: StepProfile | None = None, batch: Any = None) -> None:
         # Prefetch points are profile op indices; the profile says which op needs what.
         self._first_use: dict[str, int] = {}
         self._prefetch = sorted(plan.prefetch.items(), key=lambda kv: (kv[1], kv[0]))
+        if batch is not None:
+            _check_fingerprint(model, batch, plan, profile)
         if profile is not None:
             plan.check(profile)
             _check_recomputable(profile, plan)
@@ -315,12 +320,14 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         if alive is not None and len(node.steps) == upto:
             return alive
         # The recorded ops already carry autocast's casts: replay them as they ran.
+        start = time.perf_counter()
         with torch.no_grad(), _no_autocast():
             self._replaying = True
             try:
                 return self._replay(node, upto)
             finally:
                 self._replaying = False
+                self.stats.recompute_s += time.perf_counter() - start
 
     def _replay(self, node: _Node, upto: int) -> torch.Tensor:
         current: torch.Tensor | None = None
@@ -435,3 +442,22 @@ class _Copies:
             current.wait_event(event)
             base.record_stream(current)
         return base
+
+
+def _check_fingerprint(model: torch.nn.Module, batch: Any, plan: Plan,
+                       profile: StepProfile | None) -> None:
+    """Refuse a plan made for another model or batch shape, saying what differs."""
+    from slackswap.profiling.step import batch_tensors, fingerprint
+
+    if fingerprint(model, batch) == plan.fingerprint:
+        return
+    if profile is not None and profile.fingerprint == plan.fingerprint:
+        shapes = {t.name: t.shape for t in profile.tensors if t.kind == "input"}
+        for key, t in batch_tensors(batch):
+            planned = shapes.get(f"input:{key}")
+            if planned is not None and planned != list(t.shape):
+                raise InputError(f"plan was made for batch '{key}' of shape {planned}, "
+                                 f"not {list(t.shape)}; re-plan for this shape")
+    raise InputError("plan was made for a different model or batch (fingerprint "
+                     f"{plan.fingerprint[:12]} != {fingerprint(model, batch)[:12]}); "
+                     "re-plan for this model and batch")
