@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from slackswap.planners.context import PlanContext
-from slackswap.planners.memory import pressure_points
+from slackswap.planners.memory import evicted_at, pressure_points
 from slackswap.planners.recompute import choose_recompute, rebuild_cost
 from slackswap.planners.search import Attempt, fit_margin, smallest_fitting
 from slackswap.planners.slack import d2h_landing, offload_within_slack
@@ -80,12 +80,8 @@ def capuchin(ctx: PlanContext) -> Attempt | None:
                   key=lambda c: (-c.bytes / max(rebuild_cost(ctx, c), 1e-12), c.tensor))
     peak_op = max(range(len(ctx.memory)), key=ctx.memory.__getitem__)
 
-    def gone_at_peak(c) -> bool:
-        if peak_op >= ctx.first_backward:
-            return c.first_use > peak_op
-        return c.freed_op < peak_op and landed[c.name] <= ctx.op_start[peak_op]
-
-    excess = ctx.keep_all_peak - ctx.budget - sum(c.bytes for c in swaps if gone_at_peak(c))
+    gone = sum(c.bytes for c in swaps if evicted_at(c, peak_op, ctx, landed[c.name]))
+    excess = ctx.keep_all_peak - ctx.budget - gone
 
     def make(margin: int):
         decisions = {c.name: "offload" for c in swaps}

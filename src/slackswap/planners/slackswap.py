@@ -24,7 +24,7 @@ from bisect import bisect_right
 from collections import defaultdict
 
 from slackswap.planners.context import Candidate, PlanContext
-from slackswap.planners.memory import pressure_points
+from slackswap.planners.memory import evicted_at, pressure_points
 from slackswap.planners.recompute import choose_recompute, rebuild_cost
 from slackswap.planners.search import Attempt, fit_margin
 from slackswap.planners.slack import d2h_landing, offload_within_slack
@@ -65,14 +65,10 @@ def _hybrid(ctx: PlanContext, offload: list[Candidate]) -> Attempt | None:
     offloaded = {c.name for c in offload}
     rest = [c for c in ctx.candidates if c.name not in offloaded]
 
-    def freed(c: Candidate, op: int) -> bool:
-        if op < ctx.first_backward:
-            return c.freed_op < op and landed[c.name] <= ctx.op_start[op]
-        return c.first_use > op
-
     def make(margin: int):
         points = pressure_points(ctx, margin)
-        credit = {pt.op: sum(c.bytes for c in offload if freed(c, pt.op)) for pt in points}
+        credit = {pt.op: sum(c.bytes for c in offload
+                             if evicted_at(c, pt.op, ctx, landed[c.name])) for pt in points}
         chosen = choose_recompute(ctx, rest, points, credit)
         if chosen is None:
             return None
