@@ -171,7 +171,8 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         self._active = False
         self._replaying = False
         self._nodes: dict[int, _Node] = {}
-        self._external: set[int] = set()  # storages from outside the step: never named
+        # storages from outside the step (parameters, buffers, the batch): never named
+        self._external: dict[int, StorageWeakRef] = {}
         self._host: dict[int, torch.Tensor] = {}
         self._back: dict[int, torch.Tensor] = {}  # storages rebuilt or reloaded, this step
         self._pending: dict[int, int] = {}  # packed handles not yet unpacked, by storage
@@ -212,8 +213,17 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         self._checked = False
         self._offloaded = {}
         self._next_prefetch = 0
-        self._external = {_storage_key(t) for t in (*self.model.parameters(),
-                                                    *self.model.buffers())}
+        self._external = {}
+        for t in (*self.model.parameters(), *self.model.buffers()):
+            self._mark_external(t)
+
+    def _mark_external(self, t: torch.Tensor) -> None:
+        # the weak reference keeps the storage's key from being reused while it is held
+        self._external[_storage_key(t)] = StorageWeakRef(t.untyped_storage())
+
+    def _is_external(self, key: int) -> bool:
+        ref = self._external.get(key)
+        return ref is not None and not ref.expired()
 
     # -- forward: naming and recipes ---------------------------------------------------
     def _record(self, func, kind, args, kwargs, out, rng) -> None:
@@ -228,13 +238,12 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
             return x  # parameters, buffers, batch inputs and constants stay as they are
 
         for t in strided_tensors((args, kwargs)):
-            key = _storage_key(t)
-            if key not in self._nodes:
-                self._external.add(key)
+            if _storage_key(t) not in self._nodes:
+                self._mark_external(t)
         step_args, step_kwargs = tree_map(ref, args), tree_map(ref, kwargs)
         for i, t in enumerate(strided_tensors(out)):
             key = _storage_key(t)
-            if key in self._external:
+            if self._is_external(key):
                 continue
             node = self._nodes.get(key)
             step = _Step(func, step_args, step_kwargs, i, rng)
