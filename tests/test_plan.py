@@ -107,9 +107,9 @@ def test_reference_workloads_at_half_budget(name: str) -> None:
     assert ours.retention <= retention_bound(ctx) + 1e-9
 
 
-GAP = pytest.mark.xfail(strict=True, reason="open: SlackSwap is 1.3 (bert-large) and 1.7 "
-                        "(gpt2-xl) points under the LP bound, whose checkpoints cost no "
-                        "memory in backward; the bound or the planner needs tightening")
+GAP = pytest.mark.xfail(strict=True, reason="open: SlackSwap is 0.8 (bert-large) and 1.3 "
+                        "(gpt2-xl) points under the LP bound; the bound or the planner needs "
+                        "tightening")
 
 
 @pytest.mark.slow

@@ -22,7 +22,8 @@ NOTE [why this is a bound]
     - chains: rebuilding i needs each never-saved input u of its producer back, either
       rebuilt (z_u >= r_i - k_u, recursively up the never-saved chain) or kept since
       forward as a checkpoint (k_u), which then occupies memory at every forward point
-      past u's last forward use;
+      past u's last forward use, and at every backward point j before a rebuild that
+      reads it when u is never rebuilt (w_uj >= r_i - z_u for readers i needed after j);
     - time: the step is at least the sum of op times, plus each recomputed activation's
       producer once and each rebuilt never-saved tensor's producer once, plus idle time.
 
@@ -42,7 +43,7 @@ from slackswap.planners.memory import pressure_points
 __all__ = ["retention_bound"]
 
 
-def retention_bound(ctx: PlanContext, thresholds: int = 4, max_points: int = 24,
+def retention_bound(ctx: PlanContext, thresholds: int = 4, max_points: int = 12,
                     chain_depth: int = 2) -> float:
     """The largest retention any plan could reach under the budget (1.0 if keep-all fits)."""
     p, link = ctx.profile, ctx.hw.host_link
@@ -92,7 +93,14 @@ def retention_bound(ctx: PlanContext, thresholds: int = 4, max_points: int = 24,
     # z (m), k (m)
     R, OFF, D, SF, SB = 0, n, 2 * n, 2 * n + n * kp, 2 * n + n * kp + 1
     Z, K = SB + 1, SB + 1 + m
-    cols = K + m
+    # w (m * kb): checkpoint u is still waiting for a rebuild at backward point j
+    W = K + m
+    kb = len(bwd)
+    cols = W + m * kb
+    readers: dict[int, list[int]] = {u: [] for u in chain}  # candidates rebuilt from u
+    for i, t in enumerate(acts):
+        for u in unsaved_inputs(t.producer):
+            readers[u].append(i)
     rows: list[tuple[int, int, float]] = []
     rhs: list[float] = []
 
@@ -117,8 +125,20 @@ def retention_bound(ctx: PlanContext, thresholds: int = 4, max_points: int = 24,
         backward = pt.op >= ctx.first_backward
         members = [i for i in range(n) if (acts[i].first_backward_use > pt.op if backward
                                             else freed[i] < pt.op)]
-        kept = [] if backward else [(K + col, unsaved[u].bytes * gb)
-                                    for u, col in chain.items() if last_fwd_use[u] < pt.op]
+        if backward:
+            # a never-rebuilt u read by a rebuild after j is a checkpoint resident at j:
+            # w_uj >= r_i - z_u for each reader i needed after j
+            jb = k - len(fwd)
+            kept = []
+            for u, col in chain.items():
+                later = [i for i in readers[u] if acts[i].first_backward_use > pt.op]
+                if later:
+                    kept.append((W + col * kb + jb, unsaved[u].bytes * gb))
+                    for i in later:
+                        row([(R + i, 1.0), (Z + col, -1.0), (W + col * kb + jb, -1.0)], 0.0)
+        else:
+            kept = [(K + col, unsaved[u].bytes * gb)
+                    for u, col in chain.items() if last_fwd_use[u] < pt.op]
         row([(c, -acts[i].bytes * gb) for i in members for c in (R + i, D + i * kp + k)]
             + kept, -pt.excess * gb)
         for i in members:
