@@ -15,6 +15,7 @@ import slackswap
 from slackswap.core.plan import Plan
 from slackswap.errors import InputError
 from slackswap.models import build_model
+from slackswap.planners.context import MIN_PLANNED_BYTES
 
 MODELS = ["bert-large-tiny", "gpt2-xl-tiny", "llama-7b-tiny", "gpt-neox-tiny"]
 
@@ -117,8 +118,9 @@ def test_repeated_steps_hold_nothing_and_repeat_exactly() -> None:
         with runtime:
             loss = model(**batch).loss
         loss.backward()
-        assert runtime._host == {} and runtime._back == {}
+        assert runtime._host == {} and runtime._back == {} and runtime._held == {}
         assert all(v == 0 for v in runtime._pending.values())
+        assert runtime.stats.resident_bytes == 0
         assert torch.equal(loss.detach(), reference[0])
 
 
@@ -176,6 +178,33 @@ def test_a_plan_for_another_model_is_refused() -> None:
         loss = model(**batch).loss
     with pytest.raises(InputError, match="that this step did not produce"):
         loss.backward()
+
+
+def _without_dropout(model: torch.nn.Module) -> torch.nn.Module:
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        if isinstance(getattr(m, "attention_dropout", None), float):
+            m.attention_dropout = 0.0
+    return model
+
+
+@pytest.mark.parametrize("name", ["bert-large-tiny", "gpt2-xl-tiny", "llama-7b-tiny"])
+def test_a_plan_traced_for_the_gpu_finds_its_tensors_here(name: str) -> None:
+    """Ids from the analytic CUDA trace (``fused_attention``) match the kernel SDPA picks
+    on this machine. Dropout is off: CPU dropout is a different op than CUDA's."""
+    fake, batch = build_model(name, fake=True, dtype="fp32")
+    profile = slackswap.profile(_without_dropout(fake), batch, kernels="cuda", name=name)
+    assert any(op.kind == "fused_attention" for op in profile.ops)
+    model, batch = build_model(name, fake=False, dtype="fp32")
+    model = _without_dropout(model)
+    names = [t.name for t in profile.saved_activations  # what a planner may plan
+             if t.producer is not None and t.bytes >= MIN_PLANNED_BYTES]
+    assert any(":attention:" in n for n in names)
+    plan = Plan(fingerprint=profile.fingerprint, strategy="x",
+                decisions={n: ("offload", "recompute")[i % 2] for i, n in enumerate(names)})
+    reference = run(model, batch)
+    assert_identical(run(model, batch, plan), reference)  # it raises on an id it misses
 
 
 def test_readme_training_loop_runs() -> None:
@@ -239,6 +268,46 @@ def test_reloads_start_at_their_prefetch_points() -> None:
     assert runtime.stats.reloaded_bytes == runtime.stats.offloaded_bytes
     assert_identical((loss.detach(), {n: p.grad for n, p in model.named_parameters()}),
                      reference)
+
+
+def _step(model, batch, runtime) -> None:
+    torch.manual_seed(0)
+    model.zero_grad(set_to_none=True)
+    with runtime:
+        loss = model(**batch).loss
+    loss.backward()
+
+
+def test_stats_count_resident_bytes_stalls_and_recompute() -> None:
+    profile, model, batch, names, _ = setup("llama-7b-tiny")
+    saved = sum(t.bytes for t in profile.saved_activations
+                if t.producer is not None and t.bytes >= MIN_PLANNED_BYTES)
+    first_backward = next(op.index for op in profile.ops if op.phase == "backward")
+
+    def stats(decision: str, prefetch_at: int | None = None):
+        plan = Plan(fingerprint=profile.fingerprint, strategy="x",
+                    decisions={n: decision for n in names},
+                    prefetch={} if prefetch_at is None else {n: prefetch_at for n in names})
+        runtime = slackswap.apply(model, plan, profile=profile)
+        _step(model, batch, runtime)
+        assert runtime.stats.resident_bytes == 0  # all released by the end of backward
+        return runtime.stats
+
+    keep = stats("keep")
+    assert keep.peak_resident_bytes == saved  # everything saved, at the end of forward
+    assert keep.stalls == keep.recomputed_ops == 0 and keep.recompute_s == 0.0
+
+    all_at_once = stats("offload", prefetch_at=first_backward)
+    assert all_at_once.peak_resident_bytes == saved  # everything back before backward's op 1
+    assert all_at_once.stalls == 0 and all_at_once.stall_s == 0.0
+
+    late = stats("offload")
+    assert 0 < late.peak_resident_bytes < saved
+    assert late.stalls == late.late_reloads > 0 and late.stall_s > 0.0
+
+    rebuilt = stats("recompute")
+    assert 0 < rebuilt.peak_resident_bytes < saved
+    assert rebuilt.recomputed_ops > 0 and rebuilt.recompute_s > 0.0
 
 
 def test_measured_peak_matches_the_simulated_peak() -> None:

@@ -116,7 +116,8 @@ def module_policy(ctx: PlanContext) -> Attempt | None:
         local = rebuild_cost(ctx, c) == c.recompute_s  # rebuilt from saved inputs alone
         if c.kind in _RECOMPUTE_KINDS and any(key in module for key in _NORM_OR_ACT) and local:
             rules[c.name] = "recompute"
-        elif c.kind == "fused_attention" or c.tensor in linear_inputs:
+        elif (p.ops[c.producer].category == "attention_forward"
+              or c.tensor in linear_inputs):
             rules[c.name] = "offload"
     layers = len(p.layers)
     by_layer = {c.name: c.layer for c in ctx.candidates}

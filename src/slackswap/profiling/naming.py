@@ -10,11 +10,23 @@ import torch
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["is_recorded", "op_kind", "is_random", "strided_tensors", "module_path",
-           "activation_name"]
+__all__ = ["is_recorded", "op_kind", "is_random", "is_attention", "name_kind",
+           "strided_tensors", "module_path", "activation_name"]
 
 _RANDOM = ("bernoulli", "rand", "randn", "randint", "normal", "uniform", "exponential",
            "multinomial", "native_dropout", "dropout", "randperm")
+
+
+# Fused attention forward kernels: every backend returns (output, logsumexp, ...) in that
+# order, so one name in ids lets a plan traced for the GPU (``fused_attention``) find the
+# tensors a real step makes with whichever kernel SDPA picks there.
+_ATTENTION_KERNELS = frozenset({
+    "fused_attention",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+})
 
 
 def is_recorded(func: Any) -> bool:
@@ -30,6 +42,16 @@ def op_kind(func: Any) -> str:
 
 def is_random(kind: str) -> bool:
     return kind.rstrip("_").startswith(_RANDOM)
+
+
+def is_attention(kind: str) -> bool:
+    """A fused attention forward kernel (it draws from the RNG when it has dropout)."""
+    return kind in _ATTENTION_KERNELS
+
+
+def name_kind(kind: str) -> str:
+    """The op kind as activation ids spell it: ``attention`` for any fused attention."""
+    return "attention" if kind in _ATTENTION_KERNELS else kind
 
 
 def strided_tensors(tree: Any) -> list[torch.Tensor]:

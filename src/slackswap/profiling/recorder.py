@@ -32,20 +32,30 @@ _FREE = {
     "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
     "_local_scalar_dense", "lift_fresh", "lift_fresh_copy", "resize_", "set_",
 }
-# Fused attention kernels: kind -> (position of the query argument, of ``is_causal``).
+# Fused attention kernels: kind -> positions of the query, ``is_causal`` and ``dropout_p``
+# arguments (``None`` where a kernel takes no dropout).
 _ATTENTION = {
-    "fused_attention": (0, 5),
-    "fused_attention_backward": (1, 9),
-    "_scaled_dot_product_flash_attention_for_cpu": (0, 4),
-    "_scaled_dot_product_flash_attention_for_cpu_backward": (1, 7),
-    "_scaled_dot_product_flash_attention": (0, 4),
-    "_scaled_dot_product_flash_attention_backward": (1, 11),
-    "_scaled_dot_product_efficient_attention": (0, 6),
-    "_scaled_dot_product_efficient_attention_backward": (1, 11),
+    "fused_attention": (0, 5, 4),
+    "fused_attention_backward": (1, 9, None),
+    "_scaled_dot_product_flash_attention_for_cpu": (0, 4, 3),
+    "_scaled_dot_product_flash_attention_for_cpu_backward": (1, 7, None),
+    "_scaled_dot_product_flash_attention": (0, 4, 3),
+    "_scaled_dot_product_flash_attention_backward": (1, 11, None),
+    "_scaled_dot_product_efficient_attention": (0, 6, 5),
+    "_scaled_dot_product_efficient_attention_backward": (1, 11, None),
+    "_scaled_dot_product_cudnn_attention": (0, 6, 5),
+    "_scaled_dot_product_cudnn_attention_backward": (1, 14, None),
 }
 _MATMUL = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "_scaled_mm"}
 # FlashAttention's backward recomputes q k^T and runs five matmuls to the forward's two.
 _ATTENTION_BACKWARD_RATIO = 2.5
+
+
+def _attention_dropout(kind: str, args: tuple) -> float:
+    position = _ATTENTION[kind][2] if kind in _ATTENTION else None
+    if position is None or len(args) <= position:
+        return 0.0
+    return float(args[position])
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -124,7 +134,7 @@ class StepRecorder(TorchDispatchMode):
         kind = op_kind(func)
         outputs = strided_tensors(out)
         out_ids = [self._id(t, "activation", index) for t in outputs]
-        random = is_random(kind) or (kind == "fused_attention" and args[4] > 0)
+        random = is_random(kind) or _attention_dropout(kind, args) > 0
         floats = [t.dtype for t in inputs + outputs if t.is_floating_point()]
         self.ops.append(
             OpRecord(
@@ -165,7 +175,7 @@ class StepRecorder(TorchDispatchMode):
     @staticmethod
     def _flops(func, kind: str, args, kwargs, out) -> float:
         if kind in _ATTENTION:
-            qi, ci = _ATTENTION[kind]
+            qi, ci, _ = _ATTENTION[kind]
             q, k, v = args[qi:qi + 3]
             causal = bool(args[ci]) if len(args) > ci else bool(kwargs.get("is_causal", False))
             flops = attention_flops(q.shape, k.shape, v.shape, causal)

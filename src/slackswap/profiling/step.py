@@ -20,7 +20,7 @@ from slackswap.core.hardware import Hardware, load_hardware
 from slackswap.core.profile import StepProfile
 from slackswap.errors import InputError, ProfileError
 from slackswap.profiling.kernels import TargetKernels
-from slackswap.profiling.naming import activation_name, module_path
+from slackswap.profiling.naming import activation_name, module_path, name_kind
 from slackswap.profiling.recorder import StepRecorder
 
 __all__ = ["batch_tensors", "default_device", "fingerprint", "profile", "transformer_blocks"]
@@ -285,8 +285,9 @@ def _name_activations(rec: StepRecorder) -> None:
         op = rec.ops[t.producer]
         if op.phase != "forward":
             continue
-        t.name = activation_name(op.module, op.kind, counts[op.module, op.kind])
-        counts[op.module, op.kind] += 1
+        kind = name_kind(op.kind)
+        t.name = activation_name(op.module, kind, counts[op.module, kind])
+        counts[op.module, kind] += 1
     external = 0
     for t in rec.tensors:
         if t.saved and t.name is None and not t.is_parameter:

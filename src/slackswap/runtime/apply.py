@@ -33,9 +33,11 @@ from slackswap.errors import InputError
 from slackswap.planners.context import MIN_PLANNED_BYTES
 from slackswap.profiling.naming import (
     activation_name,
+    is_attention,
     is_random,
     is_recorded,
     module_path,
+    name_kind,
     op_kind,
     strided_tensors,
 )
@@ -43,17 +45,66 @@ from slackswap.profiling.naming import (
 __all__ = ["apply", "RuntimeStats"]
 
 
+class _Timer:
+    """Seconds spent in sections of backward: the CPU clock, or on CUDA a pair of events
+    on the compute stream, read only when asked so that timing never makes a step wait."""
+
+    def __init__(self) -> None:
+        self._cpu_s = 0.0
+        self._events: list[tuple[Any, Any]] = []
+
+    @contextlib.contextmanager
+    def section(self, device: torch.device):
+        if device.type == "cuda":
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            yield
+            end.record()
+            self._events.append((start, end))
+        else:
+            begin = time.perf_counter()
+            yield
+            self._cpu_s += time.perf_counter() - begin
+
+    @property
+    def seconds(self) -> float:
+        for _, end in self._events:
+            end.synchronize()
+        return self._cpu_s + sum(s.elapsed_time(e) for s, e in self._events) / 1e3
+
+
 @dataclass
 class RuntimeStats:
-    """What the last step did."""
+    """What the last step did. Resident bytes count the saved activations the runtime
+    holds on the device (kept, reloaded or rebuilt), each storage once, from when it is
+    saved or brought back until backward unpacks it for the last time; storages under
+    1 KiB, which are never moved, are left out."""
 
     offloaded_bytes: int = 0
     reloaded_bytes: int = 0
     prefetched: int = 0  # reloads issued at their prefetch point
     late_reloads: int = 0  # reloads issued only when backward needed them
+    stalls: int = 0  # times backward waited for a reload
     recomputed_ops: int = 0
-    recompute_s: float = 0.0  # wall time spent rebuilding (CPU clock; async on CUDA)
+    resident_bytes: int = 0
+    peak_resident_bytes: int = 0
     planned_seen: set[str] = field(default_factory=set)
+    _recompute: _Timer = field(default_factory=_Timer, repr=False)
+    _stall: _Timer = field(default_factory=_Timer, repr=False)
+
+    @property
+    def recompute_s(self) -> float:
+        """Time spent rebuilding dropped activations."""
+        return self._recompute.seconds
+
+    @property
+    def stall_s(self) -> float:
+        """Time backward waited for reloads (on CUDA: the compute stream's wait)."""
+        return self._stall.seconds
+
+    def _hold(self, nbytes: int) -> None:
+        self.resident_bytes += nbytes
+        self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,18 +179,20 @@ class _Tracer(TorchDispatchMode):
                 or torch._C._current_graph_task_id() != -1):
             return func(*args, **kwargs)
         kind = op_kind(func)
-        rng = _rng_state() if is_random(kind) else None
+        # attention kernels draw from the RNG when they have dropout
+        rng = _rng_state() if is_random(kind) or is_attention(kind) else None
         out = func(*args, **kwargs)
-        owner._record(func, kind, args, kwargs, out, rng)
+        owner._record(func, name_kind(kind), args, kwargs, out, rng)
         return out
 
 
 class _Packed:
-    __slots__ = ("decision", "key", "node", "upto", "geometry", "device")
+    __slots__ = ("decision", "key", "node", "upto", "geometry", "device", "tensor")
 
-    def __init__(self, decision, key, node, upto, geometry, device) -> None:
+    def __init__(self, decision, key, node, upto, geometry, device, tensor=None) -> None:
         self.decision, self.key, self.node, self.upto = decision, key, node, upto
         self.geometry, self.device = geometry, device
+        self.tensor = tensor  # kept activations only
 
 
 class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
@@ -176,6 +229,7 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         self._host: dict[int, torch.Tensor] = {}
         self._back: dict[int, torch.Tensor] = {}  # storages rebuilt or reloaded, this step
         self._pending: dict[int, int] = {}  # packed handles not yet unpacked, by storage
+        self._held: dict[int, int] = {}  # saved storages resident on the device -> bytes
         self._counts: dict[tuple[str, str], int] = {}
         self._checked = False
         self._offloaded: dict[str, int] = {}  # activation id -> storage key, this step
@@ -213,6 +267,7 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         self._checked = False
         self._offloaded = {}
         self._next_prefetch = 0
+        self._held = {}
         self._external = {}
         for t in (*self.model.parameters(), *self.model.buffers()):
             self._mark_external(t)
@@ -258,12 +313,16 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
     def _pack(self, t: torch.Tensor) -> Any:
         key = _storage_key(t)
         node = self._nodes.get(key)
-        decision = self.decisions.get(node.name) if node is not None else None
-        if decision is None or t.untyped_storage().nbytes() < MIN_PLANNED_BYTES:
+        nbytes = t.untyped_storage().nbytes()
+        if node is None or nbytes < MIN_PLANNED_BYTES:
             return t
+        self._pending[key] = self._pending.get(key, 0) + 1
+        decision = self.decisions.get(node.name, "keep")
+        if decision == "keep":
+            self._hold(key, nbytes)
+            return _Packed("keep", key, node, 0, None, t.device, tensor=t)
         self.stats.planned_seen.add(node.name)
         geometry = (tuple(t.size()), tuple(t.stride()), t.storage_offset(), t.dtype)
-        self._pending[key] = self._pending.get(key, 0) + 1
         if decision == "offload" and key not in self._host:
             self._host[key] = self._copies.offload(t)
             self._offloaded[node.name] = key
@@ -277,25 +336,47 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
             self._check_seen()
         key = packed.key
         self._prefetch_up_to(self._first_use.get(packed.node.name), packed.device)
-        base = self._back.get(key)
-        if base is None:
-            if packed.decision == "offload":
-                self.stats.late_reloads += 1  # not prefetched: backward waits for it
-                base = self._reload(key, packed.device)
-            else:
-                base = self._rebuild(packed.node, packed.upto)
-            self._back[key] = base
-        base = self._copies.ready(base)
-        out = _view(base, *packed.geometry)
+        if packed.decision == "keep":
+            out = packed.tensor
+        else:
+            base = self._back.get(key)
+            if base is None:
+                if packed.decision == "offload":
+                    self.stats.late_reloads += 1  # not prefetched: backward waits for it
+                    base = self._reload(key, packed.device, waited=True)
+                else:
+                    base = self._rebuild(packed.node, packed.upto)
+                self._bring_back(key, base)
+            base = self._copies.ready(base, self.stats)
+            out = _view(base, *packed.geometry)
         self._pending[key] -= 1
         if self._pending[key] == 0:  # the last saved reference to it is back
-            del self._back[key]
+            self._back.pop(key, None)
+            self._release(key)
         return out
 
-    def _reload(self, key: int, device: torch.device) -> torch.Tensor:
+    def _hold(self, key: int, nbytes: int) -> None:
+        if key not in self._held:
+            self._held[key] = nbytes
+            self.stats._hold(nbytes)
+
+    def _release(self, key: int) -> None:
+        nbytes = self._held.pop(key, None)
+        if nbytes is not None:
+            self.stats.resident_bytes -= nbytes
+
+    def _bring_back(self, key: int, base: torch.Tensor) -> None:
+        self._back[key] = base
+        self._hold(key, base.untyped_storage().nbytes())
+
+    def _reload(self, key: int, device: torch.device, waited: bool = False) -> torch.Tensor:
         host = self._host.pop(key)
         self.stats.reloaded_bytes += host.numel()
-        return self._copies.reload(host, device)
+        if waited and device.type != "cuda":  # a synchronous copy backward waits for
+            self.stats.stalls += 1
+            with self.stats._stall.section(device):
+                return self._copies.reload(host, device)
+        return self._copies.reload(host, device)  # on CUDA, ``ready`` times any wait
 
     def _prefetch_up_to(self, position: int | None, device: torch.device) -> None:
         """Issue the reloads whose prefetch point is at or before ``position`` (the
@@ -309,7 +390,7 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
             self._next_prefetch += 1
             key = self._offloaded.get(name)
             if key is not None and key in self._host and key not in self._back:
-                self._back[key] = self._reload(key, device)
+                self._bring_back(key, self._reload(key, device))
                 self.stats.prefetched += 1
 
     def _check_seen(self) -> None:
@@ -328,15 +409,15 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         alive = node.ref()
         if alive is not None and len(node.steps) == upto:
             return alive
+        if self._replaying:  # an input of the rebuild in progress: timed with it
+            return self._replay(node, upto)
         # The recorded ops already carry autocast's casts: replay them as they ran.
-        start = time.perf_counter()
-        with torch.no_grad(), _no_autocast():
+        with torch.no_grad(), _no_autocast(), self.stats._recompute.section(node.device):
             self._replaying = True
             try:
                 return self._replay(node, upto)
             finally:
                 self._replaying = False
-                self.stats.recompute_s += time.perf_counter() - start
 
     def _replay(self, node: _Node, upto: int) -> torch.Tensor:
         current: torch.Tensor | None = None
@@ -374,12 +455,12 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
             return alive
         if node.key in self._host and len(node.steps) == upto:
             # backward unpacks it later; the rebuild reads it now
-            base = self._copies.ready(self._reload(node.key, node.device))
+            base = self._copies.ready(self._reload(node.key, node.device), self.stats)
         else:
             base = self._rebuild(node, upto)
         if self._pending.get(node.key, 0) > 0 and len(node.steps) == upto:
             # a saved activation backward will unpack later: keep it, as the simulator does
-            self._back[node.key] = base
+            self._bring_back(node.key, base)
         return base
 
 
@@ -443,12 +524,18 @@ class _Copies:
         self._events[id(base)] = event
         return base
 
-    def ready(self, base: torch.Tensor) -> torch.Tensor:
-        """Make the compute stream wait for ``base``'s reload, if one is in flight."""
+    def ready(self, base: torch.Tensor, stats: RuntimeStats) -> torch.Tensor:
+        """Make the compute stream wait for ``base``'s reload, if one is in flight; a
+        copy not finished when asked is a stall, timed on the compute stream."""
         event = self._events.pop(id(base), None)
         if event is not None:
             current = torch.cuda.current_stream(base.device)
-            current.wait_event(event)
+            if event.query():
+                current.wait_event(event)
+            else:
+                stats.stalls += 1
+                with stats._stall.section(base.device):
+                    current.wait_event(event)
             base.record_stream(current)
         return base
 
