@@ -4,9 +4,11 @@ Run on a machine with a CUDA GPU:
     python benchmarks/gpu_validate.py --model gpt2-xl --layers 12 --hardware h200
     python benchmarks/gpu_validate.py --model llama-7b --layers 8 --hardware h200
 It builds the workload on the device, profiles one real step (measured mode), plans at
-the budget, then runs keep-all and the plan for --steps steps each and prints (and
-writes, with --out) measured retention, peak allocated memory against the budget,
-simulated retention for the same plan and the simulated-vs-measured step-time error.
+the budget, then runs keep-all, the runtime with nothing to move (its overhead) and the plan for
+--steps steps each, and prints (and writes, with --out) measured retention, the step's
+peak allocated memory above what was allocated before it (activations, gradients and
+temporaries) against the budget, simulated retention and peak for the same plan, the
+simulated-vs-measured step-time error and the runtime's stats.
 ``--device cpu`` runs the same path on a CPU (a smoke test; times mean little there).
 """
 
@@ -24,27 +26,38 @@ from slackswap.core.jsonio import atomic_write_text
 from slackswap.models import MODEL_PRESETS, build_model
 
 
-def timed_steps(model, batch, plan, steps: int, device: str) -> tuple[float, int]:
-    """Median step time and peak allocated bytes (CUDA) over ``steps`` steps."""
-    times = []
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
+def timed_steps(model, batch, plan, profile, steps: int, device: str) -> dict:
+    """Median step time, peak allocated bytes above what was allocated before the step
+    (CUDA), and the runtime's stats of the last step, over ``steps`` steps."""
+    times, peak, stats = [], 0, None
     for _ in range(steps + 1):  # the first is a warm-up
         if device == "cuda":
             torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
         start = time.perf_counter()
         if plan is None:
             loss = model(**batch).loss
         else:
-            with slackswap.apply(model, plan):
+            runtime = slackswap.apply(model, plan, profile=profile)
+            with runtime:
                 loss = model(**batch).loss
         loss.backward()
         model.zero_grad(set_to_none=True)
         if device == "cuda":
             torch.cuda.synchronize()
+            peak = max(peak, torch.cuda.max_memory_allocated() - before)
         times.append(time.perf_counter() - start)
-    peak = torch.cuda.max_memory_allocated() if device == "cuda" else 0
-    return sorted(times[1:])[len(times[1:]) // 2], peak
+        if plan is not None:
+            stats = runtime.stats
+    result = {"step_s": sorted(times[1:])[len(times[1:]) // 2], "peak_bytes": peak}
+    if stats is not None:
+        result |= {"peak_resident_bytes": stats.peak_resident_bytes,
+                   "offloaded_bytes": stats.offloaded_bytes,
+                   "prefetched": stats.prefetched, "late_reloads": stats.late_reloads,
+                   "stalls": stats.stalls, "stall_s": stats.stall_s,
+                   "recomputed_ops": stats.recomputed_ops, "recompute_s": stats.recompute_s}
+    return result
 
 
 def main() -> None:
@@ -70,21 +83,29 @@ def main() -> None:
     profile = slackswap.profile(model, batch, args.hardware, mode="measured", name=name)
     plan = slackswap.plan(profile, args.budget, args.hardware)
     simulated = slackswap.simulate(profile, plan, args.hardware, memory_limit=args.budget)
-    keep_time, keep_peak = timed_steps(model, batch, None, args.steps, args.device)
-    plan_time, plan_peak = timed_steps(model, batch, plan, args.steps, args.device)
-    state = profile.model_state_bytes
+    keep = timed_steps(model, batch, None, profile, args.steps, args.device)
+    # the runtime with nothing to move: its own overhead (dispatch mode, hooks)
+    runtime_only = timed_steps(model, batch, slackswap.Plan.keep_all(profile), profile,
+                               args.steps, args.device)
+    planned = timed_steps(model, batch, plan, profile, args.steps, args.device)
+    simulated_keep = slackswap.simulate(profile, slackswap.Plan.keep_all(profile), args.hardware)
     figures = {
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-        "model": name, "budget_fraction": args.budget, "hardware_preset": args.hardware,
-        "keep_all_step_s": keep_time, "plan_step_s": plan_time,
-        "measured_retention": keep_time / plan_time,
+        "torch": torch.__version__, "model": name, "budget_fraction": args.budget,
+        "hardware_preset": args.hardware, "profile_ops": len(profile.ops),
+        "keep_all_step_s": keep["step_s"], "runtime_overhead_step_s": runtime_only["step_s"],
+        "plan_step_s": planned["step_s"],
+        "measured_retention": keep["step_s"] / planned["step_s"],
         "simulated_retention": simulated.retention,
+        "simulated_keep_all_step_s": simulated_keep.step_time_s,
         "simulated_step_s": simulated.step_time_s,
-        "step_time_error": simulated.step_time_s / plan_time - 1,
-        "keep_all_peak_allocated_bytes": keep_peak, "plan_peak_allocated_bytes": plan_peak,
-        "activation_budget_bytes": plan.budget_bytes, "model_state_bytes": state,
-        "plan_activation_peak_bytes": max(plan_peak - state, 0) if plan_peak else None,
+        "step_time_error": simulated.step_time_s / planned["step_s"] - 1,
+        "activation_budget_bytes": plan.budget_bytes,
+        "keep_all_step_peak_bytes": keep["peak_bytes"],
+        "plan_step_peak_bytes": planned["peak_bytes"],
+        "simulated_keep_all_peak_bytes": profile.keep_all_peak,
         "simulated_peak_bytes": simulated.peak_bytes,
+        "plan_stats": {k: v for k, v in planned.items() if k not in ("step_s", "peak_bytes")},
     }
     for key, value in figures.items():
         print(f"{key:32s} {value}")

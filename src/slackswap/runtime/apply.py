@@ -25,7 +25,6 @@ import torch
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
 
 from slackswap.core.plan import Plan
 from slackswap.core.profile import StepProfile
@@ -39,7 +38,6 @@ from slackswap.profiling.naming import (
     module_path,
     name_kind,
     op_kind,
-    strided_tensors,
 )
 
 __all__ = ["apply", "RuntimeStats"]
@@ -143,6 +141,24 @@ class _Node:
         # NOTE: a weak reference to the StorageImpl keeps its address from being reused,
         # so storage keys stay unique while this node lives.
         self.storage = StorageWeakRef(tensor.untyped_storage())
+
+
+# NOTE: aten arguments are scalars, tensors and flat lists of them (a schema never nests
+# deeper), so two small functions replace torch.utils._pytree here: the dispatch mode runs
+# them on every op of the forward pass, and pytree's generality costs about 10x more.
+def _map_args(fn: Any, x: Any) -> Any:
+    if isinstance(x, (tuple, list)):
+        return type(x)(_map_args(fn, y) for y in x)
+    return fn(x)
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    """The strided tensor outputs of an op, in order."""
+    if isinstance(out, torch.Tensor):
+        return [out] if out.layout == torch.strided else []
+    if isinstance(out, (tuple, list)):
+        return [t for t in out if isinstance(t, torch.Tensor) and t.layout == torch.strided]
+    return []
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -283,20 +299,23 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
     # -- forward: naming and recipes ---------------------------------------------------
     def _record(self, func, kind, args, kwargs, out, rng) -> None:
         module = self._path()
+        nodes = self._nodes
 
         def ref(x: Any) -> Any:
             if isinstance(x, torch.Tensor) and x.layout == torch.strided:
-                node = self._nodes.get(_storage_key(x))
+                key = _storage_key(x)
+                node = nodes.get(key)
                 if node is not None:
                     return _Ref(node, len(node.steps), tuple(x.size()), tuple(x.stride()),
                                 x.storage_offset(), x.dtype)
-            return x  # parameters, buffers, batch inputs and constants stay as they are
+                if not self._is_external(key):
+                    self._mark_external(x)
+            # parameters, buffers, batch inputs and constants stay as they are
+            return x
 
-        for t in strided_tensors((args, kwargs)):
-            if _storage_key(t) not in self._nodes:
-                self._mark_external(t)
-        step_args, step_kwargs = tree_map(ref, args), tree_map(ref, kwargs)
-        for i, t in enumerate(strided_tensors(out)):
+        step_args = _map_args(ref, args)
+        step_kwargs = {k: _map_args(ref, v) for k, v in kwargs.items()} if kwargs else kwargs
+        for i, t in enumerate(_tensors(out)):
             key = _storage_key(t)
             if self._is_external(key):
                 continue
@@ -429,7 +448,8 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
             return _view(base, x.size, x.stride, x.offset, x.dtype)
 
         for step in node.steps[:upto]:
-            args, kwargs = tree_map(resolve, step.args), tree_map(resolve, step.kwargs)
+            args = _map_args(resolve, step.args)
+            kwargs = {k: _map_args(resolve, v) for k, v in step.kwargs.items()}
             if step.rng is not None:
                 saved = _rng_state()
                 torch.set_rng_state(step.rng[0])
@@ -442,7 +462,7 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
                     torch.cuda.set_rng_state(saved[1])
             self.stats.recomputed_ops += 1
             if current is None:
-                current = strided_tensors(out)[step.output]
+                current = _tensors(out)[step.output]
         assert current is not None
         return current
 
