@@ -15,7 +15,6 @@ simulated-vs-measured step-time error and the runtime's stats.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import time
 
@@ -23,7 +22,7 @@ import torch
 
 import slackswap
 from slackswap.core.jsonio import atomic_write_text
-from slackswap.models import MODEL_PRESETS, build_model
+from slackswap.models import MODEL_PRESETS, build_model, with_layers
 
 
 def timed_steps(model, batch, plan, profile, steps: int, device: str) -> dict:
@@ -72,11 +71,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--out", help="write the figures as JSON here")
     args = parser.parse_args()
-    name = args.model
-    if args.layers:
-        name = f"{args.model}@{args.layers}"
-        MODEL_PRESETS[name] = dataclasses.replace(MODEL_PRESETS[args.model], name=name,
-                                                  layers=args.layers)
+    name = with_layers(args.model, args.layers)
     dtype = "bf16" if args.device == "cuda" else "fp32"
     model, batch = build_model(name, batch=args.batch, seq=args.seq, dtype=dtype, fake=False,
                                device=args.device)

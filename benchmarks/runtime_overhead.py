@@ -14,14 +14,13 @@ often (the records live until backward).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import time
 
 import torch
 
 import slackswap
 from slackswap.core.plan import Plan
-from slackswap.models import MODEL_PRESETS, build_model
+from slackswap.models import MODEL_PRESETS, build_model, with_layers
 from slackswap.planners.api import smallest_feasible_budget
 
 
@@ -54,11 +53,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = parser.parse_args()
-    name = args.model
-    if args.layers:
-        name = f"{args.model}@{args.layers}"
-        MODEL_PRESETS[name] = dataclasses.replace(MODEL_PRESETS[args.model], name=name,
-                                                  layers=args.layers)
+    name = with_layers(args.model, args.layers)
     dtype = "bf16" if args.device == "cuda" else "fp32"
     model, batch = build_model(name, batch=args.batch, seq=args.seq, dtype=dtype, fake=False,
                                device=args.device)

@@ -6,6 +6,8 @@ from slackswap.models.presets import (
     build_model,
     load_factory,
     load_workload,
+    with_layers,
 )
 
-__all__ = ["MODEL_PRESETS", "ModelPreset", "build_model", "load_factory", "load_workload"]
+__all__ = ["MODEL_PRESETS", "ModelPreset", "build_model", "load_factory", "load_workload",
+           "with_layers"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import os
 import sys
@@ -15,7 +16,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from slackswap.errors import InputError
 
-__all__ = ["ModelPreset", "MODEL_PRESETS", "build_model", "load_factory", "load_workload", "DTYPES"]
+__all__ = ["ModelPreset", "MODEL_PRESETS", "build_model", "load_factory", "load_workload", "DTYPES",
+           "with_layers"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _TINY = {"layers": 2, "hidden": 64, "heads": 4, "ffn": 256, "vocab": 1000}
@@ -85,6 +87,17 @@ def _presets() -> dict[str, ModelPreset]:
 
 
 MODEL_PRESETS: dict[str, ModelPreset] = _presets()
+
+
+def with_layers(name: str, layers: int | None) -> str:
+    """Register ``<name>@<layers>``, preset ``name`` with fewer (or more) layers, to fit a
+    device; returns the name to build. ``None`` returns ``name`` unchanged."""
+    if not layers:
+        return name
+    derived = f"{name}@{layers}"
+    MODEL_PRESETS[derived] = dataclasses.replace(MODEL_PRESETS[name], name=derived,
+                                                 layers=layers)
+    return derived
 
 
 @contextlib.contextmanager
