@@ -22,6 +22,7 @@ import torch
 
 import slackswap
 from slackswap.core.jsonio import atomic_write_text
+from slackswap.errors import InputError
 from slackswap.models import MODEL_PRESETS, build_model, with_layers
 
 
@@ -109,4 +110,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except InputError as err:
+        raise SystemExit(f"error: {err}") from None
