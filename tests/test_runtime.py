@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 from pathlib import Path
@@ -17,33 +18,45 @@ from slackswap.errors import InputError
 from slackswap.models import build_model
 from slackswap.planners.context import MIN_PLANNED_BYTES
 
-MODELS = ["bert-large-tiny", "gpt2-xl-tiny", "llama-7b-tiny", "gpt-neox-tiny"]
+NOT_PRESETS = ["gpt-neox-tiny", "distilbert-mlm-tiny"]
+MODELS = ["bert-large-tiny", "gpt2-xl-tiny", "llama-7b-tiny", *NOT_PRESETS]
 
 
-def _neox(fake: bool):
-    """A model that is not a preset: GPT-NeoX with dropout on."""
+def _hf(name: str, fake: bool):
+    """Models that are not presets, with dropout on: a GPT-NeoX causal LM, and a DistilBERT
+    masked LM with padding and a label on every third token."""
     import transformers
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
-    config = transformers.GPTNeoXConfig(
-        vocab_size=500, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=128, hidden_dropout=0.1, attention_dropout=0.1, use_cache=False,
-    )
+    if name == "gpt-neox-tiny":
+        config, cls = transformers.GPTNeoXConfig(
+            vocab_size=500, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+            intermediate_size=128, hidden_dropout=0.1, attention_dropout=0.1, use_cache=False,
+        ), transformers.GPTNeoXForCausalLM
+    else:
+        config, cls = transformers.DistilBertConfig(
+            vocab_size=500, dim=64, n_layers=2, n_heads=4, hidden_dim=128, dropout=0.1,
+            attention_dropout=0.1,
+        ), transformers.DistilBertForMaskedLM
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    if fake:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        with FakeTensorMode():
-            model = transformers.GPTNeoXForCausalLM(config)
-    else:
-        model = transformers.GPTNeoXForCausalLM(config)
+    with FakeTensorMode() if fake else contextlib.nullcontext():
+        model = cls(config)
     model.train()
     ids = torch.randint(0, 500, (2, 24), generator=torch.Generator().manual_seed(1))
-    return model, {"input_ids": ids, "labels": ids.clone()}
+    if name == "gpt-neox-tiny":
+        return model, {"input_ids": ids, "labels": ids.clone()}
+    labels = torch.full_like(ids, -100)
+    labels[:, ::3] = ids[:, ::3]
+    mask = torch.ones_like(ids)
+    mask[1, 20:] = 0
+    return model, {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
 def _build(name: str, fake: bool):
-    return _neox(fake) if name == "gpt-neox-tiny" else build_model(name, fake=fake, dtype="fp32")
+    if name in NOT_PRESETS:
+        return _hf(name, fake)
+    return build_model(name, fake=fake, dtype="fp32")
 
 
 @functools.cache
@@ -205,6 +218,26 @@ def test_a_plan_traced_for_the_gpu_finds_its_tensors_here(name: str) -> None:
                 decisions={n: ("offload", "recompute")[i % 2] for i, n in enumerate(names)})
     reference = run(model, batch)
     assert_identical(run(model, batch, plan), reference)  # it raises on an id it misses
+
+
+@pytest.mark.parametrize("name", NOT_PRESETS)
+def test_one_call_plan_on_models_that_are_not_presets(name: str) -> None:
+    """``slackswap.plan(model, batch)`` on a Hugging Face model as it comes: the plan
+    carries its profile, so apply checks it and reloads at the prefetch points."""
+    model, batch = _build(name, fake=False)
+    reference = run(model, batch)
+    plan = slackswap.plan(model, batch, budget=0.8, strategy="offload-only")
+    assert "offload" in plan.decisions.values() and plan.prefetch
+    runtime = slackswap.apply(model, plan)
+    torch.manual_seed(0)
+    model.zero_grad(set_to_none=True)
+    with runtime:
+        loss = model(**batch).loss
+    loss.backward()
+    assert runtime.stats.prefetched > 0
+    assert_identical((loss.detach(), {n: p.grad for n, p in model.named_parameters()}),
+                     reference)
+    assert_identical(run(model, batch, slackswap.plan(model, batch, budget=0.8)), reference)
 
 
 def test_readme_training_loop_runs() -> None:

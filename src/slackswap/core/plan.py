@@ -25,6 +25,9 @@ class Plan(pydantic.BaseModel):
     budget_bytes: int | None = None
     decisions: dict[str, Decision]
     prefetch: dict[str, int] = {}
+    # The profile a one-call plan was made from, kept in memory (not in the file) so the
+    # runtime can check the plan and reload at its prefetch points without being given it.
+    _profile: StepProfile | None = pydantic.PrivateAttr(default=None)
 
     @classmethod
     def keep_all(cls, profile: StepProfile) -> Plan:

@@ -13,6 +13,7 @@ from slackswap.core.units import format_bytes, resolve_budget
 from slackswap.errors import InputError
 from slackswap.planners import baselines
 from slackswap.planners.context import PlanContext
+from slackswap.planners.prefetch import with_prefetch_points
 from slackswap.planners.search import Attempt
 from slackswap.planners.slackswap import slackswap
 from slackswap.sim.schedule import min_working_set
@@ -60,7 +61,12 @@ def plan_with_result(
         keep = Plan.keep_all(profile).model_copy(
             update={"strategy": strategy, "budget_bytes": ctx.budget})
         return keep, ctx.check(keep)
-    return STRATEGIES[strategy](ctx)
+    attempt = STRATEGIES[strategy](ctx)
+    if (attempt is not None and attempt[1].feasible and not attempt[0].prefetch
+            and "offload" in attempt[0].decisions.values()):
+        # the simulator's default reload starts, written down so the runtime follows them
+        attempt = with_prefetch_points(ctx, attempt)
+    return attempt
 
 
 def plan(

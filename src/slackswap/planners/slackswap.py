@@ -20,11 +20,11 @@ NOTE [slack]
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from collections import defaultdict
 
 from slackswap.planners.context import Candidate, PlanContext
 from slackswap.planners.memory import evicted_at, pressure_points
+from slackswap.planners.prefetch import with_prefetch_points
 from slackswap.planners.recompute import choose_recompute, rebuild_cost
 from slackswap.planners.search import Attempt, fit_margin
 from slackswap.planners.slack import d2h_landing, offload_within_slack
@@ -57,7 +57,7 @@ def slackswap(ctx: PlanContext) -> Attempt | None:
             best = attempt
         if best is not None and best[1].stall_s["reload"] == best[1].stall_s["memory"] == 0:
             break  # the copies hide entirely: spending less slack only adds recompute
-    return _with_prefetch_points(ctx, best) if best is not None else None
+    return with_prefetch_points(ctx, best) if best is not None else None
 
 
 def _hybrid(ctx: PlanContext, offload: list[Candidate]) -> Attempt | None:
@@ -77,27 +77,3 @@ def _hybrid(ctx: PlanContext, offload: list[Candidate]) -> Attempt | None:
         return ctx.plan("slackswap", decisions)
 
     return fit_margin(ctx, make)
-
-
-def _with_prefetch_points(ctx: PlanContext, attempt: Attempt) -> Attempt:
-    """Write down where each reload started in the simulated step as the plan's prefetch
-    points, so a runtime issues them at the same places; keep them if the step agrees."""
-    plan, result = attempt
-    run = result.run
-    items, h2d = run.schedule.items, run.schedule.h2d
-    compute = [s for s in run.timeline.spans if s.stream == "compute"]
-    starts = [s.start for s in compute]
-    prefetch = {}
-    for span in (s for s in run.timeline.spans if s.stream == "h2d"):
-        # the kernel running when the reload started, or the next one to start
-        k = bisect_right(starts, span.start) - 1
-        if k < 0 or compute[k].end <= span.start:
-            k += 1
-        if k < len(compute):
-            name = ctx.profile.tensors[h2d[span.index].tensor].name
-            prefetch[name] = items[compute[k].index].position
-    explicit = plan.model_copy(update={"prefetch": prefetch})
-    checked = ctx.check(explicit)
-    if checked.feasible and checked.retention >= result.retention:
-        return explicit, checked
-    return attempt

@@ -217,6 +217,8 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
 
     ``profile``, when given, is the profile the plan was made for: the plan is checked
     against it before anything runs, and reloads start at the plan's prefetch points.
+    A plan from ``slackswap.plan(model, batch)`` carries its profile, so it need not be
+    given; without one, each reload starts when backward needs the tensor.
     ``batch``, when given, is checked against the plan's fingerprint. Plans name
     activations by the ids a profile of the same model, batch shape and kernels gives
     (profile with ``kernels="native"`` or ``mode="measured"`` for the device you train on).
@@ -227,6 +229,7 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         # Prefetch points are profile op indices; the profile says which op needs what.
         self._first_use: dict[str, int] = {}
         self._prefetch = sorted(plan.prefetch.items(), key=lambda kv: (kv[1], kv[0]))
+        profile = profile if profile is not None else plan._profile
         if batch is not None:
             _check_fingerprint(model, batch, plan, profile)
         if profile is not None:
