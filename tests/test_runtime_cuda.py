@@ -1,0 +1,125 @@
+"""The runtime's CUDA path: pinned host buffers, side-stream copies, prefetch, RNG replay.
+
+Skipped without a CUDA GPU. Plans come from measured profiles of the same device, so ids
+name the kernels that really run. Deterministic algorithms are on, and a plain run is
+checked against itself first: ``torch.equal`` against the runtime means something only
+when the step itself repeats exactly.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import slackswap
+from slackswap.core.plan import Plan
+from slackswap.models import build_model
+from slackswap.planners.context import MIN_PLANNED_BYTES
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+MODELS = ["bert-large-tiny", "gpt2-xl-tiny", "llama-7b-tiny"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def deterministic():
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    yield
+    torch.use_deterministic_algorithms(False)
+
+
+def step(model, batch, plan=None, profile=None, seed=0):
+    torch.manual_seed(seed)
+    model.zero_grad(set_to_none=True)
+    runtime = None
+    if plan is None:
+        loss = model(**batch).loss
+    else:
+        runtime = slackswap.apply(model, plan, profile=profile)
+        with runtime:
+            loss = model(**batch).loss
+    loss.backward()
+    torch.cuda.synchronize()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return (loss.detach(), grads), runtime
+
+
+def identical(a, b) -> bool:
+    return torch.equal(a[0], b[0]) and all(torch.equal(a[1][n], b[1][n]) for n in a[1])
+
+
+def setup(name: str):
+    model, batch = build_model(name, fake=False, dtype="fp32", device="cuda")
+    profile = slackswap.profile(model, batch, "h200", mode="measured", name=name)
+    names = [t.name for t in profile.saved_activations
+             if t.producer is not None and t.bytes >= MIN_PLANNED_BYTES]
+    reference, _ = step(model, batch)
+    assert identical(step(model, batch)[0], reference), "the plain step does not repeat"
+    return model, batch, profile, names, reference
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_plans_are_bit_identical_on_cuda(name: str) -> None:
+    model, batch, profile, names, reference = setup(name)
+    first_backward = next(op.index for op in profile.ops if op.phase == "backward")
+    plans = [
+        Plan(fingerprint=profile.fingerprint, strategy="offload", prefetch={},
+             decisions={n: "offload" for n in names}),
+        Plan(fingerprint=profile.fingerprint, strategy="offload-prefetched",
+             decisions={n: "offload" for n in names},
+             prefetch={n: first_backward for n in names}),
+        Plan(fingerprint=profile.fingerprint, strategy="recompute",
+             decisions={n: "recompute" for n in names}),
+        Plan(fingerprint=profile.fingerprint, strategy="mixed",
+             decisions={n: ("keep", "offload", "recompute")[i % 3] for i, n in enumerate(names)}),
+    ]
+    for plan in plans:
+        result, runtime = step(model, batch, plan, profile)
+        assert identical(result, reference), plan.strategy
+        if "offload" in plan.decisions.values():
+            assert runtime.stats.reloaded_bytes == runtime.stats.offloaded_bytes > 0
+        if plan.prefetch:
+            assert runtime.stats.prefetched > 0 and runtime.stats.late_reloads == 0
+
+
+def test_host_copies_are_pinned_and_released() -> None:
+    model, batch, profile, names, _ = setup("gpt2-xl-tiny")
+    plan = Plan(fingerprint=profile.fingerprint, strategy="offload",
+                decisions={n: "offload" for n in names})
+    runtime = slackswap.apply(model, plan, profile=profile)
+    torch.manual_seed(0)
+    with runtime:
+        loss = model(**batch).loss
+    assert runtime._host and all(h.is_pinned() for h in runtime._host.values())
+    loss.backward()
+    assert runtime._host == {} and runtime._back == {} and runtime.stats.resident_bytes == 0
+
+
+def test_repeated_steps_hold_no_device_memory() -> None:
+    model, batch, profile, names, _ = setup("llama-7b-tiny")
+    plan = Plan(fingerprint=profile.fingerprint, strategy="x",
+                decisions={n: ("offload", "recompute")[i % 2] for i, n in enumerate(names)})
+    step(model, batch, plan, profile)
+    baseline = torch.cuda.memory_allocated()
+    for _ in range(50):
+        step(model, batch, plan, profile)
+    assert torch.cuda.memory_allocated() == baseline
+
+
+def test_offloading_lowers_the_device_peak() -> None:
+    model, batch, profile, names, _ = setup("gpt2-xl-tiny")
+
+    def peak(plan):
+        step(model, batch)  # warm the allocator
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step(model, batch, plan, profile)
+        return torch.cuda.max_memory_allocated() - before
+
+    keep = peak(Plan.keep_all(profile))
+    offload = peak(Plan(fingerprint=profile.fingerprint, strategy="offload",
+                        decisions={n: "offload" for n in names}))
+    assert offload < keep
