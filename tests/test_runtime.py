@@ -234,7 +234,9 @@ def test_one_call_plan_on_models_that_are_not_presets(name: str) -> None:
     with runtime:
         loss = model(**batch).loss
     loss.backward()
-    assert runtime.stats.prefetched > 0
+    assert runtime.stats.prefetched > 0 and runtime.stats.late_reloads == 0
+    # saved bytes it held never exceed the simulated peak (which adds temporaries)
+    assert runtime.stats.peak_resident_bytes <= slackswap.simulate(plan._profile, plan).peak_bytes
     assert_identical((loss.detach(), {n: p.grad for n, p in model.named_parameters()}),
                      reference)
     assert_identical(run(model, batch, slackswap.plan(model, batch, budget=0.8)), reference)
