@@ -169,27 +169,53 @@ def test_no_grad_is_a_no_op() -> None:
     assert runtime.stats.offloaded_bytes == 0
 
 
-def test_a_batch_of_another_shape_is_refused() -> None:
+def test_a_batch_of_another_shape_is_refused_before_anything_runs() -> None:
     profile, model, batch, names, _ = setup("gpt2-xl-tiny")
-    plan = Plan(fingerprint=profile.fingerprint, strategy="x", decisions={})
+    plan = Plan(fingerprint=profile.fingerprint, strategy="x",
+                decisions={n: "offload" for n in names})
     slackswap.apply(model, plan, profile=profile, batch=batch)  # the same shapes pass
     longer = {k: torch.cat([v, v], dim=1) for k, v in batch.items()}
     with pytest.raises(InputError, match=r"batch 'input_ids' of shape \[2, 32\], not \[2, 64\]"):
         slackswap.apply(model, plan, profile=profile, batch=longer)
-    with pytest.raises(InputError, match="different model or batch"):
+    with pytest.raises(InputError, match=r"batch of other shapes than \[\[2, 64\], \[2, 64\]\]"):
         slackswap.apply(model, plan, batch=longer)
+    # at the model call, before its first op: nothing recorded, nothing offloaded
+    for runtime in (slackswap.apply(model, plan, profile=profile), slackswap.apply(model, plan)):
+        with pytest.raises(InputError, match="re-plan"), runtime:
+            model(**longer)
+        assert runtime._nodes == {} and runtime.stats.offloaded_bytes == 0
+    with slackswap.apply(model, plan):  # the batch passed by position matches too
+        model(batch["input_ids"], labels=batch["labels"]).loss.backward()
 
 
-def test_a_plan_for_another_model_is_refused() -> None:
+def test_a_plan_for_another_model_is_refused_before_anything_runs() -> None:
     other, _, _, other_names, _ = setup("bert-large-tiny")
     profile, model, batch, _, _ = setup("llama-7b-tiny")
     plan = Plan(fingerprint=other.fingerprint, strategy="x",
                 decisions={n: "offload" for n in other_names})
     with pytest.raises(InputError, match="different model or batch shape"):
         slackswap.apply(model, plan, profile=profile)
+    runtime = slackswap.apply(model, plan)
+    with pytest.raises(InputError, match="different model"), runtime:
+        model(**batch)
+    assert runtime.stats.offloaded_bytes == 0
+    model.eval()  # train/eval mode is part of what a plan is for
+    same = Plan(fingerprint=profile.fingerprint, strategy="x", decisions={})
+    try:
+        with pytest.raises(InputError, match="train/eval mode"), slackswap.apply(model, same):
+            pass
+    finally:
+        model.train()
+
+
+def test_a_plan_naming_what_the_step_does_not_make_is_refused() -> None:
+    """The backstop for ids that differ though model and batch match (other kernels)."""
+    profile, model, batch, _, _ = setup("llama-7b-tiny")
+    plan = Plan(fingerprint=profile.fingerprint, strategy="x",
+                decisions={"model.layers.0.mlp:nope:0": "offload"})
     with slackswap.apply(model, plan):
         loss = model(**batch).loss
-    with pytest.raises(InputError, match="that this step did not produce"):
+    with pytest.raises(InputError, match="'model.layers.0.mlp:nope:0' .* did not produce"):
         loss.backward()
 
 

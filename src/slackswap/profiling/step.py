@@ -7,7 +7,7 @@ import hashlib
 import json
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
 
 import torch
@@ -23,7 +23,8 @@ from slackswap.profiling.kernels import TargetKernels
 from slackswap.profiling.naming import activation_name, module_path, name_kind
 from slackswap.profiling.recorder import StepRecorder
 
-__all__ = ["batch_tensors", "default_device", "fingerprint", "profile", "transformer_blocks"]
+__all__ = ["batch_fingerprint", "batch_tensors", "default_device", "fingerprint",
+           "model_fingerprint", "profile", "transformer_blocks"]
 
 Batch = Mapping[str, Any] | tuple | list | torch.Tensor
 
@@ -75,14 +76,25 @@ def profile(
 
 
 def fingerprint(model: torch.nn.Module, batch: Batch) -> str:
-    """Hash of the module tree, parameter and buffer shapes and dtypes, and batch shapes."""
+    """What a plan is valid for: :func:`model_fingerprint` then :func:`batch_fingerprint`."""
+    return model_fingerprint(model) + batch_fingerprint(t for _, t in batch_tensors(batch))
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """32 hex digits: the module tree, parameter and buffer shapes and dtypes, train mode."""
     parts = {
         "modules": [(n, type(m).__name__) for n, m in model.named_modules()],
         "state": [(n, list(t.shape), str(t.dtype)) for n, t in _state(model).items()],
-        "batch": [(k, list(t.shape), str(t.dtype)) for k, t in batch_tensors(batch)],
         "training": model.training,
     }
-    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:32]
+
+
+def batch_fingerprint(tensors: Iterable[torch.Tensor]) -> str:
+    """32 hex digits: the shapes and dtypes of the batch's tensors, whatever their names,
+    so a step called with keywords matches one profiled with the same tensors by position."""
+    shapes = sorted((list(t.shape), str(t.dtype)) for t in tensors)
+    return hashlib.sha256(json.dumps(shapes).encode()).hexdigest()[:32]
 
 
 def transformer_blocks(model: torch.nn.Module) -> list[str]:

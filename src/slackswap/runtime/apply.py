@@ -230,8 +230,13 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         self._first_use: dict[str, int] = {}
         self._prefetch = sorted(plan.prefetch.items(), key=lambda kv: (kv[1], kv[0]))
         profile = profile if profile is not None else plan._profile
+        self._fingerprint, self._profile = plan.fingerprint, profile
         if batch is not None:
-            _check_fingerprint(model, batch, plan, profile)
+            from slackswap.profiling.step import batch_tensors
+
+            self._check_model(model)
+            named = dict(batch_tensors(batch))
+            self._check_batch(list(named.values()), named)
         if profile is not None:
             plan.check(profile)
             _check_recomputable(profile, plan)
@@ -260,7 +265,10 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         self._active = torch.is_grad_enabled()  # under no_grad nothing is saved
         if not self._active:
             return self
+        self._check_model(self.model)
         self._reset()
+        self._call_hook = self.model.register_forward_pre_hook(self._check_call,
+                                                               with_kwargs=True)
         self._tracker = ModTracker()
         self._path = module_path(self._tracker, type(self.model).__name__)
         self._tracker.__enter__()
@@ -276,6 +284,38 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         self._hooks.__exit__(*exc)
         self._tracer.__exit__(*exc)
         self._tracker.__exit__(*exc)
+        self._call_hook.remove()
+
+    # -- what the plan was made for ----------------------------------------------------
+    def _check_model(self, model: torch.nn.Module) -> None:
+        from slackswap.profiling.step import model_fingerprint
+
+        if model_fingerprint(model) != self._fingerprint[:32]:
+            raise InputError(
+                "plan was made for a different model (its modules, parameter shapes or "
+                "train/eval mode differ); re-plan for this model"
+            )
+
+    def _check_call(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        """Before the model runs: the batch it is called with is the plan's."""
+        tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+        self._check_batch(tensors, dict(kwargs) or dict(enumerate(args)))
+
+    def _check_batch(self, tensors: list[torch.Tensor], named: dict | None = None) -> None:
+        from slackswap.profiling.step import batch_fingerprint
+
+        if batch_fingerprint(tensors) == self._fingerprint[32:]:
+            return
+        if self._profile is not None and named:
+            shapes = {t.name: t.shape for t in self._profile.tensors if t.kind == "input"}
+            for key, t in named.items():
+                planned = shapes.get(f"input:{key}")
+                if isinstance(t, torch.Tensor) and planned not in (None, list(t.shape)):
+                    raise InputError(f"plan was made for batch '{key}' of shape {planned}, "
+                                     f"not {list(t.shape)}; re-plan for this shape")
+        got = [list(t.shape) for t in tensors]
+        raise InputError(f"plan was made for a batch of other shapes than {got}; "
+                         "re-plan for this batch")
 
     def _reset(self) -> None:
         # What earlier steps packed stays valid: their handles hold their own nodes, and
@@ -561,22 +601,3 @@ class _Copies:
                     current.wait_event(event)
             base.record_stream(current)
         return base
-
-
-def _check_fingerprint(model: torch.nn.Module, batch: Any, plan: Plan,
-                       profile: StepProfile | None) -> None:
-    """Refuse a plan made for another model or batch shape, saying what differs."""
-    from slackswap.profiling.step import batch_tensors, fingerprint
-
-    if fingerprint(model, batch) == plan.fingerprint:
-        return
-    if profile is not None and profile.fingerprint == plan.fingerprint:
-        shapes = {t.name: t.shape for t in profile.tensors if t.kind == "input"}
-        for key, t in batch_tensors(batch):
-            planned = shapes.get(f"input:{key}")
-            if planned is not None and planned != list(t.shape):
-                raise InputError(f"plan was made for batch '{key}' of shape {planned}, "
-                                 f"not {list(t.shape)}; re-plan for this shape")
-    raise InputError("plan was made for a different model or batch (fingerprint "
-                     f"{plan.fingerprint[:12]} != {fingerprint(model, batch)[:12]}); "
-                     "re-plan for this model and batch")
