@@ -292,6 +292,39 @@ def test_autocast_bf16() -> None:
         assert_identical(step(plan), reference)
 
 
+class _Noisy(torch.nn.Module):
+    """Random ops that are not dropout: known as random by their Generator argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.a(x)
+        h = torch.tanh(h * torch.empty_like(h).log_normal_(0.0, 0.1))
+        h = h + torch.poisson(torch.full_like(h, 0.5)) * 0.01
+        return {"loss": torch.sigmoid(self.b(h)).square().mean()}
+
+
+def test_random_ops_other_than_dropout_replay_exactly() -> None:
+    torch.manual_seed(0)
+    model, x = _Noisy(), torch.randn(16, 64)
+    profile = slackswap.profile(model, x, kernels="native")
+    names = [t.name for t in profile.saved_activations if t.producer is not None]
+
+    def grads(plan=None):
+        torch.manual_seed(1)
+        model.zero_grad(set_to_none=True)
+        with slackswap.apply(model, plan) if plan else contextlib.nullcontext():
+            loss = model(x)["loss"]
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    plan = Plan(fingerprint=profile.fingerprint, strategy="recompute",
+                decisions={n: "recompute" for n in names})
+    assert_identical(grads(plan), grads())
+
+
 class _MutatesAfterUse(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

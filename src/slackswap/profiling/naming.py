@@ -15,6 +15,7 @@ __all__ = ["is_recorded", "op_kind", "is_random", "is_attention", "name_kind",
 
 _RANDOM = ("bernoulli", "rand", "randn", "randint", "normal", "uniform", "exponential",
            "multinomial", "native_dropout", "dropout", "randperm")
+_RANDOM_OPS: dict[Any, bool] = {}  # op overload -> is_random, memoised: asked on every op
 
 
 # Fused attention forward kernels: every backend returns (output, logsumexp, ...) in that
@@ -40,8 +41,14 @@ def op_kind(func: Any) -> str:
     return func.__name__.split(".")[0]
 
 
-def is_random(kind: str) -> bool:
-    return kind.rstrip("_").startswith(_RANDOM)
+def is_random(func: Any) -> bool:
+    """Draws from the RNG: takes a ``Generator`` argument, or is dropout-like by name."""
+    random = _RANDOM_OPS.get(func)
+    if random is None:
+        takes_generator = any(str(a.type) == "Optional[Generator]" for a in func._schema.arguments)
+        random = takes_generator or op_kind(func).rstrip("_").startswith(_RANDOM)
+        _RANDOM_OPS[func] = random
+    return random
 
 
 def is_attention(kind: str) -> bool:

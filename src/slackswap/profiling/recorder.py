@@ -134,7 +134,7 @@ class StepRecorder(TorchDispatchMode):
         kind = op_kind(func)
         outputs = strided_tensors(out)
         out_ids = [self._id(t, "activation", index) for t in outputs]
-        random = is_random(kind) or _attention_dropout(kind, args) > 0
+        random = is_random(func) or _attention_dropout(kind, args) > 0
         floats = [t.dtype for t in inputs + outputs if t.is_floating_point()]
         self.ops.append(
             OpRecord(

@@ -196,7 +196,7 @@ class _Tracer(TorchDispatchMode):
             return func(*args, **kwargs)
         kind = op_kind(func)
         # attention kernels draw from the RNG when they have dropout
-        rng = _rng_state() if is_random(kind) or is_attention(kind) else None
+        rng = _rng_state() if is_random(func) or is_attention(kind) else None
         out = func(*args, **kwargs)
         owner._record(func, name_kind(kind), args, kwargs, out, rng)
         return out
