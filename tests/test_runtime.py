@@ -137,6 +137,29 @@ def test_repeated_steps_hold_nothing_and_repeat_exactly() -> None:
         assert torch.equal(loss.detach(), reference[0])
 
 
+def test_the_garbage_collector_is_restored() -> None:
+    """It is paused in the forward block (NOTE [no cyclic GC in forward]), not after."""
+    import gc
+
+    profile, model, batch, names, _ = setup("gpt2-xl-tiny")
+    plan = Plan(fingerprint=profile.fingerprint, strategy="x", decisions={})
+    with slackswap.apply(model, plan):
+        assert not gc.isenabled()
+        loss = model(**batch).loss
+    assert gc.isenabled()
+    loss.backward()
+    with pytest.raises(RuntimeError, match="inside"), slackswap.apply(model, plan):
+        raise RuntimeError("inside")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with slackswap.apply(model, plan):
+            pass
+        assert not gc.isenabled()  # left as the caller had it
+    finally:
+        gc.enable()
+
+
 def test_gradient_accumulation() -> None:
     profile, model, batch, names, _ = setup("gpt2-xl-tiny")
     plan = Plan(fingerprint=profile.fingerprint, strategy="x",
