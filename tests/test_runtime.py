@@ -183,6 +183,15 @@ def test_gradient_accumulation() -> None:
     assert all(torch.equal(plain[n], planned[n]) for n in plain)
 
 
+def test_two_forwards_in_one_block_are_refused() -> None:
+    profile, model, batch, names, _ = setup("gpt2-xl-tiny")
+    plan = Plan(fingerprint=profile.fingerprint, strategy="x",
+                decisions={n: "offload" for n in names})
+    with pytest.raises(InputError, match="ran twice in one"), slackswap.apply(model, plan):
+        model(**batch)
+        model(**batch)
+
+
 def test_no_grad_is_a_no_op() -> None:
     profile, model, batch, names, _ = setup("llama-7b-tiny")
     plan = Plan(fingerprint=profile.fingerprint, strategy="x",

@@ -86,7 +86,6 @@ class RuntimeStats:
     recomputed_ops: int = 0
     resident_bytes: int = 0
     peak_resident_bytes: int = 0
-    planned_seen: set[str] = field(default_factory=set)
     _recompute: _Timer = field(default_factory=_Timer, repr=False)
     _stall: _Timer = field(default_factory=_Timer, repr=False)
 
@@ -306,7 +305,13 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
             )
 
     def _check_call(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        """Before the model runs: the batch it is called with is the plan's."""
+        """Before the model runs: it runs once in the block, on the plan's batch."""
+        if self._calls:
+            raise InputError(
+                "the model ran twice in one `with slackswap.apply(...)` block, but a plan "
+                "covers one forward pass: open one block per forward (per micro-batch)"
+            )
+        self._calls += 1
         tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
         self._check_batch(tensors, dict(kwargs) or dict(enumerate(args)))
 
@@ -333,6 +338,7 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         self._nodes = {}
         self._counts.clear()
         self._checked = False
+        self._calls = 0
         self._offloaded = {}
         self._next_prefetch = 0
         self._held = {}
@@ -392,7 +398,6 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         if decision == "keep":
             self._hold(key, nbytes)
             return _Packed("keep", key, node, 0, None, t.device, tensor=t)
-        self.stats.planned_seen.add(node.name)
         geometry = (tuple(t.size()), tuple(t.stride()), t.storage_offset(), t.dtype)
         if decision == "offload" and key not in self._host:
             self._host[key] = self._copies.offload(t)
