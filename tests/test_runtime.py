@@ -192,6 +192,19 @@ def test_two_forwards_in_one_block_are_refused() -> None:
         model(**batch)
 
 
+def test_a_model_that_checkpoints_itself_is_refused() -> None:
+    model, batch = _build("gpt2-xl-tiny", fake=False)
+    profile = slackswap.profile(model, batch, kernels="native")
+    plan = Plan(fingerprint=profile.fingerprint, strategy="x", decisions={})
+    enable = (getattr(model, "activation_checkpointing_enable", None)  # transformers 5
+              or model.gradient_checkpointing_enable)
+    enable()
+    for attempt in (lambda: slackswap.profile(model, batch, kernels="native"),
+                    lambda: slackswap.apply(model, plan).__enter__()):
+        with pytest.raises(InputError, match="gradient checkpointing on"):
+            attempt()
+
+
 def test_no_grad_is_a_no_op() -> None:
     profile, model, batch, names, _ = setup("llama-7b-tiny")
     plan = Plan(fingerprint=profile.fingerprint, strategy="x",

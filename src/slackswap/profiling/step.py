@@ -24,7 +24,7 @@ from slackswap.profiling.naming import activation_name, module_path, name_kind
 from slackswap.profiling.recorder import StepRecorder
 
 __all__ = ["batch_fingerprint", "batch_tensors", "default_device", "fingerprint",
-           "model_fingerprint", "profile", "transformer_blocks"]
+           "model_fingerprint", "profile", "refuse_own_checkpointing", "transformer_blocks"]
 
 Batch = Mapping[str, Any] | tuple | list | torch.Tensor
 
@@ -50,6 +50,7 @@ def profile(
     """
     hw = load_hardware(hardware)
     name = name or type(model).__name__
+    refuse_own_checkpointing(model)
     if mode == "analytic":
         rec, device = _trace_analytic(model, batch, loss_fn, name, kernels or hw.kernels)
         for op in rec.ops:
@@ -73,6 +74,17 @@ def profile(
         ops=rec.ops,
         tensors=rec.tensors,
     )
+
+
+def refuse_own_checkpointing(model: torch.nn.Module) -> None:
+    """A model that checkpoints its own blocks hides their activations from the plan."""
+    # transformers marks each checkpointed module (is_gradient_checkpointing reads these)
+    if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
+        raise InputError(
+            "the model has gradient checkpointing on, which recomputes activations its own "
+            "way; turn it off (in transformers: model.gradient_checkpointing_disable()) and "
+            "let the plan decide what to recompute"
+        )
 
 
 def fingerprint(model: torch.nn.Module, batch: Batch) -> str:

@@ -296,8 +296,9 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
 
     # -- what the plan was made for ----------------------------------------------------
     def _check_model(self, model: torch.nn.Module) -> None:
-        from slackswap.profiling.step import model_fingerprint
+        from slackswap.profiling.step import model_fingerprint, refuse_own_checkpointing
 
+        refuse_own_checkpointing(model)
         if model_fingerprint(model) != self._fingerprint[:32]:
             raise InputError(
                 "plan was made for a different model (its modules, parameter shapes or "
