@@ -52,11 +52,7 @@ def timed_steps(model, batch, plan, profile, steps: int, device: str) -> dict:
             stats = runtime.stats
     result = {"step_s": sorted(times[1:])[len(times[1:]) // 2], "peak_bytes": peak}
     if stats is not None:
-        result |= {"peak_resident_bytes": stats.peak_resident_bytes,
-                   "offloaded_bytes": stats.offloaded_bytes,
-                   "prefetched": stats.prefetched, "late_reloads": stats.late_reloads,
-                   "stalls": stats.stalls, "stall_s": stats.stall_s,
-                   "recomputed_ops": stats.recomputed_ops, "recompute_s": stats.recompute_s}
+        result |= stats.as_dict()
     return result
 
 

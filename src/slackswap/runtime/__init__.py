@@ -1,5 +1,5 @@
 """The runtime: executes a plan in eager PyTorch training (torch-facing)."""
 
-from slackswap.runtime.apply import apply
+from slackswap.runtime.apply import RuntimeStats, apply
 
-__all__ = ["apply"]
+__all__ = ["RuntimeStats", "apply"]

@@ -99,6 +99,11 @@ class RuntimeStats:
         """Time backward waited for reloads (on CUDA: the compute stream's wait)."""
         return self._stall.seconds
 
+    def as_dict(self) -> dict[str, float]:
+        """Every figure, times included (on CUDA this waits for the step's timing events)."""
+        figures = {k: v for k, v in vars(self).items() if not k.startswith("_")}
+        return figures | {"recompute_s": self.recompute_s, "stall_s": self.stall_s}
+
     def _hold(self, nbytes: int) -> None:
         self.resident_bytes += nbytes
         self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes)
