@@ -338,17 +338,21 @@ def test_autocast_bf16() -> None:
 
 
 class _Noisy(torch.nn.Module):
-    """Random ops that are not dropout: known as random by their Generator argument."""
+    """Random ops that are not dropout, known as random by their Generator argument, one
+    of them drawing from a generator the model owns."""
 
     def __init__(self) -> None:
         super().__init__()
         self.a, self.b = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
 
+        self.generator = torch.Generator().manual_seed(7)  # the model's own generator
+
     def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         h = self.a(x)
         h = torch.tanh(h * torch.empty_like(h).log_normal_(0.0, 0.1))
         h = h + torch.poisson(torch.full_like(h, 0.5)) * 0.01
-        return {"loss": torch.sigmoid(self.b(h)).square().mean()}
+        keep = torch.bernoulli(torch.full_like(h, 0.9), generator=self.generator)
+        return {"loss": torch.sigmoid(self.b(h * keep)).square().mean()}
 
 
 def test_random_ops_other_than_dropout_replay_exactly() -> None:
@@ -359,6 +363,7 @@ def test_random_ops_other_than_dropout_replay_exactly() -> None:
 
     def grads(plan=None):
         torch.manual_seed(1)
+        model.generator.manual_seed(7)
         model.zero_grad(set_to_none=True)
         with slackswap.apply(model, plan) if plan else contextlib.nullcontext():
             loss = model(x)["loss"]

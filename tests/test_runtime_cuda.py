@@ -74,6 +74,10 @@ def test_plans_are_bit_identical_on_cuda(name: str) -> None:
              decisions={n: "recompute" for n in names}),
         Plan(fingerprint=profile.fingerprint, strategy="mixed",
              decisions={n: ("keep", "offload", "recompute")[i % 3] for i, n in enumerate(names)}),
+        # rebuilds read inputs whose prefetched reloads may still be in flight
+        Plan(fingerprint=profile.fingerprint, strategy="mixed-prefetched",
+             decisions={n: ("offload", "recompute")[i % 2] for i, n in enumerate(names)},
+             prefetch={n: first_backward for i, n in enumerate(names) if i % 2 == 0}),
     ]
     for plan in plans:
         result, runtime = step(model, batch, plan, profile)

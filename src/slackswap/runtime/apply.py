@@ -182,9 +182,40 @@ def _no_autocast() -> contextlib.ExitStack:
     return stack
 
 
-def _rng_state() -> tuple[torch.Tensor, torch.Tensor | None]:
-    cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
+def _rng_state(device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The CPU generator's state, and the CUDA generator's of ``device`` (the op's)."""
+    cuda = None
+    if device is not None and device.type == "cuda":
+        cuda = torch.cuda.get_rng_state(device)
     return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None],
+                   device: torch.device | None) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
+
+
+@dataclass(frozen=True, slots=True)
+class _GeneratorState:
+    """A ``torch.Generator`` argument as it was before the op drew from it: replay draws
+    from a fresh generator in that state, since the user's own has moved on."""
+
+    device: torch.device
+    state: torch.Tensor
+
+    def generator(self) -> torch.Generator:
+        generator = torch.Generator(device=self.device)
+        generator.set_state(self.state)
+        return generator
+
+
+def _op_device(args: tuple) -> torch.device | None:
+    for x in args:
+        if isinstance(x, torch.Tensor):
+            return x.device
+    return None
 
 
 class _Tracer(TorchDispatchMode):
@@ -199,9 +230,16 @@ class _Tracer(TorchDispatchMode):
                 or torch._C._current_graph_task_id() != -1):
             return func(*args, **kwargs)
         kind = op_kind(func)
+        rng = None
         # attention kernels draw from the RNG when they have dropout
-        rng = _rng_state() if is_random(func) or is_attention(kind) else None
+        if is_random(func) or is_attention(kind):
+            rng = _rng_state(_op_device(args))
+            generator = kwargs.get("generator")
+            if isinstance(generator, torch.Generator):
+                recorded = _GeneratorState(generator.device, generator.get_state())
         out = func(*args, **kwargs)
+        if rng is not None and isinstance(kwargs.get("generator"), torch.Generator):
+            kwargs = {**kwargs, "generator": recorded}
         owner._record(func, name_kind(kind), args, kwargs, out, rng)
         return out
 
@@ -223,6 +261,9 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
     against it before anything runs, and reloads start at the plan's prefetch points.
     A plan from ``slackswap.plan(model, batch)`` carries its profile, so it need not be
     given; without one, each reload starts when backward needs the tensor.
+
+    On CUDA the forward pass is assumed to run on one stream per device, and backward on
+    the autograd engine's one thread per device (the usual single-GPU step).
     ``batch``, when given, is checked against the plan's fingerprint. Plans name
     activations by the ids a profile of the same model, batch shape and kernels gives
     (profile with ``kernels="native"`` or ``mode="measured"`` for the device you train on).
@@ -505,6 +546,8 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         current: torch.Tensor | None = None
 
         def resolve(x: Any) -> Any:
+            if isinstance(x, _GeneratorState):
+                return x.generator()
             if not isinstance(x, _Ref):
                 return x
             base = current if x.node is node else self._materialize(x.node, x.upto)
@@ -514,15 +557,11 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
             args = _map_args(resolve, step.args)
             kwargs = {k: _map_args(resolve, v) for k, v in step.kwargs.items()}
             if step.rng is not None:
-                saved = _rng_state()
-                torch.set_rng_state(step.rng[0])
-                if step.rng[1] is not None:
-                    torch.cuda.set_rng_state(step.rng[1])
+                saved = _rng_state(node.device)
+                _set_rng_state(step.rng, node.device)
             out = step.func(*args, **kwargs)
             if step.rng is not None:
-                torch.set_rng_state(saved[0])
-                if saved[1] is not None:
-                    torch.cuda.set_rng_state(saved[1])
+                _set_rng_state(saved, node.device)
             self.stats.recomputed_ops += 1
             if current is None:
                 current = _tensors(out)[step.output]
@@ -531,8 +570,8 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
 
     def _materialize(self, node: _Node, upto: int) -> torch.Tensor:
         """An input of a rebuild: back already, still alive, on the host, or rebuilt."""
-        if node.key in self._back:
-            return self._back[node.key]
+        if node.key in self._back:  # a prefetched reload may still be in flight
+            return self._copies.ready(self._back[node.key], self.stats)
         alive = node.ref()
         if alive is not None and len(node.steps) == upto:
             return alive
@@ -568,18 +607,24 @@ def _check_recomputable(profile: StepProfile, plan: Plan) -> None:
 
 class _Copies:
     """Host copies. On CUDA: pinned buffers, offloads on a D2H stream and reloads on an
-    H2D stream, the compute stream waiting on a reload's event only when it needs the
-    tensor; the caching allocator is told (``record_stream``) not to reuse memory a copy
-    still reads or writes. Elsewhere: plain synchronous copies into separate buffers."""
+    H2D stream (a pair per device), the compute stream waiting on a reload's event only
+    when it needs the tensor; ``record_stream`` tells the caching allocator not to reuse
+    memory a copy still reads or writes. Elsewhere: plain synchronous copies into separate
+    buffers.
+
+    A reload's buffer is allocated on the compute stream, so memory backward frees serves
+    later compute-stream allocations too (one pool, as the simulator assumes); the H2D
+    stream first waits for the compute work queued so far, which is the plan's prefetch
+    point: backward has reached it."""
 
     def __init__(self) -> None:
-        self._streams: tuple[Any, Any] | None = None
+        self._streams: dict[torch.device, tuple[Any, Any]] = {}
         self._events: dict[int, Any] = {}  # id of a reloaded tensor -> its copy's event
 
-    def _cuda_streams(self) -> tuple[Any, Any]:
-        if self._streams is None:
-            self._streams = (torch.cuda.Stream(), torch.cuda.Stream())
-        return self._streams
+    def _cuda_streams(self, device: torch.device) -> tuple[Any, Any]:
+        if device not in self._streams:
+            self._streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        return self._streams[device]
 
     def offload(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
@@ -587,9 +632,9 @@ class _Copies:
             host = torch.empty(storage.nbytes(), dtype=torch.uint8)
             host.untyped_storage().copy_(storage)
             return host
-        d2h, _ = self._cuda_streams()
+        d2h, _ = self._cuda_streams(t.device)
         host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=True)
-        d2h.wait_stream(torch.cuda.current_stream(t.device))
+        d2h.wait_stream(torch.cuda.current_stream(t.device))  # t has been computed
         with torch.cuda.stream(d2h):
             host.untyped_storage().copy_(storage, non_blocking=True)
         t.record_stream(d2h)  # its memory is not reused before the copy has read it
@@ -598,12 +643,15 @@ class _Copies:
     def reload(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
         if device.type != "cuda":
             return host.to(device)
-        d2h, h2d = self._cuda_streams()
+        d2h, h2d = self._cuda_streams(device)
+        base = torch.empty(host.shape, dtype=host.dtype, device=device)
+        h2d.wait_stream(torch.cuda.current_stream(device))  # base's memory is free
         h2d.wait_stream(d2h)  # the offload into ``host`` has landed
         with torch.cuda.stream(h2d):
-            base = host.to(device, non_blocking=True)
+            base.copy_(host, non_blocking=True)
             event = torch.cuda.Event()
             event.record(h2d)
+        base.record_stream(h2d)
         self._events[id(base)] = event
         return base
 
@@ -619,5 +667,4 @@ class _Copies:
                 stats.stalls += 1
                 with stats._stall.section(base.device):
                     current.wait_event(event)
-            base.record_stream(current)
         return base
