@@ -447,7 +447,8 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
             return _Packed("keep", key, node, 0, None, t.device, tensor=t)
         geometry = (tuple(t.size()), tuple(t.stride()), t.storage_offset(), t.dtype)
         if decision == "offload" and key not in self._host:
-            self._host[key] = self._copies.offload(t)
+            with self._unrecorded():
+                self._host[key] = self._copies.offload(t)
             self._offloaded[node.name] = key
             self.stats.offloaded_bytes += self._host[key].numel()
         return _Packed(decision, key, node, len(node.steps), geometry, t.device)
@@ -477,6 +478,16 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
             self._back.pop(key, None)
             self._release(key)
         return out
+
+    @contextlib.contextmanager
+    def _unrecorded(self):
+        """The runtime's own ops in forward (host copies) are not the model's: no names,
+        no recipes (a recipe holding a storage would keep it alive)."""
+        before, self._replaying = self._replaying, True
+        try:
+            yield
+        finally:
+            self._replaying = before
 
     def _hold(self, key: int, nbytes: int) -> None:
         if key not in self._held:
@@ -641,8 +652,8 @@ class _Copies:
         return host
 
     def reload(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
-        if device.type != "cuda":
-            return host.to(device)
+        if device.type != "cuda":  # a buffer of its own, as a device copy would be
+            return host.to(device, copy=True)
         d2h, h2d = self._cuda_streams(device)
         base = torch.empty(host.shape, dtype=host.dtype, device=device)
         h2d.wait_stream(torch.cuda.current_stream(device))  # base's memory is free
