@@ -127,3 +127,21 @@ def test_offloading_lowers_the_device_peak() -> None:
     offload = peak(Plan(fingerprint=profile.fingerprint, strategy="offload",
                         decisions={n: "offload" for n in names}))
     assert offload < keep
+
+
+@pytest.mark.parametrize("name", ["gpt2-xl-tiny", "llama-7b-tiny"])
+def test_a_plan_traced_on_a_cpu_runs_on_the_gpu(name: str) -> None:
+    """The analytic profile (fake tensors, CUDA kernel semantics, no GPU) names what the
+    GPU really runs: its plan applies to the real step, bit-identical, in bf16."""
+    fake, batch = build_model(name, fake=True, dtype="bf16")
+    profile = slackswap.profile(fake, batch, "h200", kernels="cuda", name=name)
+    model, batch = build_model(name, fake=False, dtype="bf16", device="cuda")
+    names = [t.name for t in profile.saved_activations
+             if t.producer is not None and t.bytes >= MIN_PLANNED_BYTES]
+    reference, _ = step(model, batch)
+    assert identical(step(model, batch)[0], reference), "the plain step does not repeat"
+    plan = Plan(fingerprint=profile.fingerprint, strategy="mixed",
+                decisions={n: ("offload", "recompute")[i % 2] for i, n in enumerate(names)})
+    result, runtime = step(model, batch, plan, profile)
+    assert identical(result, reference)
+    assert runtime.stats.offloaded_bytes > 0 and runtime.stats.recomputed_ops > 0
