@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -125,7 +126,6 @@ def test_repeated_steps_hold_nothing_and_repeat_exactly() -> None:
     plan = Plan(fingerprint=profile.fingerprint, strategy="x",
                 decisions={n: ("offload", "recompute")[i % 2] for i, n in enumerate(names)})
     import gc
-    import warnings
 
     def live_tensors() -> int:
         gc.collect()
@@ -219,6 +219,32 @@ def test_a_model_that_checkpoints_itself_is_refused() -> None:
                     lambda: slackswap.apply(model, plan).__enter__()):
         with pytest.raises(InputError, match="gradient checkpointing on"):
             attempt()
+
+
+@pytest.mark.filterwarnings("ignore")  # torch.compile's own deprecation and hook notes
+def test_a_compiled_model_runs_eagerly_under_the_plan() -> None:
+    """``torch.compile``'s wrapper names the same model; the runtime's dispatch mode makes
+    the step eager, so gradients equal eager training's."""
+    from factories import TinyMLP, WithMSE
+
+    torch.manual_seed(0)
+    model, x = WithMSE(TinyMLP(64, 2)), torch.randn(4, 8, 64)
+    compiled = torch.compile(model)
+    profile = slackswap.profile(compiled, x, kernels="native")
+    assert profile.fingerprint == slackswap.profile(model, x, kernels="native").fingerprint
+    names = [t.name for t in profile.saved_activations if t.producer is not None]
+    plan = Plan(fingerprint=profile.fingerprint, strategy="x",
+                decisions={n: ("offload", "recompute")[i % 2] for i, n in enumerate(names)})
+
+    def grads(net, plan=None):
+        torch.manual_seed(1)
+        model.zero_grad(set_to_none=True)
+        with slackswap.apply(net, plan) if plan else contextlib.nullcontext():
+            loss = net(x)["loss"]
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    assert_identical(grads(compiled, plan), grads(model))
 
 
 def test_no_grad_is_a_no_op() -> None:
@@ -477,7 +503,6 @@ def test_measured_peak_matches_the_simulated_peak(monkeypatch) -> None:
     tracker skips the runtime's copies to the host; a reloaded buffer counts again from
     the moment backward reads it."""
     import importlib
-    import warnings
 
     from factories import TinyMLP, WithMSE
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType

@@ -23,7 +23,7 @@ from slackswap.profiling.kernels import TargetKernels
 from slackswap.profiling.naming import activation_name, module_path, name_kind
 from slackswap.profiling.recorder import StepRecorder
 
-__all__ = ["batch_fingerprint", "batch_tensors", "default_device", "fingerprint",
+__all__ = ["batch_fingerprint", "batch_tensors", "default_device", "eager_module", "fingerprint",
            "model_fingerprint", "profile", "refuse_own_checkpointing", "transformer_blocks"]
 
 Batch = Mapping[str, Any] | tuple | list | torch.Tensor
@@ -49,6 +49,7 @@ def profile(
     The loss is ``output.loss`` when the model returns one, otherwise ``loss_fn(output)``.
     """
     hw = load_hardware(hardware)
+    model = eager_module(model)
     name = name or type(model).__name__
     refuse_own_checkpointing(model)
     if mode == "analytic":
@@ -76,6 +77,12 @@ def profile(
     )
 
 
+def eager_module(model: torch.nn.Module) -> torch.nn.Module:
+    """The module ``torch.compile`` wrapped, if it did: profiles and plans name the
+    original's modules, and a step under the runtime's dispatch mode runs eagerly."""
+    return getattr(model, "_orig_mod", model)
+
+
 def refuse_own_checkpointing(model: torch.nn.Module) -> None:
     """A model that checkpoints its own blocks hides their activations from the plan."""
     # transformers marks each checkpointed module (is_gradient_checkpointing reads these)
@@ -94,6 +101,7 @@ def fingerprint(model: torch.nn.Module, batch: Batch) -> str:
 
 def model_fingerprint(model: torch.nn.Module) -> str:
     """32 hex digits: the module tree, parameter and buffer shapes and dtypes, train mode."""
+    model = eager_module(model)
     parts = {
         "modules": [(n, type(m).__name__) for n, m in model.named_modules()],
         "state": [(n, list(t.shape), str(t.dtype)) for n, t in _state(model).items()],
