@@ -355,6 +355,27 @@ def test_one_call_plan_on_models_that_are_not_presets(name: str) -> None:
     assert_identical(run(model, batch, slackswap.plan(model, batch, budget=0.8)), reference)
 
 
+def test_plan_and_profile_files_reach_the_runtime(tmp_path) -> None:
+    """What ``slackswap profile`` and ``slackswap plan`` write is what a training script
+    loads: with the profile, reloads start at the plan's prefetch points."""
+    profile, model, batch, _, reference = setup("gpt2-xl-tiny")
+    plan = slackswap.plan(profile, 0.8, strategy="offload-only")
+    plan.save(tmp_path / "plan.json")
+    profile.save(tmp_path / "profile.json")
+    loaded = Plan.load(tmp_path / "plan.json")
+    assert loaded == plan and loaded.prefetch
+    runtime = slackswap.apply(model, loaded,
+                              profile=slackswap.StepProfile.load(tmp_path / "profile.json"))
+    torch.manual_seed(0)
+    model.zero_grad(set_to_none=True)
+    with runtime:
+        loss = model(**batch).loss
+    loss.backward()
+    assert runtime.stats.prefetched > 0 and runtime.stats.late_reloads == 0
+    assert_identical((loss.detach(), {n: p.grad for n, p in model.named_parameters()}),
+                     reference)
+
+
 def test_readme_training_loop_runs() -> None:
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     section = readme.split("## Use it in your training loop", 1)[1]

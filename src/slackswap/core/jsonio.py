@@ -12,7 +12,7 @@ import pydantic
 
 from slackswap.errors import InputError
 
-__all__ = ["atomic_write_text", "dump_model", "load_model", "validate_model"]
+__all__ = ["JsonFile", "atomic_write_text", "dump_model", "load_model", "validate_model"]
 
 M = TypeVar("M", bound=pydantic.BaseModel)
 
@@ -69,3 +69,16 @@ def load_model(cls: type[M], path: str | os.PathLike[str]) -> M:
     except json.JSONDecodeError as e:
         raise InputError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
     return validate_model(cls, data, str(path))
+
+
+class JsonFile:
+    """``save`` and ``load`` for a schema-versioned data-model class (a pydantic model)."""
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write this object to ``path`` as JSON, atomically."""
+        dump_model(self, path)  # type: ignore[arg-type]
+
+    @classmethod
+    def load(cls: type[M], path: str | os.PathLike[str]) -> M:  # type: ignore[misc]
+        """Read an object from a JSON file; errors name the file and the field."""
+        return load_model(cls, path)

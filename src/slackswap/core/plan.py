@@ -6,6 +6,7 @@ from typing import Literal
 
 import pydantic
 
+from slackswap.core.jsonio import JsonFile
 from slackswap.core.profile import StepProfile
 from slackswap.errors import InputError
 
@@ -14,7 +15,7 @@ __all__ = ["Plan", "Decision"]
 Decision = Literal["keep", "offload", "recompute"]
 
 
-class Plan(pydantic.BaseModel):
+class Plan(JsonFile, pydantic.BaseModel):
     """Decisions keyed by activation id; prefetch points are op indices where a reload is issued."""
 
     model_config = pydantic.ConfigDict(extra="forbid")

@@ -8,6 +8,8 @@ from typing import Literal
 
 import pydantic
 
+from slackswap.core.jsonio import JsonFile
+
 __all__ = ["OpRecord", "TensorRecord", "StepProfile", "Phase", "OpCategory", "TensorKind"]
 
 Phase = Literal["forward", "backward"]
@@ -63,7 +65,7 @@ class TensorRecord(_Record):
         return self.kind in ("parameter", "buffer")
 
 
-class StepProfile(_Record):
+class StepProfile(JsonFile, _Record):
     """Ops in execution order (forward, then backward) and the tensors they read and write."""
 
     schema_version: int = 1

@@ -6,10 +6,12 @@ from typing import Any
 
 import pydantic
 
+from slackswap.core.jsonio import JsonFile
+
 __all__ = ["SimResult"]
 
 
-class SimResult(pydantic.BaseModel):
+class SimResult(JsonFile, pydantic.BaseModel):
     """Outcome of simulating one step; times in seconds, memory in bytes."""
 
     model_config = pydantic.ConfigDict(extra="forbid")
