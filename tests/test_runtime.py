@@ -153,6 +153,75 @@ def test_repeated_steps_hold_nothing_and_repeat_exactly() -> None:
     assert live_tensors() <= before  # no growth
 
 
+def test_a_retained_graph_runs_backward_twice() -> None:
+    """Host copies live as long as autograd's handles: a second backward through a
+    retained graph reloads and rebuilds again, with the same gradients."""
+    profile, model, batch, names, _ = setup("llama-7b-tiny")
+    plan = Plan(fingerprint=profile.fingerprint, strategy="x",
+                decisions={n: ("offload", "recompute")[i % 2] for i, n in enumerate(names)})
+
+    def twice(plan=None):
+        torch.manual_seed(0)
+        model.zero_grad(set_to_none=True)
+        with slackswap.apply(model, plan) if plan else contextlib.nullcontext() as runtime:
+            loss = model(**batch).loss
+        loss.backward(retain_graph=True)
+        loss.backward()
+        return (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}), runtime
+
+    planned, runtime = twice(plan)
+    assert_identical(planned, twice()[0])
+    once = slackswap.apply(model, plan)
+    with once:
+        loss = model(**batch).loss
+    loss.backward()
+    # the second pass reloads everything again (the plan's schedule covers the first)
+    assert runtime.stats.reloaded_bytes >= 2 * once.stats.reloaded_bytes > 0
+    del planned
+    assert runtime._host == {} and runtime._back == {} and runtime._held == {}
+
+
+class _ReadsTwice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        (again,) = ctx.saved_tensors  # a second unpack of the same handle
+        return grad * (x + again)
+
+
+class _Square(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": _ReadsTwice.apply(torch.tanh(self.lin(x))).mean()}
+
+
+def test_saved_tensors_read_twice_in_one_backward() -> None:
+    torch.manual_seed(0)
+    model, x = _Square(), torch.randn(32, 64)
+    profile = slackswap.profile(model, x, kernels="native")
+    names = [t.name for t in profile.saved_activations if t.producer is not None]
+
+    def grads(decision=None):
+        model.zero_grad(set_to_none=True)
+        plan = decision and Plan(fingerprint=profile.fingerprint, strategy=decision,
+                                 decisions={n: decision for n in names})
+        with slackswap.apply(model, plan) if plan else contextlib.nullcontext():
+            loss = model(x)["loss"]
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    for decision in ("offload", "recompute"):
+        assert_identical(grads(decision), grads())
+
+
 def test_the_garbage_collector_is_restored() -> None:
     """It is paused in the forward block (NOTE [no cyclic GC in forward]), not after."""
     import gc

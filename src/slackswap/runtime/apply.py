@@ -245,7 +245,8 @@ class _Tracer(TorchDispatchMode):
 
 
 class _Packed:
-    __slots__ = ("decision", "key", "node", "upto", "geometry", "device", "tensor")
+    __slots__ = ("decision", "key", "node", "upto", "geometry", "device", "tensor",
+                 "__weakref__")
 
     def __init__(self, decision, key, node, upto, geometry, device, tensor=None) -> None:
         self.decision, self.key, self.node, self.upto = decision, key, node, upto
@@ -296,7 +297,10 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         self._nodes: dict[int, _Node] = {}
         # storages from outside the step (parameters, buffers, the batch): never named
         self._external: dict[int, StorageWeakRef] = {}
+        # host copies, by storage; each lives as long as a packed handle for it does, so a
+        # second backward through a retained graph can reload it again
         self._host: dict[int, torch.Tensor] = {}
+        self._host_refs: dict[int, int] = {}
         self._back: dict[int, torch.Tensor] = {}  # storages rebuilt or reloaded, this step
         self._pending: dict[int, int] = {}  # packed handles not yet unpacked, by storage
         self._held: dict[int, int] = {}  # saved storages resident on the device -> bytes
@@ -447,12 +451,22 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
             self._hold(key, nbytes)
             return _Packed("keep", key, node, 0, None, t.device, tensor=t)
         geometry = (tuple(t.size()), tuple(t.stride()), t.storage_offset(), t.dtype)
-        if decision == "offload" and key not in self._host:
-            with self._unrecorded():
-                self._host[key] = self._copies.offload(t)
-            self._offloaded[node.name] = key
-            self.stats.offloaded_bytes += self._host[key].numel()
-        return _Packed(decision, key, node, len(node.steps), geometry, t.device)
+        packed = _Packed(decision, key, node, len(node.steps), geometry, t.device)
+        if decision == "offload":
+            if key not in self._host:
+                with self._unrecorded():
+                    self._host[key] = self._copies.offload(t)
+                self._offloaded[node.name] = key
+                self.stats.offloaded_bytes += self._host[key].numel()
+            self._host_refs[key] = self._host_refs.get(key, 0) + 1
+            weakref.finalize(packed, self._drop_host, key)
+        return packed
+
+    def _drop_host(self, key: int) -> None:
+        """A packed handle is gone (autograd freed it): its host copy may go too."""
+        self._host_refs[key] -= 1
+        if self._host_refs[key] == 0:
+            del self._host_refs[key], self._host[key]
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
@@ -474,8 +488,11 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
                 self._bring_back(key, base)
             base = self._copies.ready(base, self.stats)
             out = _view(base, *packed.geometry)
-        self._pending[key] -= 1
-        if self._pending[key] == 0:  # the last saved reference to it is back
+        remaining = self._pending.get(key, 0) - 1
+        self._pending[key] = max(remaining, 0)
+        # the last saved reference to it is back; below zero, a second backward through a
+        # retained graph (or a second read of ctx.saved_tensors) brought it back again
+        if remaining <= 0:
             self._back.pop(key, None)
             self._release(key)
         return out
@@ -505,7 +522,7 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         self._hold(key, base.untyped_storage().nbytes())
 
     def _reload(self, key: int, device: torch.device, waited: bool = False) -> torch.Tensor:
-        host = self._host.pop(key)
+        host = self._host[key]
         self.stats.reloaded_bytes += host.numel()
         if waited and device.type != "cuda":  # a synchronous copy backward waits for
             self.stats.stalls += 1
@@ -524,7 +541,8 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
                 break
             self._next_prefetch += 1
             key = self._offloaded.get(name)
-            if key is not None and key in self._host and key not in self._back:
+            waiting = key is not None and self._pending.get(key, 0) > 0
+            if waiting and key in self._host and key not in self._back:
                 self._bring_back(key, self._reload(key, device))
                 self.stats.prefetched += 1
 
