@@ -81,6 +81,18 @@ def run(model, batch, plan=None, seed=0):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+def custom_step(model, x, plan=None, net=None):
+    """Loss and gradients of one step of a model returning ``{"loss": ...}``; ``net`` is
+    what is called (a wrapper of ``model``, say)."""
+    net = model if net is None else net
+    torch.manual_seed(1)
+    model.zero_grad(set_to_none=True)
+    with slackswap.apply(net, plan) if plan else contextlib.nullcontext():
+        loss = net(x)["loss"]
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
 def assert_identical(a, b) -> None:
     assert torch.equal(a[0], b[0])
     assert a[1].keys() == b[1].keys()
@@ -209,17 +221,10 @@ def test_saved_tensors_read_twice_in_one_backward() -> None:
     profile = slackswap.profile(model, x, kernels="native")
     names = [t.name for t in profile.saved_activations if t.producer is not None]
 
-    def grads(decision=None):
-        model.zero_grad(set_to_none=True)
-        plan = decision and Plan(fingerprint=profile.fingerprint, strategy=decision,
-                                 decisions={n: decision for n in names})
-        with slackswap.apply(model, plan) if plan else contextlib.nullcontext():
-            loss = model(x)["loss"]
-        loss.backward()
-        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
     for decision in ("offload", "recompute"):
-        assert_identical(grads(decision), grads())
+        plan = Plan(fingerprint=profile.fingerprint, strategy=decision,
+                    decisions={n: decision for n in names})
+        assert_identical(custom_step(model, x, plan), custom_step(model, x))
 
 
 def test_the_garbage_collector_is_restored() -> None:
@@ -305,15 +310,7 @@ def test_a_compiled_model_runs_eagerly_under_the_plan() -> None:
     plan = Plan(fingerprint=profile.fingerprint, strategy="x",
                 decisions={n: ("offload", "recompute")[i % 2] for i, n in enumerate(names)})
 
-    def grads(net, plan=None):
-        torch.manual_seed(1)
-        model.zero_grad(set_to_none=True)
-        with slackswap.apply(net, plan) if plan else contextlib.nullcontext():
-            loss = net(x)["loss"]
-        loss.backward()
-        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-    assert_identical(grads(compiled, plan), grads(model))
+    assert_identical(custom_step(model, x, plan, net=compiled), custom_step(model, x))
 
 
 def test_no_grad_is_a_no_op() -> None:
@@ -493,18 +490,12 @@ def test_random_ops_other_than_dropout_replay_exactly() -> None:
     profile = slackswap.profile(model, x, kernels="native")
     names = [t.name for t in profile.saved_activations if t.producer is not None]
 
-    def grads(plan=None):
-        torch.manual_seed(1)
-        model.generator.manual_seed(7)
-        model.zero_grad(set_to_none=True)
-        with slackswap.apply(model, plan) if plan else contextlib.nullcontext():
-            loss = model(x)["loss"]
-        loss.backward()
-        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
     plan = Plan(fingerprint=profile.fingerprint, strategy="recompute",
                 decisions={n: "recompute" for n in names})
-    assert_identical(grads(plan), grads())
+    model.generator.manual_seed(7)  # the model's own generator, the same for both steps
+    planned = custom_step(model, x, plan)
+    model.generator.manual_seed(7)
+    assert_identical(planned, custom_step(model, x))
 
 
 class _MutatesAfterUse(torch.nn.Module):
