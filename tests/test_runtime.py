@@ -498,6 +498,35 @@ def test_random_ops_other_than_dropout_replay_exactly() -> None:
     assert_identical(planned, custom_step(model, x))
 
 
+class _ConvBN(torch.nn.Module):
+    """Batch norm updates its running statistics in forward, in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.bn = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8)
+        self.c2 = torch.nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": self.c2(torch.relu(self.bn(self.c1(x)))).square().mean()}
+
+
+def test_rebuilding_leaves_buffers_as_training_without_it_does() -> None:
+    """A rebuilt batch norm does not update the running statistics a second time."""
+    torch.manual_seed(0)
+    model, x = _ConvBN(), torch.randn(4, 3, 16, 16)
+    profile = slackswap.profile(model, x, kernels="native")
+    names = [t.name for t in profile.saved_activations if t.producer is not None]
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    reference = custom_step(model, x)
+    after = {k: v.clone() for k, v in model.state_dict().items()}
+    for decision in ("recompute", "offload"):
+        model.load_state_dict(start)
+        plan = Plan(fingerprint=profile.fingerprint, strategy=decision,
+                    decisions={n: decision for n in names})
+        assert_identical(custom_step(model, x, plan), reference)
+        assert all(torch.equal(v, after[k]) for k, v in model.state_dict().items()), decision
+
+
 class _MutatesAfterUse(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

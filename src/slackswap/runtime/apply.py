@@ -211,6 +211,33 @@ class _GeneratorState:
         return generator
 
 
+@dataclass(frozen=True, slots=True)
+class _Scratch:
+    """A tensor from outside the step that the op writes (a BatchNorm running statistic):
+    a replay writes to a copy, so rebuilding an activation leaves the model as it was."""
+
+    tensor: torch.Tensor
+
+
+_WRITTEN: dict[Any, frozenset] = {}
+# Batch norms whose schemas do not mark the running statistics they update (3 and 4).
+_UNMARKED_WRITES = {"native_batch_norm": (3, 4), "cudnn_batch_norm": (3, 4),
+                    "miopen_batch_norm": (3, 4)}
+
+
+def _written_arguments(func: Any) -> frozenset:
+    """Positions and names of the arguments an op writes, from its schema (memoised)."""
+    written = _WRITTEN.get(func)
+    if written is None:
+        arguments = func._schema.arguments
+        marked = [i for i, a in enumerate(arguments)
+                  if a.alias_info is not None and a.alias_info.is_write]
+        marked += _UNMARKED_WRITES.get(op_kind(func), ())
+        written = frozenset(marked) | {arguments[i].name for i in marked}
+        _WRITTEN[func] = written
+    return written
+
+
 def _op_device(args: tuple) -> torch.device | None:
     for x in args:
         if isinstance(x, torch.Tensor):
@@ -425,6 +452,12 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
 
         step_args = _map_args(ref, args)
         step_kwargs = {k: _map_args(ref, v) for k, v in kwargs.items()} if kwargs else kwargs
+        written = _written_arguments(func)
+        if written:  # a replay must not repeat its writes to buffers (BatchNorm's stats)
+            step_args = tuple(_Scratch(a) if i in written and isinstance(a, torch.Tensor)
+                              else a for i, a in enumerate(step_args))
+            step_kwargs = {k: _Scratch(v) if k in written and isinstance(v, torch.Tensor)
+                           else v for k, v in step_kwargs.items()}
         for i, t in enumerate(_tensors(out)):
             key = _storage_key(t)
             if self._is_external(key):
@@ -578,6 +611,8 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         def resolve(x: Any) -> Any:
             if isinstance(x, _GeneratorState):
                 return x.generator()
+            if isinstance(x, _Scratch):
+                return x.tensor.clone()
             if not isinstance(x, _Ref):
                 return x
             base = current if x.node is node else self._materialize(x.node, x.upto)
