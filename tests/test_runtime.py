@@ -498,6 +498,30 @@ def test_random_ops_other_than_dropout_replay_exactly() -> None:
     assert_identical(planned, custom_step(model, x))
 
 
+class _InPlaceOnViews(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.a(x)
+        h[:, :8].mul_(2.0)  # in place on a slice
+        h.view(4, 8, 32).transpose(0, 1)[0].add_(1.0)  # on a view of a view
+        z = torch.nn.functional.dropout(h, 0.2) * h
+        return {"loss": torch.tanh(self.b(z)).t().contiguous().square().mean()}
+
+
+@pytest.mark.parametrize("decision", ["offload", "recompute"])
+def test_in_place_ops_on_views_are_replayed(decision: str) -> None:
+    torch.manual_seed(0)
+    model, x = _InPlaceOnViews(), torch.randn(32, 32)
+    profile = slackswap.profile(model, x, kernels="native")
+    names = [t.name for t in profile.saved_activations if t.producer is not None]
+    plan = Plan(fingerprint=profile.fingerprint, strategy=decision,
+                decisions={n: decision for n in names})
+    assert_identical(custom_step(model, x, plan), custom_step(model, x))
+
+
 class _ConvBN(torch.nn.Module):
     """Batch norm updates its running statistics in forward, in place."""
 
