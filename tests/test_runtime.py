@@ -313,6 +313,27 @@ def test_a_compiled_model_runs_eagerly_under_the_plan() -> None:
     assert_identical(custom_step(model, x, plan, net=compiled), custom_step(model, x))
 
 
+def test_a_distributed_data_parallel_model(tmp_path) -> None:
+    """DDP's wrapper names the model inside; its gradient hooks run as without the plan."""
+    import torch.distributed as dist
+    from factories import TinyMLP, WithMSE
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0,
+                            world_size=1)
+    try:
+        torch.manual_seed(0)
+        model, x = WithMSE(TinyMLP(64, 2)), torch.randn(4, 8, 64)
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        profile = slackswap.profile(ddp, x, kernels="native")
+        assert profile.fingerprint == slackswap.profile(model, x, kernels="native").fingerprint
+        names = [t.name for t in profile.saved_activations if t.producer is not None]
+        plan = Plan(fingerprint=profile.fingerprint, strategy="x",
+                    decisions={n: ("offload", "recompute")[i % 2] for i, n in enumerate(names)})
+        assert_identical(custom_step(model, x, plan, net=ddp), custom_step(model, x, net=ddp))
+    finally:
+        dist.destroy_process_group()
+
+
 def test_no_grad_is_a_no_op() -> None:
     profile, model, batch, names, _ = setup("llama-7b-tiny")
     plan = Plan(fingerprint=profile.fingerprint, strategy="x",

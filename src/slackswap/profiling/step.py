@@ -78,9 +78,16 @@ def profile(
 
 
 def eager_module(model: torch.nn.Module) -> torch.nn.Module:
-    """The module ``torch.compile`` wrapped, if it did: profiles and plans name the
-    original's modules, and a step under the runtime's dispatch mode runs eagerly."""
-    return getattr(model, "_orig_mod", model)
+    """The model inside the wrappers training adds: ``torch.compile`` (a step under the
+    runtime's dispatch mode runs eagerly) and (Distributed)DataParallel. Profiles and
+    plans name the inner model's modules, whichever of them is passed."""
+    while True:
+        if isinstance(model, (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
+            model = model._orig_mod
+        else:
+            return model
 
 
 def refuse_own_checkpointing(model: torch.nn.Module) -> None:

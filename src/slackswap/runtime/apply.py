@@ -299,7 +299,9 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
 
     def __init__(self, model: torch.nn.Module, plan: Plan,
                  profile: StepProfile | None = None, batch: Any = None) -> None:
-        model = getattr(model, "_orig_mod", model)  # what torch.compile wrapped, if it did
+        from slackswap.profiling.step import eager_module
+
+        model = eager_module(model)  # inside torch.compile's or DDP's wrapper
         # Prefetch points are profile op indices; the profile says which op needs what.
         self._first_use: dict[str, int] = {}
         self._prefetch = sorted(plan.prefetch.items(), key=lambda kv: (kv[1], kv[0]))
