@@ -14,9 +14,8 @@ import pytest
 import torch
 
 import slackswap
-from slackswap.core.plan import Plan
+from slackswap.core.plan import MIN_PLANNED_BYTES, Plan
 from slackswap.models import build_model
-from slackswap.planners.context import MIN_PLANNED_BYTES
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 MODELS = ["bert-large-tiny", "gpt2-xl-tiny", "llama-7b-tiny"]

@@ -209,8 +209,8 @@ def test_duplex_sharing_slows_a_reload() -> None:
 def test_recompute_chain_rebuilds_dropped_inputs_first() -> None:
     """t1 = f(t0), t2 = g(t1); only t2 is saved and recomputed, t1 was never saved."""
     ms = 1e-3
-    tensors = [T(100, saved=True, first_backward_use=3), T(200), T(300, saved=True,
-               first_backward_use=3), T(10), T(10)]
+    tensors = [T(1100, saved=True, first_backward_use=3), T(1200), T(1300, saved=True,
+               first_backward_use=3), T(10), T(10)]  # planned ones at least 1 KiB
     ops = [Op("forward", 1 * ms, [], [0]), Op("forward", 2 * ms, [0], [1]),
            Op("forward", 4 * ms, [1], [2]), Op("backward", 1 * ms, [0, 2], [3])]
     profile = build(ops, tensors)
@@ -221,6 +221,17 @@ def test_recompute_chain_rebuilds_dropped_inputs_first() -> None:
     assert items == [(0, False), (1, False), (2, False), (1, True), (2, True), (3, False)]
     assert r.recompute_s == pytest.approx(6 * ms)
     assert r.step_time_s == pytest.approx(14 * ms)
+
+
+def test_tensors_under_a_kibibyte_are_never_moved() -> None:
+    """As in the runtime: the copy's fixed cost outweighs the bytes."""
+    tensors = [T(1000, saved=True, first_backward_use=1), T(10)]
+    ops = [Op("forward", 1e-3, [], [0]), Op("backward", 1e-3, [0], [1])]
+    profile = build(ops, tensors)
+    for decision in ("offload", "recompute"):
+        plan = Plan(fingerprint=profile.fingerprint, strategy="hand", decisions={"t0": decision})
+        r = simulate(profile, plan)
+        assert r.d2h_bytes == r.h2d_bytes == 0 and r.recompute_s == 0.0
 
 
 def test_memory_limit_makes_ops_wait_or_is_infeasible() -> None:

@@ -10,9 +10,14 @@ from slackswap.core.jsonio import JsonFile
 from slackswap.core.profile import StepProfile
 from slackswap.errors import InputError
 
-__all__ = ["Plan", "Decision"]
+__all__ = ["Plan", "Decision", "MIN_PLANNED_BYTES"]
 
 Decision = Literal["keep", "offload", "recompute"]
+
+# Saved tensors this small are never moved, whatever a plan says (torchtune's
+# ``min_offload_size`` default): the copy's fixed cost outweighs the bytes. Planners do
+# not plan them, the simulator and the runtime keep them.
+MIN_PLANNED_BYTES = 1024
 
 
 class Plan(JsonFile, pydantic.BaseModel):

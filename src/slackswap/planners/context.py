@@ -6,16 +6,13 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from slackswap.core.hardware import Hardware
-from slackswap.core.plan import Plan
+from slackswap.core.plan import MIN_PLANNED_BYTES, Plan
 from slackswap.core.profile import StepProfile
 from slackswap.sim.schedule import min_working_set
 from slackswap.sim.simulate import simulate
 
 __all__ = ["Candidate", "PlanContext", "MIN_PLANNED_BYTES"]
 
-# Tensors this small are never moved (torchtune's ``min_offload_size`` default): the
-# copy's fixed cost outweighs the bytes.
-MIN_PLANNED_BYTES = 1024
 
 
 @dataclass(frozen=True, slots=True)

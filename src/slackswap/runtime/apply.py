@@ -26,10 +26,9 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from slackswap.core.plan import Plan
+from slackswap.core.plan import MIN_PLANNED_BYTES, Plan
 from slackswap.core.profile import StepProfile
 from slackswap.errors import InputError
-from slackswap.planners.context import MIN_PLANNED_BYTES
 from slackswap.profiling.naming import (
     ForwardModules,
     activation_name,
@@ -129,12 +128,13 @@ class _Step:
     kwargs: Any
     output: int  # which tensor output of the op is the node's storage
     rng: tuple[torch.Tensor, torch.Tensor | None] | None
+    outputs: list[_Node | None]  # the nodes of all the op's outputs, shared by its steps
 
 
 class _Node:
     """How one storage made in forward came to be: its producer, then in-place ops."""
 
-    __slots__ = ("name", "key", "device", "steps", "ref", "storage", "__weakref__")
+    __slots__ = ("name", "key", "device", "steps", "ref", "kept", "storage", "__weakref__")
 
     def __init__(self, name: str, step: _Step, tensor: torch.Tensor) -> None:
         self.name = name
@@ -142,9 +142,19 @@ class _Node:
         self.device = tensor.device
         self.steps = [step]
         self.ref = weakref.ref(tensor)
+        self.kept: Any = None  # a weak reference to a saved, kept tensor over the storage
         # NOTE: a weak reference to the StorageImpl keeps its address from being reused,
         # so storage keys stay unique while this node lives.
         self.storage = StorageWeakRef(tensor.untyped_storage())
+
+    def alive(self, upto: int) -> torch.Tensor | None:
+        """A tensor over the storage as it is after ``upto`` steps, if one still lives."""
+        if len(self.steps) != upto:
+            return None
+        tensor = self.ref()
+        if tensor is None and self.kept is not None:
+            tensor = self.kept()
+        return tensor
 
 
 # NOTE: aten arguments are scalars, tensors and flat lists of them (a schema never nests
@@ -323,6 +333,9 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         self.stats = RuntimeStats()
         self._active = False
         self._replaying = False
+        self._group: dict[tuple[int, int], torch.Tensor] = {}  # made by rebuilds, this op
+        self._group_position: int | None = None
+        self._outstanding = 0  # packed handles not yet unpacked, all storages together
         self._nodes: dict[int, _Node] = {}
         # storages from outside the step (parameters, buffers, the batch): never named
         self._external: dict[int, StorageWeakRef] = {}
@@ -420,6 +433,7 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         self._counts.clear()
         self._checked = False
         self._calls = 0
+        self._group, self._group_position = {}, None
         self._offloaded = {}
         self._next_prefetch = 0
         self._held = {}
@@ -460,16 +474,19 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
                               else a for i, a in enumerate(step_args))
             step_kwargs = {k: _Scratch(v) if k in written and isinstance(v, torch.Tensor)
                            else v for k, v in step_kwargs.items()}
-        for i, t in enumerate(_tensors(out)):
+        tensors = _tensors(out)
+        outputs: list[_Node | None] = [None] * len(tensors)
+        for i, t in enumerate(tensors):
             key = _storage_key(t)
             if self._is_external(key):
                 continue
             node = self._nodes.get(key)
-            step = _Step(func, step_args, step_kwargs, i, rng)
+            step = _Step(func, step_args, step_kwargs, i, rng, outputs)
             if node is None:
                 k = self._counts.get((module, kind), 0)
                 self._counts[module, kind] = k + 1
-                self._nodes[key] = _Node(activation_name(module, kind, k), step, t)
+                node = self._nodes[key] = _Node(activation_name(module, kind, k), step, t)
+                outputs[i] = node
             elif func._schema.is_mutable:
                 node.steps.append(step)
 
@@ -481,9 +498,11 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         if node is None or nbytes < MIN_PLANNED_BYTES:
             return t
         self._pending[key] = self._pending.get(key, 0) + 1
+        self._outstanding += 1
         decision = self.decisions.get(node.name, "keep")
         if decision == "keep":
             self._hold(key, nbytes)
+            node.kept = weakref.ref(t)  # a rebuild may read it after the op's own tensor died
             return _Packed("keep", key, node, 0, None, t.device, tensor=t)
         geometry = (tuple(t.size()), tuple(t.stride()), t.storage_offset(), t.dtype)
         packed = _Packed(decision, key, node, len(node.steps), geometry, t.device)
@@ -509,7 +528,13 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         if not self._checked:
             self._check_seen()
         key = packed.key
-        self._prefetch_up_to(self._first_use.get(packed.node.name), packed.device)
+        position = self._first_use.get(packed.node.name)
+        if position is None or position != self._group_position:
+            # NOTE [rebuild groups]: what rebuilds make for one backward op (the profile
+            # op that first needs this tensor) serves all of that op's rebuilds, then goes,
+            # as in the simulator's schedule; without a profile, each unpack is a group.
+            self._group, self._group_position = {}, position
+        self._prefetch_up_to(position, packed.device)
         if packed.decision == "keep":
             out = packed.tensor
         else:
@@ -528,8 +553,14 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         # the last saved reference to it is back; below zero, a second backward through a
         # retained graph (or a second read of ctx.saved_tensors) brought it back again
         if remaining <= 0:
-            self._back.pop(key, None)
+            base = self._back.pop(key, None)
+            if base is not None:  # another rebuild for this same op may still read it
+                self._group[key, packed.upto] = base
             self._release(key)
+        if remaining >= 0:
+            self._outstanding -= 1
+            if self._outstanding == 0:  # backward is through: what rebuilds made goes
+                self._group = {}
         return out
 
     @contextlib.contextmanager
@@ -594,8 +625,8 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
     # -- recompute ---------------------------------------------------------------------
     def _rebuild(self, node: _Node, upto: int) -> torch.Tensor:
         """The node's storage as it was after ``upto`` steps, as a tensor over it."""
-        alive = node.ref()
-        if alive is not None and len(node.steps) == upto:
+        alive = node.alive(upto)
+        if alive is not None:
             return alive
         if self._replaying:  # an input of the rebuild in progress: timed with it
             return self._replay(node, upto)
@@ -631,22 +662,45 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
                 _set_rng_state(saved, node.device)
             self.stats.recomputed_ops += 1
             if current is None:
-                current = _tensors(out)[step.output]
+                made = _tensors(out)
+                current = made[step.output]
+                self._keep_siblings(step, made)
         assert current is not None
         return current
+
+    def _keep_siblings(self, step: _Step, made: list[torch.Tensor]) -> None:
+        """A re-run producer makes its other outputs too (attention's logsumexp beside its
+        output): as in the simulator, this op's rebuilds have them, and one planned for
+        recompute that backward will unpack stays instead of being rebuilt again."""
+        for j, sibling in enumerate(step.outputs):
+            if sibling is None or j == step.output or sibling.alive(1) is not None:
+                continue
+            if len(sibling.steps) == 1:  # not changed in place later in forward
+                self._group[sibling.key, 1] = made[j]
+                # one planned for recompute stays till backward unpacks it; an offloaded
+                # one is reloaded then, as the simulator schedules it
+                planned = self.decisions.get(sibling.name) == "recompute"
+                if planned and self._pending.get(sibling.key, 0) > 0 \
+                        and sibling.key not in self._back:
+                    self._bring_back(sibling.key, made[j])
 
     def _materialize(self, node: _Node, upto: int) -> torch.Tensor:
         """An input of a rebuild: back already, still alive, on the host, or rebuilt."""
         if node.key in self._back:  # a prefetched reload may still be in flight
             return self._copies.ready(self._back[node.key], self.stats)
-        alive = node.ref()
-        if alive is not None and len(node.steps) == upto:
+        alive = node.alive(upto)
+        if alive is not None:
             return alive
+        # made already for this backward op (NOTE [rebuild groups]): an input read twice
+        # (a residual, say) is made once
+        if (base := self._group.get((node.key, upto))) is not None:
+            return base
         if node.key in self._host and len(node.steps) == upto:
             # backward unpacks it later; the rebuild reads it now
             base = self._copies.ready(self._reload(node.key, node.device), self.stats)
         else:
             base = self._rebuild(node, upto)
+        self._group[node.key, upto] = base
         if self._pending.get(node.key, 0) > 0 and len(node.steps) == upto:
             # a saved activation backward will unpack later: keep it, as the simulator does
             self._bring_back(node.key, base)

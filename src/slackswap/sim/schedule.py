@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from slackswap.core.plan import Plan
+from slackswap.core.plan import MIN_PLANNED_BYTES, Plan
 from slackswap.core.profile import StepProfile, TensorRecord
 
 __all__ = ["Item", "Residency", "Copy", "Schedule", "build_schedule", "min_working_set"]
@@ -89,7 +89,8 @@ class _Builder:
         self.decision: dict[int, str] = {}
         for t in profile.saved_activations:
             if t.producer is not None and t.name is not None:
-                self.decision[t.id] = plan.decisions.get(t.name, "keep")
+                small = t.bytes < MIN_PLANNED_BYTES  # never moved
+                self.decision[t.id] = "keep" if small else plan.decisions.get(t.name, "keep")
         for name, d in plan.decisions.items():  # unsaved tensors kept as checkpoints
             if name in profile.checkpointable:
                 self.decision[profile.checkpointable[name].id] = d
