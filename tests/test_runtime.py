@@ -119,14 +119,19 @@ def test_random_plans_are_bit_identical(data, name: str) -> None:
     assert_runs_as_simulated(profile, plan, stats_of(model, batch, plan, profile))
 
 
-def stats_of(model, batch, plan, profile=None):
+def planned_step(model, batch, plan, profile=None):
+    """One step under ``plan``: (loss, gradients) and the runtime that ran it."""
     runtime = slackswap.apply(model, plan, profile=profile)
     torch.manual_seed(0)
     model.zero_grad(set_to_none=True)
     with runtime:
         loss = model(**batch).loss
     loss.backward()
-    return runtime.stats
+    return (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}), runtime
+
+
+def stats_of(model, batch, plan, profile=None):
+    return planned_step(model, batch, plan, profile)[1].stats
 
 
 def assert_runs_as_simulated(profile, plan, stats) -> None:
@@ -155,12 +160,8 @@ def test_the_runtime_does_what_the_simulator_schedules(name: str, kind: str) -> 
 def test_a_planned_step_moves_and_rebuilds() -> None:
     profile, model, batch, names, _ = setup("gpt2-xl-tiny")
     half = {n: ("offload" if i % 2 else "recompute") for i, n in enumerate(names)}
-    runtime = slackswap.apply(model, Plan(fingerprint=profile.fingerprint, strategy="x",
-                                          decisions=half))
-    torch.manual_seed(0)
-    with runtime:
-        loss = model(**batch).loss
-    loss.backward()
+    _, runtime = planned_step(model, batch, Plan(fingerprint=profile.fingerprint,
+                                                 strategy="x", decisions=half))
     assert runtime.stats.offloaded_bytes > 0
     assert runtime.stats.reloaded_bytes == runtime.stats.offloaded_bytes
     assert runtime.stats.recomputed_ops > 0
@@ -461,17 +462,11 @@ def test_one_call_plan_on_models_that_are_not_presets(name: str) -> None:
     reference = run(model, batch)
     plan = slackswap.plan(model, batch, budget=0.8, strategy="offload-only")
     assert "offload" in plan.decisions.values() and plan.prefetch
-    runtime = slackswap.apply(model, plan)
-    torch.manual_seed(0)
-    model.zero_grad(set_to_none=True)
-    with runtime:
-        loss = model(**batch).loss
-    loss.backward()
+    result, runtime = planned_step(model, batch, plan)
     assert runtime.stats.prefetched > 0 and runtime.stats.late_reloads == 0
     # saved bytes it held never exceed the simulated peak (which adds temporaries)
     assert runtime.stats.peak_resident_bytes <= slackswap.simulate(plan._profile, plan).peak_bytes
-    assert_identical((loss.detach(), {n: p.grad for n, p in model.named_parameters()}),
-                     reference)
+    assert_identical(result, reference)
     assert_identical(run(model, batch, slackswap.plan(model, batch, budget=0.8)), reference)
 
 
@@ -484,16 +479,10 @@ def test_plan_and_profile_files_reach_the_runtime(tmp_path) -> None:
     profile.save(tmp_path / "profile.json")
     loaded = Plan.load(tmp_path / "plan.json")
     assert loaded == plan and loaded.prefetch
-    runtime = slackswap.apply(model, loaded,
-                              profile=slackswap.StepProfile.load(tmp_path / "profile.json"))
-    torch.manual_seed(0)
-    model.zero_grad(set_to_none=True)
-    with runtime:
-        loss = model(**batch).loss
-    loss.backward()
+    result, runtime = planned_step(model, batch, loaded,
+                                   slackswap.StepProfile.load(tmp_path / "profile.json"))
     assert runtime.stats.prefetched > 0 and runtime.stats.late_reloads == 0
-    assert_identical((loss.detach(), {n: p.grad for n, p in model.named_parameters()}),
-                     reference)
+    assert_identical(result, reference)
 
 
 def test_readme_training_loop_runs() -> None:
@@ -632,24 +621,10 @@ def test_reloads_start_at_their_prefetch_points() -> None:
     plan = Plan(fingerprint=profile.fingerprint, strategy="x",
                 decisions={n: "offload" for n in names},
                 prefetch={n: first_backward for n in names})
-    runtime = slackswap.apply(model, plan, profile=profile)
-    torch.manual_seed(0)
-    model.zero_grad(set_to_none=True)
-    with runtime:
-        loss = model(**batch).loss
-    loss.backward()
+    result, runtime = planned_step(model, batch, plan, profile)
     assert runtime.stats.prefetched > 0 and runtime.stats.late_reloads == 0
     assert runtime.stats.reloaded_bytes == runtime.stats.offloaded_bytes
-    assert_identical((loss.detach(), {n: p.grad for n, p in model.named_parameters()}),
-                     reference)
-
-
-def _step(model, batch, runtime) -> None:
-    torch.manual_seed(0)
-    model.zero_grad(set_to_none=True)
-    with runtime:
-        loss = model(**batch).loss
-    loss.backward()
+    assert_identical(result, reference)
 
 
 def test_stats_count_resident_bytes_stalls_and_recompute() -> None:
@@ -662,8 +637,7 @@ def test_stats_count_resident_bytes_stalls_and_recompute() -> None:
         plan = Plan(fingerprint=profile.fingerprint, strategy="x",
                     decisions={n: decision for n in names[::every]},
                     prefetch={} if prefetch_at is None else {n: prefetch_at for n in names})
-        runtime = slackswap.apply(model, plan, profile=profile)
-        _step(model, batch, runtime)
+        _, runtime = planned_step(model, batch, plan, profile)
         assert runtime.stats.resident_bytes == 0  # all released by the end of backward
         return runtime.stats
 
