@@ -144,12 +144,14 @@ def assert_runs_as_simulated(profile, plan, stats) -> None:
     assert stats.reloaded_bytes == simulated.h2d_bytes
 
 
-@pytest.mark.parametrize("kind", ["recompute-all", "mixed", "slackswap"])
+@pytest.mark.parametrize("kind", ["recompute-all", "mixed", "slackswap", "checkpoint-blocks"])
 @pytest.mark.parametrize("name", MODELS)
 def test_the_runtime_does_what_the_simulator_schedules(name: str, kind: str) -> None:
+    """checkpoint-blocks keeps tensors autograd does not save (distilbert's block inputs)
+    as checkpoints for rebuilds; the runtime holds them until the simulator frees them."""
     profile, model, batch, names, _ = setup(name)
-    if kind == "slackswap":
-        plan = slackswap.plan(profile, 0.75)
+    if kind in ("slackswap", "checkpoint-blocks"):
+        plan = slackswap.plan(profile, 0.75, strategy=kind)
     else:
         pick = ("recompute",) if kind == "recompute-all" else ("keep", "offload", "recompute")
         plan = Plan(fingerprint=profile.fingerprint, strategy=kind,

@@ -314,6 +314,7 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         model = eager_module(model)  # inside torch.compile's or DDP's wrapper
         # Prefetch points are profile op indices; the profile says which op needs what.
         self._first_use: dict[str, int] = {}
+        self._checkpoints: dict[str, int] = {}  # unsaved tensors kept -> release position
         self._prefetch = sorted(plan.prefetch.items(), key=lambda kv: (kv[1], kv[0]))
         profile = profile if profile is not None else plan._profile
         self._fingerprint, self._profile = plan.fingerprint, profile
@@ -328,6 +329,7 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
             _check_recomputable(profile, plan)
             self._first_use = {n: t.first_backward_use for n, t in profile.by_name.items()
                                if t.first_backward_use is not None}
+            self._checkpoints = _checkpoint_releases(profile, plan)
         self.model = model
         self.decisions = {n: d for n, d in plan.decisions.items() if d != "keep"}
         self.stats = RuntimeStats()
@@ -336,6 +338,8 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         self._group: dict[tuple[int, int], torch.Tensor] = {}  # made by rebuilds, this op
         self._group_position: int | None = None
         self._outstanding = 0  # packed handles not yet unpacked, all storages together
+        # checkpoints held for rebuilds: storage -> (release position, tensor)
+        self._kept_checkpoints: dict[int, tuple[int, torch.Tensor]] = {}
         self._nodes: dict[int, _Node] = {}
         # storages from outside the step (parameters, buffers, the batch): never named
         self._external: dict[int, StorageWeakRef] = {}
@@ -434,6 +438,7 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         self._checked = False
         self._calls = 0
         self._group, self._group_position = {}, None
+        self._kept_checkpoints = {}
         self._offloaded = {}
         self._next_prefetch = 0
         self._held = {}
@@ -487,6 +492,9 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
                 self._counts[module, kind] = k + 1
                 node = self._nodes[key] = _Node(activation_name(module, kind, k), step, t)
                 outputs[i] = node
+                if node.name in self._checkpoints:  # autograd does not save it: we keep it
+                    self._kept_checkpoints[key] = (self._checkpoints[node.name], t)
+                    self._hold(key, t.untyped_storage().nbytes())
             elif func._schema.is_mutable:
                 node.steps.append(step)
 
@@ -534,6 +542,7 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
             # op that first needs this tensor) serves all of that op's rebuilds, then goes,
             # as in the simulator's schedule; without a profile, each unpack is a group.
             self._group, self._group_position = {}, position
+            self._release_checkpoints(position)
         self._prefetch_up_to(position, packed.device)
         if packed.decision == "keep":
             out = packed.tensor
@@ -561,6 +570,7 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
             self._outstanding -= 1
             if self._outstanding == 0:  # backward is through: what rebuilds made goes
                 self._group = {}
+                self._release_checkpoints(None)
         return out
 
     @contextlib.contextmanager
@@ -668,6 +678,13 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         assert current is not None
         return current
 
+    def _release_checkpoints(self, position: int | None) -> None:
+        """Let go of the checkpoints no rebuild before ``position`` (None: any) reads."""
+        for key, (last, _) in list(self._kept_checkpoints.items()):
+            if position is None or last < position:
+                del self._kept_checkpoints[key]
+                self._release(key)
+
     def _keep_siblings(self, step: _Step, made: list[torch.Tensor]) -> None:
         """A re-run producer makes its other outputs too (attention's logsumexp beside its
         output): as in the simulator, this op's rebuilds have them, and one planned for
@@ -706,6 +723,25 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
             self._bring_back(node.key, base)
         return base
 
+
+
+def _checkpoint_releases(profile: StepProfile, plan: Plan) -> dict[str, int]:
+    """Unsaved tensors the plan keeps as checkpoints for rebuilds, and the backward op
+    after whose rebuilds each may go: where the simulator's schedule frees it."""
+    kept = {profile.checkpointable[n].id: n for n, d in plan.decisions.items()
+            if d == "keep" and n in profile.checkpointable}
+    if not kept:
+        return {}
+    from slackswap.sim.schedule import build_schedule
+
+    schedule = build_schedule(profile, plan)
+    releases = {}
+    for item in schedule.items:
+        for rid in item.frees:
+            name = kept.get(schedule.residencies[rid].tensor)
+            if name is not None and item.position >= schedule.first_backward:
+                releases[name] = item.position
+    return releases
 
 
 def _check_recomputable(profile: StepProfile, plan: Plan) -> None:
