@@ -8,7 +8,8 @@ the budget, then runs keep-all, the runtime with nothing to move (its overhead) 
 --steps steps each, and prints (and writes, with --out) measured retention, the step's
 peak allocated memory above what was allocated before it (activations, gradients and
 temporaries) against the budget, simulated retention and peak for the same plan, the
-simulated-vs-measured step-time error and the runtime's stats.
+simulated-vs-measured step-time error and the runtime's stats; then the same for a
+plan from the analytic profile (traced on fake tensors, priced by the cost model).
 ``--device cpu`` runs the same path on a CPU (a smoke test; times mean little there).
 """
 
@@ -56,6 +57,31 @@ def timed_steps(model, batch, plan, profile, steps: int, device: str) -> dict:
     return result
 
 
+def analytic_figures(args, name: str, dtype: str, model, batch, keep_step_s: float) -> dict:
+    """The same workload traced on fake tensors with the target's kernel semantics and
+    priced by the roofline cost model (no GPU needed): how far that profile's step time is
+    from this GPU's, and how its plan runs here."""
+    fake, _ = build_model(name, batch=args.batch, seq=args.seq, dtype=dtype)
+    kernels = "cuda" if args.device == "cuda" else "native"
+    analytic = slackswap.profile(fake, batch, args.hardware, kernels=kernels, name=name)
+    keep_all = slackswap.simulate(analytic, slackswap.Plan.keep_all(analytic), args.hardware)
+    figures = {"analytic_keep_all_step_s": keep_all.step_time_s,
+               "analytic_step_time_error": keep_all.step_time_s / keep_step_s - 1}
+    try:
+        plan = slackswap.plan(analytic, args.budget, args.hardware)
+        run = timed_steps(model, batch, plan, analytic, args.steps, args.device)
+    except InputError as err:  # recorded, so the measured figures still come back
+        return figures | {"analytic_plan_error": str(err)}
+    simulated = slackswap.simulate(analytic, plan, args.hardware, memory_limit=args.budget)
+    return figures | {
+        "analytic_plan_step_s": run["step_s"],
+        "analytic_plan_measured_retention": keep_step_s / run["step_s"],
+        "analytic_plan_simulated_retention": simulated.retention,
+        "analytic_plan_step_peak_bytes": run["peak_bytes"],
+        "analytic_plan_simulated_peak_bytes": simulated.peak_bytes,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gpt2-xl", choices=sorted(MODEL_PRESETS))
@@ -99,6 +125,7 @@ def main() -> None:
         "simulated_peak_bytes": simulated.peak_bytes,
         "plan_stats": {k: v for k, v in planned.items() if k not in ("step_s", "peak_bytes")},
     }
+    figures |= analytic_figures(args, name, dtype, model, batch, keep["step_s"])
     for key, value in figures.items():
         print(f"{key:32s} {value}")
     if args.out:
