@@ -145,7 +145,8 @@ def build_model(
     transformers.logging.set_verbosity_error()
     config = preset.config(s, attn)
     torch.manual_seed(seed)
-    mode = FakeTensorMode() if fake else contextlib.nullcontext()
+    # real weights are made where they will train (a GPU initialises billions in seconds)
+    mode = FakeTensorMode() if fake else torch.device(device)
     with mode, _default_dtype(DTYPES[dtype]):
         model = preset.model_class()(config)
     model.train()
