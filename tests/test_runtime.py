@@ -668,12 +668,11 @@ def test_measured_peak_matches_the_simulated_peak(monkeypatch) -> None:
     recompute and offload plans. On a CPU host copies share the device's memory, so the
     tracker skips the runtime's copies to the host; a reloaded buffer counts again from
     the moment backward reads it."""
-    import importlib
-
     from factories import TinyMLP, WithMSE
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
-    copies = importlib.import_module("slackswap.runtime.apply")._Copies
+    from slackswap.runtime.copies import HostCopies
+
     offloading = [False]
 
     class DeviceMemory(MemTracker):
@@ -689,8 +688,8 @@ def test_measured_peak_matches_the_simulated_peak(monkeypatch) -> None:
         finally:
             offloading[0] = False
 
-    original = copies.offload
-    monkeypatch.setattr(copies, "offload", offload)
+    original = HostCopies.offload
+    monkeypatch.setattr(HostCopies, "offload", offload)
     torch.manual_seed(0)
     model, x = WithMSE(TinyMLP(256, 4)), torch.randn(16, 64, 256)
     profile = slackswap.profile(model, x, kernels="native")

@@ -1,0 +1,165 @@
+"""Recipes: how each storage made in forward came to be, recorded so a rebuild can replay
+it bit for bit (arguments by reference, RNG states, writes to buffers kept off the model)."""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from slackswap.profiling.naming import op_kind
+
+__all__ = ["Ref", "Step", "Node", "GeneratorState", "Scratch", "map_args", "op_tensors",
+           "storage_key", "view_of", "no_autocast", "rng_state", "set_rng_state",
+           "written_arguments", "op_device"]
+
+
+@dataclass(frozen=True, slots=True)
+class Ref:
+    """An activation argument: a view into the storage of ``node`` as it was after
+    ``upto`` of its steps."""
+
+    node: Node
+    upto: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+
+
+@dataclass(slots=True)
+class Step:
+    func: Any
+    args: Any  # with activation tensors replaced by Ref
+    kwargs: Any
+    output: int  # which tensor output of the op is the node's storage
+    rng: tuple[torch.Tensor, torch.Tensor | None] | None
+    outputs: list[Node | None]  # the nodes of all the op's outputs, shared by its steps
+
+
+class Node:
+    """How one storage made in forward came to be: its producer, then in-place ops."""
+
+    __slots__ = ("name", "key", "device", "steps", "ref", "kept", "storage", "__weakref__")
+
+    def __init__(self, name: str, step: Step, tensor: torch.Tensor) -> None:
+        self.name = name
+        self.key = storage_key(tensor)
+        self.device = tensor.device
+        self.steps = [step]
+        self.ref = weakref.ref(tensor)
+        self.kept: Any = None  # a weak reference to a saved, kept tensor over the storage
+        # NOTE: a weak reference to the StorageImpl keeps its address from being reused,
+        # so storage keys stay unique while this node lives.
+        self.storage = StorageWeakRef(tensor.untyped_storage())
+
+    def alive(self, upto: int) -> torch.Tensor | None:
+        """A tensor over the storage as it is after ``upto`` steps, if one still lives."""
+        if len(self.steps) != upto:
+            return None
+        tensor = self.ref()
+        if tensor is None and self.kept is not None:
+            tensor = self.kept()
+        return tensor
+
+
+# NOTE: aten arguments are scalars, tensors and flat lists of them (a schema never nests
+# deeper), so two small functions replace torch.utils._pytree here: the dispatch mode runs
+# them on every op of the forward pass, and pytree's generality costs about 10x more.
+def map_args(fn: Any, x: Any) -> Any:
+    if isinstance(x, (tuple, list)):
+        return type(x)(map_args(fn, y) for y in x)
+    return fn(x)
+
+
+def op_tensors(out: Any) -> list[torch.Tensor]:
+    """The strided tensor outputs of an op, in order."""
+    if isinstance(out, torch.Tensor):
+        return [out] if out.layout == torch.strided else []
+    if isinstance(out, (tuple, list)):
+        return [t for t in out if isinstance(t, torch.Tensor) and t.layout == torch.strided]
+    return []
+
+
+def storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def view_of(base: torch.Tensor, size, stride, offset, dtype) -> torch.Tensor:
+    out = base.new_empty(0, dtype=dtype)
+    return out.set_(base.untyped_storage(), offset, size, stride)
+
+
+def no_autocast() -> contextlib.ExitStack:
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.autocast("cpu", enabled=False))
+    if torch.cuda.is_available():
+        stack.enter_context(torch.autocast("cuda", enabled=False))
+    return stack
+
+
+def rng_state(device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The CPU generator's state, and the CUDA generator's of ``device`` (the op's)."""
+    cuda = None
+    if device is not None and device.type == "cuda":
+        cuda = torch.cuda.get_rng_state(device)
+    return torch.get_rng_state(), cuda
+
+
+def set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None],
+                   device: torch.device | None) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
+
+
+@dataclass(frozen=True, slots=True)
+class GeneratorState:
+    """A ``torch.Generator`` argument as it was before the op drew from it: replay draws
+    from a fresh generator in that state, since the user's own has moved on."""
+
+    device: torch.device
+    state: torch.Tensor
+
+    def generator(self) -> torch.Generator:
+        generator = torch.Generator(device=self.device)
+        generator.set_state(self.state)
+        return generator
+
+
+@dataclass(frozen=True, slots=True)
+class Scratch:
+    """A tensor from outside the step that the op writes (a BatchNorm running statistic):
+    a replay writes to a copy, so rebuilding an activation leaves the model as it was."""
+
+    tensor: torch.Tensor
+
+
+_WRITTEN: dict[Any, frozenset] = {}
+# Batch norms whose schemas do not mark the running statistics they update (3 and 4).
+_UNMARKED_WRITES = {"native_batch_norm": (3, 4), "cudnn_batch_norm": (3, 4),
+                    "miopen_batch_norm": (3, 4)}
+
+
+def written_arguments(func: Any) -> frozenset:
+    """Positions and names of the arguments an op writes, from its schema (memoised)."""
+    written = _WRITTEN.get(func)
+    if written is None:
+        arguments = func._schema.arguments
+        marked = [i for i, a in enumerate(arguments)
+                  if a.alias_info is not None and a.alias_info.is_write]
+        marked += _UNMARKED_WRITES.get(op_kind(func), ())
+        written = frozenset(marked) | {arguments[i].name for i in marked}
+        _WRITTEN[func] = written
+    return written
+
+
+def op_device(args: tuple) -> torch.device | None:
+    for x in args:
+        if isinstance(x, torch.Tensor):
+            return x.device
+    return None
