@@ -36,6 +36,13 @@ from slackswap.profiling.naming import (
     name_kind,
     op_kind,
 )
+from slackswap.profiling.step import (
+    batch_fingerprint,
+    batch_tensors,
+    eager_module,
+    model_fingerprint,
+    refuse_own_checkpointing,
+)
 from slackswap.runtime.checks import check_recomputable, checkpoint_releases
 from slackswap.runtime.copies import HostCopies
 from slackswap.runtime.recipes import (
@@ -103,18 +110,16 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
     against it before anything runs, and reloads start at the plan's prefetch points.
     A plan from ``slackswap.plan(model, batch)`` carries its profile, so it need not be
     given; without one, each reload starts when backward needs the tensor.
+    ``batch``, when given, is checked against the plan's fingerprint up front; otherwise
+    the model and the batch it is called with are checked before it runs. Plans name
+    activations by the ids a profile of the same model, batch shape and kernels gives.
 
     On CUDA the forward pass is assumed to run on one stream per device, and backward on
     the autograd engine's one thread per device (the usual single-GPU step).
-    ``batch``, when given, is checked against the plan's fingerprint. Plans name
-    activations by the ids a profile of the same model, batch shape and kernels gives
-    (profile with ``kernels="native"`` or ``mode="measured"`` for the device you train on).
     """
 
     def __init__(self, model: torch.nn.Module, plan: Plan,
                  profile: StepProfile | None = None, batch: Any = None) -> None:
-        from slackswap.profiling.step import eager_module
-
         model = eager_module(model)  # inside torch.compile's or DDP's wrapper
         # Prefetch points are profile op indices; the profile says which op needs what.
         self._first_use: dict[str, int] = {}
@@ -123,8 +128,6 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         profile = profile if profile is not None else plan._profile
         self._fingerprint, self._profile = plan.fingerprint, profile
         if batch is not None:
-            from slackswap.profiling.step import batch_tensors
-
             self._check_model(model)
             named = dict(batch_tensors(batch))
             self._check_batch(list(named.values()), named)
@@ -197,8 +200,6 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
 
     # -- what the plan was made for ----------------------------------------------------
     def _check_model(self, model: torch.nn.Module) -> None:
-        from slackswap.profiling.step import model_fingerprint, refuse_own_checkpointing
-
         refuse_own_checkpointing(model)
         if model_fingerprint(model) != self._fingerprint[:32]:
             raise InputError(
@@ -218,8 +219,6 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         self._check_batch(tensors, dict(kwargs) or dict(enumerate(args)))
 
     def _check_batch(self, tensors: list[torch.Tensor], named: dict | None = None) -> None:
-        from slackswap.profiling.step import batch_fingerprint
-
         if batch_fingerprint(tensors) == self._fingerprint[32:]:
             return
         if self._profile is not None and named:
