@@ -153,7 +153,7 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         # host copies, by storage; each lives as long as a packed handle for it does, so a
         # second backward through a retained graph can reload it again
         self._host: dict[int, torch.Tensor] = {}
-        self._host_refs: dict[int, int] = {}
+        self._handles: dict[int, int] = {}  # packed handles autograd still holds, by storage
         self._back: dict[int, torch.Tensor] = {}  # storages rebuilt or reloaded, this step
         self._pending: dict[int, int] = {}  # packed handles not yet unpacked, by storage
         self._held: dict[int, int] = {}  # saved storages resident on the device -> bytes
@@ -313,25 +313,35 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         decision = self.decisions.get(node.name, "keep")
         if decision == "keep":
             self._hold(key, nbytes)
-            node.kept = weakref.ref(t)  # a rebuild may read it after the op's own tensor died
-            return _Packed("keep", key, node, 0, None, t.device, tensor=t)
-        geometry = (tuple(t.size()), tuple(t.stride()), t.storage_offset(), t.dtype)
-        packed = _Packed(decision, key, node, len(node.steps), geometry, t.device)
-        if decision == "offload":
-            if key not in self._host:
-                with self._unrecorded():
-                    self._host[key] = self._copies.offload(t)
-                self._offloaded[node.name] = key
-                self.stats.offloaded_bytes += self._host[key].numel()
-            self._host_refs[key] = self._host_refs.get(key, 0) + 1
-            weakref.finalize(packed, self._drop_host, key)
+            # detached: a saved output holding its own grad_fn would make the graph a
+            # cycle that outlives a dropped step
+            kept = t.detach()
+            node.kept.append(weakref.ref(kept))  # a rebuild may read it after t died
+            packed = _Packed("keep", key, node, 0, None, t.device, tensor=kept)
+        else:
+            geometry = (tuple(t.size()), tuple(t.stride()), t.storage_offset(), t.dtype)
+            packed = _Packed(decision, key, node, len(node.steps), geometry, t.device)
+        if decision == "offload" and key not in self._host:
+            with self._unrecorded():
+                self._host[key] = self._copies.offload(t)
+            self._offloaded[node.name] = key
+            self.stats.offloaded_bytes += self._host[key].numel()
+        self._handles[key] = self._handles.get(key, 0) + 1
+        weakref.finalize(packed, self._handle_gone, key)
         return packed
 
-    def _drop_host(self, key: int) -> None:
-        """A packed handle is gone (autograd freed it): its host copy may go too."""
-        self._host_refs[key] -= 1
-        if self._host_refs[key] == 0:
-            del self._host_refs[key], self._host[key]
+    def _handle_gone(self, key: int) -> None:
+        """Autograd freed a packed handle (its node ran, or the graph was dropped): once
+        none is left for the storage, whatever the runtime holds for it goes."""
+        self._handles[key] -= 1
+        if self._handles[key] == 0:
+            del self._handles[key]
+            self._host.pop(key, None)
+            self._back.pop(key, None)
+            self._release(key)
+            self._outstanding -= self._pending.pop(key, 0)  # never unpacked
+            if self._outstanding == 0:
+                self._group = {}
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
@@ -360,8 +370,9 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
                 self._bring_back(key, base)
             base = self._copies.ready(base, self.stats)
             out = view_of(base, *packed.geometry)
-        remaining = self._pending.get(key, 0) - 1
-        self._pending[key] = max(remaining, 0)
+        remaining = self._pending.pop(key, 0) - 1
+        if remaining > 0:
+            self._pending[key] = remaining
         # the last saved reference to it is back; below zero, a second backward through a
         # retained graph (or a second read of ctx.saved_tensors) brought it back again
         if remaining <= 0:

@@ -52,7 +52,7 @@ class Node:
         self.device = tensor.device
         self.steps = [step]
         self.ref = weakref.ref(tensor)
-        self.kept: Any = None  # a weak reference to a saved, kept tensor over the storage
+        self.kept: list[Any] = []  # weak references to saved, kept tensors over the storage
         # NOTE: a weak reference to the StorageImpl keeps its address from being reused,
         # so storage keys stay unique while this node lives.
         self.storage = StorageWeakRef(tensor.untyped_storage())
@@ -62,8 +62,10 @@ class Node:
         if len(self.steps) != upto:
             return None
         tensor = self.ref()
-        if tensor is None and self.kept is not None:
-            tensor = self.kept()
+        for kept in self.kept:  # any tensor over the storage serves as the storage
+            if tensor is not None:
+                break
+            tensor = kept()
         return tensor
 
 
