@@ -613,6 +613,26 @@ def test_rebuilding_leaves_buffers_as_training_without_it_does() -> None:
         assert all(torch.equal(v, after[k]) for k, v in model.state_dict().items()), decision
 
 
+def test_a_measured_profile_leaves_the_model_as_it_was() -> None:
+    """Profiling runs a real step; gradients, batch-norm statistics and the RNG stream
+    are as they were afterwards, so a plan can be made mid-training."""
+    torch.manual_seed(0)
+    model, x = _ConvBN(), torch.randn(4, 3, 16, 16)
+    model(x)["loss"].backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    rng = torch.get_rng_state()
+    slackswap.profile(torch.nn.Sequential(model, _Dropout()), x, mode="measured")
+    assert all(torch.equal(p.grad, grads[n]) for n, p in model.named_parameters())
+    assert all(torch.equal(b, buffers[n]) for n, b in model.named_buffers())
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+class _Dropout(torch.nn.Module):
+    def forward(self, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {"loss": torch.nn.functional.dropout(out["loss"], 0.5)}
+
+
 class _MutatesAfterUse(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -7,7 +7,7 @@ import hashlib
 import json
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Literal
 
 import torch
@@ -58,7 +58,8 @@ def profile(
             op.time_s = op_time(op, hw)
         used_kernels = kernels or hw.kernels
     elif mode == "measured":
-        rec, device = _trace_measured(model, batch, loss_fn, name, warmup)
+        with _leaves_no_trace(model):
+            rec, device = _trace_measured(model, batch, loss_fn, name, warmup)
         used_kernels = "cuda" if device.startswith("cuda") else "native"
     else:
         raise InputError(f"unknown profiling mode '{mode}'; use 'analytic' or 'measured'")
@@ -261,6 +262,30 @@ def _map_batch(batch: Batch, fn: Callable[[torch.Tensor], torch.Tensor]) -> Batc
     if isinstance(batch, Mapping):
         return {k: fn(v) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     return type(batch)(fn(v) if isinstance(v, torch.Tensor) else v for v in batch)
+
+
+@contextlib.contextmanager
+def _leaves_no_trace(model: torch.nn.Module) -> Iterator[None]:
+    """A measured step runs the model for real: afterwards its gradients, buffers (batch
+    norm statistics) and the RNG streams are as they were, so profiling mid-training
+    changes nothing the training would see."""
+    grads = {p: p.grad for p in model.parameters()}
+    for param in grads:
+        param.grad = None  # the profiled step accumulates into fresh tensors, not these
+    buffers = {b: b.clone() for b in model.buffers()}
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, saved in buffers.items():
+                buffer.copy_(saved)
+        for param, grad in grads.items():
+            param.grad = grad
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
 
 
 def _trace_measured(
