@@ -489,6 +489,22 @@ def test_one_call_plan_on_models_that_are_not_presets(name: str) -> None:
     assert_identical(run(model, batch, slackswap.plan(model, batch, budget=0.8)), reference)
 
 
+def test_auto_plans_once_per_batch_shape() -> None:
+    model, batch = _build("gpt-neox-tiny", fake=False)
+    longer = {k: torch.cat([v, v[:, :8]], dim=1) for k, v in batch.items()}
+    step = slackswap.auto(model, budget=0.8)
+    for b in (batch, longer, batch):
+        reference = run(model, b)
+        torch.manual_seed(0)
+        model.zero_grad(set_to_none=True)
+        with step(b):
+            loss = model(**b).loss
+        loss.backward()
+        assert_identical((loss.detach(), {n: p.grad for n, p in model.named_parameters()}),
+                         reference)
+    assert len(step.plans) == 2
+
+
 def test_plan_and_profile_files_reach_the_runtime(tmp_path) -> None:
     """What ``slackswap profile`` and ``slackswap plan`` write is what a training script
     loads: with the profile, reloads start at the plan's prefetch points."""

@@ -13,7 +13,8 @@ from slackswap.sim import simulate
 __all__ = [
     "Hardware", "OpRecord", "Plan", "SimResult", "StepProfile", "TensorRecord",
     "InputError", "ProfileError", "SlackSwapError",
-    "STRATEGIES", "apply", "hardware_presets", "load_hardware", "plan", "profile", "simulate",
+    "STRATEGIES", "apply", "auto", "hardware_presets", "load_hardware", "plan", "profile",
+    "simulate",
 ]
 
 
@@ -38,4 +39,8 @@ def __getattr__(name: str):
         from slackswap.runtime import apply
 
         return apply
+    if name == "auto":
+        from slackswap.runtime.oneshot import AutoPlan
+
+        return AutoPlan
     raise AttributeError(f"module 'slackswap' has no attribute {name!r}")

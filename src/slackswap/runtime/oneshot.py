@@ -1,4 +1,4 @@
-"""Profile and plan in one call, for the model as it will train."""
+"""Profile and plan in one call, for the model as it will train; or once per batch shape."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ import torch
 from slackswap.core.plan import Plan
 from slackswap.planners import plan
 from slackswap.profiling import profile
+from slackswap.profiling.step import fingerprint
+from slackswap.runtime.apply import apply
 
-__all__ = ["plan_model"]
+__all__ = ["plan_model", "AutoPlan"]
 
 
 def plan_model(
@@ -37,3 +39,32 @@ def plan_model(
     result = plan(step, budget, hardware, strategy)
     result._profile = step  # so that apply checks it and prefetches without being told
     return result
+
+
+class AutoPlan:
+    """Plans the step for each batch shape the model meets, once, and applies it:
+
+        step = slackswap.auto(model, budget=0.5)
+        for batch in loader:
+            with step(batch):
+                loss = model(**batch).loss
+            loss.backward()
+
+    Each new shape is profiled and planned (seconds on a small model), so pad batches to
+    a few lengths rather than to each batch's longest sequence. ``plans`` holds them, by
+    the fingerprint of model and batch.
+    """
+
+    def __init__(self, model: torch.nn.Module, budget: str | int | float = 0.5,
+                 hardware: str | None = None, strategy: str = "slackswap",
+                 loss_fn: Callable[[Any], torch.Tensor] | None = None) -> None:
+        self.model, self.budget, self.hardware = model, budget, hardware
+        self.strategy, self.loss_fn = strategy, loss_fn
+        self.plans: dict[str, Plan] = {}
+
+    def __call__(self, batch: Any) -> apply:
+        key = fingerprint(self.model, batch)
+        if key not in self.plans:
+            self.plans[key] = plan_model(self.model, batch, self.budget, self.hardware,
+                                         self.strategy, self.loss_fn)
+        return apply(self.model, self.plans[key])
