@@ -63,7 +63,7 @@ def main() -> None:
 @click.option("--seq", type=int, help="Sequence length (presets only).")
 @click.option("--attn", type=click.Choice(["sdpa", "eager"]), help="Attention (presets only).")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), help="Presets only.")
-@click.option("--mode", type=click.Choice(["analytic", "measured"]), default="analytic",
+@click.option("--mode", type=click.Choice(["analytic", "measured", "traced"]), default="analytic",
               show_default=True, help="Trace with fake tensors, or run and time a real step.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the profile JSON.")
 @click.option("--summary", "as_json", is_flag=True, help="Print the summary as one JSON object.")
@@ -138,6 +138,8 @@ def _print_result(prof: StepProfile, result: Any, trace: str | None, plot: str |
         ("throughput retained", f"{result.retention:.2%}"),
         ("peak activation memory", f"{format_bytes(result.peak_bytes)} "
                                    f"(keep-all {format_bytes(result.keep_all_peak_bytes)})"),
+        ("weight gradients", f"{format_bytes(result.gradient_bytes)} (model state, "
+                             "not in the peak)"),
         ("stalls", ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in result.stall_s.items())),
         ("offloaded / reloaded", f"{format_bytes(result.d2h_bytes)} / "
                                  f"{format_bytes(result.h2d_bytes)}"),

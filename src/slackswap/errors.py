@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["SlackSwapError", "InputError", "ProfileError"]
+__all__ = ["SlackSwapError", "InputError", "ProfileError", "VerifyError"]
 
 
 class SlackSwapError(Exception):
@@ -15,3 +15,14 @@ class InputError(SlackSwapError):
 
 class ProfileError(SlackSwapError):
     """The model could not be traced for one training step."""
+
+
+NESTED_BACKWARD = (
+    "the model runs backward inside its forward pass (torch.autograd.grad or backward "
+    "in forward); a plan covers one forward pass then one backward, so train this model "
+    "without slackswap"
+)
+
+
+class VerifyError(SlackSwapError):
+    """``apply(..., verify=True)`` found a reload or rebuild that differs from the original."""

@@ -16,7 +16,9 @@ Phase = Literal["forward", "backward"]
 # How the cost model prices an op: GEMM-like, fused attention, memory-bound, or free
 # (views and bare allocations launch no kernel).
 OpCategory = Literal["matmul", "attention_forward", "attention_backward", "memory", "free"]
-TensorKind = Literal["activation", "input", "parameter", "buffer"]
+# ``gradient``: a weight gradient, made in backward, that becomes (or is accumulated into)
+# a parameter's ``.grad``. Like parameters it is model state, not activation memory.
+TensorKind = Literal["activation", "input", "parameter", "buffer", "gradient"]
 
 
 class _Record(pydantic.BaseModel):
@@ -41,6 +43,7 @@ class OpRecord(_Record):
     outputs: list[int]  # tensor ids (an in-place op lists the tensor it mutates)
     random: bool = False  # draws from the RNG (dropout): recompute must replay RNG state
     inplace: bool = False
+    replayable: bool = True  # pure and deterministic: recompute may replay it
 
 
 class TensorRecord(_Record):
@@ -68,11 +71,13 @@ class TensorRecord(_Record):
 class StepProfile(JsonFile, _Record):
     """Ops in execution order (forward, then backward) and the tensors they read and write."""
 
-    schema_version: int = 1
+    # 2: weight gradients are their own tensor kind (``gradient``), out of activation
+    # memory. A version-1 file still loads; its weight gradients count as activations.
+    schema_version: int = 2
     model: str
     fingerprint: str  # hash of module structure, parameter and batch shapes and dtypes
     hardware: str
-    mode: Literal["analytic", "measured"]
+    mode: Literal["analytic", "measured", "traced"]
     kernels: Literal["cuda", "native"]
     device: str
     layers: list[str]  # module paths of the transformer blocks, in order
@@ -98,6 +103,30 @@ class StepProfile(JsonFile, _Record):
                 if t.kind == "activation" and not t.saved and t.name is not None}
 
     @cached_property
+    def recomputable(self) -> frozenset[str]:
+        """Saved activations a plan may recompute: every op that wrote them in forward (the
+        producer, then in-place ops) is replayable, and so, transitively, is every input
+        those ops read that a rebuild may have to make again (one autograd never saved, or
+        one changed in place later, read at an earlier value)."""
+        mutated = {t for op in self.ops if op.phase == "forward" and op.inplace
+                   for t in op.outputs if self.tensors[t].producer != op.index}
+        ok: dict[int, bool] = {}
+        for op in self.ops:
+            if op.phase != "forward":
+                break
+            inputs_ok = all(
+                ok.get(u, True) or (self.tensors[u].saved and u not in mutated)
+                for u in op.inputs
+                if self.tensors[u].kind == "activation" and u not in op.outputs
+            )
+            for t in op.outputs:  # its producer, or an op that writes it in place
+                written = op.inplace or self.tensors[t].producer == op.index
+                if written and self.tensors[t].kind == "activation":
+                    ok[t] = ok.get(t, True) and op.replayable and inputs_ok
+        return frozenset(t.name for t in self.saved_activations
+                         if t.name is not None and ok.get(t.id, False))
+
+    @cached_property
     def keep_all_peak(self) -> int:
         """Peak activation memory with every activation kept and no limit.
 
@@ -121,6 +150,13 @@ class StepProfile(JsonFile, _Record):
             peak = max(peak, used)
             used -= frees[op.index]
         return peak
+
+    @cached_property
+    def gradient_bytes(self) -> int:
+        """Bytes of the weight gradients the step makes (model state, reported apart from
+        activation memory): the parameters' ``.grad`` storages and any gradient that was
+        accumulated into one."""
+        return sum(t.bytes for t in self.tensors if t.kind == "gradient")
 
     def layer_index(self, module: str) -> int | None:
         """Index of the transformer block that contains ``module``, or None."""
@@ -167,4 +203,5 @@ class StepProfile(JsonFile, _Record):
             "backward_time_s": self.phase_time("backward"),
             "num_ops": len(self.ops),
             "model_state_bytes": self.model_state_bytes,
+            "gradient_bytes": self.gradient_bytes,
         }

@@ -16,7 +16,8 @@ class SimResult(JsonFile, pydantic.BaseModel):
 
     model_config = pydantic.ConfigDict(extra="forbid")
 
-    schema_version: int = 1
+    # 2: adds ``gradient_bytes``; version-1 files still load.
+    schema_version: int = 2
     fingerprint: str
     strategy: str
     feasible: bool
@@ -28,6 +29,8 @@ class SimResult(JsonFile, pydantic.BaseModel):
     peak_bytes: int
     peak_time_s: float
     keep_all_peak_bytes: int = 0
+    # weight gradients made in backward: model state, not in the activation peak
+    gradient_bytes: int = 0
     memory_limit_bytes: int | None = None
     stall_s: dict[str, float] = {}  # by cause: "reload", "memory", "recompute"
     d2h_bytes: int = 0

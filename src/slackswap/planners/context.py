@@ -85,6 +85,11 @@ class PlanContext:
 
     def plan(self, strategy: str, decisions: dict[str, str],
              prefetch: dict[str, int] | None = None) -> Plan:
+        """The plan, with activations no replay rebuilds exactly kept instead of recomputed
+        (NOTE [replayable ops]): every strategy is held to what the runtime can do."""
+        recomputable = self.profile.recomputable
+        decisions = {n: "keep" if d == "recompute" and n not in recomputable else d
+                     for n, d in decisions.items()}
         return Plan(fingerprint=self.profile.fingerprint, strategy=strategy,
                     budget_bytes=self.budget, decisions=decisions, prefetch=prefetch or {})
 

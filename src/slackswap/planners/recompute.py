@@ -39,6 +39,9 @@ def rebuild_cost(ctx: PlanContext, c: Candidate) -> float:
     return cost(c.producer)
 
 
+_TIE = 1e-5
+
+
 def choose_recompute(
     ctx: PlanContext,
     candidates: list[Candidate],
@@ -51,6 +54,7 @@ def choose_recompute(
     None when even recomputing every candidate cannot cover the excess.
     """
     credit = credit or {}
+    candidates = [c for c in candidates if c.name in ctx.profile.recomputable]
     rows = [(pt, pt.excess - credit.get(pt.op, 0)) for pt in points]
     rows = [(pt, need) for pt, need in rows if need > 0]
     if not rows:
@@ -64,7 +68,12 @@ def choose_recompute(
     need = np.array([need / 1e9 for _, need in rows])
     if np.any(np.asarray(a.sum(axis=1)).ravel() < need):
         return None
-    cost = np.array([rebuild_cost(ctx, c) * 1e3 for c in candidates])  # milliseconds
+    # milliseconds; equal costs (activations of the same size and kind in different
+    # blocks) are broken towards the earlier-made ones, rebuilt later in backward: which
+    # of several equal sets HiGHS returns otherwise turns on the shape of the memory curve
+    n = len(ctx.profile.ops)
+    cost = np.array([rebuild_cost(ctx, c) * 1e3 * (1 + _TIE * c.producer / n)
+                     for c in candidates])
     res = milp(cost, constraints=LinearConstraint(a, need, np.inf),
                integrality=np.ones(len(candidates)), bounds=Bounds(0, 1),
                options={"time_limit": time_limit, "mip_rel_gap": 1e-4})

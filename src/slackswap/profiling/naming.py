@@ -10,7 +10,7 @@ import torch
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["is_recorded", "op_kind", "is_random", "is_attention", "name_kind",
+__all__ = ["is_recorded", "op_kind", "is_random", "is_attention", "is_replayable", "name_kind",
            "strided_tensors", "module_path", "ForwardModules", "activation_name"]
 
 _RANDOM = ("bernoulli", "rand", "randn", "randint", "normal", "uniform", "exponential",
@@ -49,6 +49,78 @@ def is_random(func: Any) -> bool:
         random = takes_generator or op_kind(func).rstrip("_").startswith(_RANDOM)
         _RANDOM_OPS[func] = random
     return random
+
+
+# NOTE [replayable ops]
+#     Recompute replays recorded ops and must get the same bits back. Only ops known to be
+#     pure functions of their inputs (and of the RNG state, which the runtime replays) are
+#     replayed; anything else (RNN kernels whose outputs and workspaces depend on grad mode,
+#     ops whose CUDA kernels accumulate with atomics, custom ops nobody has vetted) is kept.
+#     Pointwise ops (by their schema tag) and random ops are pure; the rest are listed.
+_REPLAYABLE = frozenset({
+    # activations whose kernels lack the pointwise tag, and fused recurrent cells
+    "hardswish", "gelu", "mish", "log_sigmoid_forward", "glu", "_prelu_kernel",
+    "_thnn_fused_gru_cell", "_thnn_fused_lstm_cell",
+    # outputs over the input's storage
+    "unsafe_chunk", "unsafe_split", "unsafe_split_with_sizes", "split", "split_with_sizes",
+    "nonzero",
+    # matmuls and convolutions
+    "mm", "addmm", "bmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "matmul", "linear",
+    "convolution", "_convolution", "conv1d", "conv2d", "conv3d", "conv_transpose1d",
+    "conv_transpose2d", "conv_transpose3d", "mkldnn_convolution", "cudnn_convolution",
+    "_slow_conv2d_forward", "slow_conv3d_forward", "slow_conv_transpose2d",
+    "cudnn_convolution_transpose", "_nnpack_spatial_convolution",
+    # attention (fused kernels draw their dropout from the replayed RNG state)
+    *_ATTENTION_KERNELS, "_safe_softmax", "_softmax", "_log_softmax", "softmax",
+    "log_softmax",
+    # normalisations
+    "native_layer_norm", "layer_norm", "native_batch_norm", "_native_batch_norm_legit",
+    "_native_batch_norm_legit_functional", "_native_batch_norm_legit_no_training",
+    "cudnn_batch_norm", "native_group_norm", "group_norm", "_fused_rms_norm", "rms_norm",
+    "_batch_norm_with_update", "_batch_norm_no_update",
+    # reductions and scans
+    "sum", "mean", "amax", "amin", "max", "min", "var", "var_mean", "std", "std_mean",
+    "prod", "cumsum", "cumprod", "logsumexp", "norm", "linalg_vector_norm", "all", "any",
+    "argmax", "argmin", "_log_softmax_backward_data",
+    # data movement, indexing, construction
+    "clone", "_to_copy", "copy", "copy_", "contiguous", "_unsafe_view", "cat", "stack",
+    "constant_pad_nd", "reflection_pad1d", "reflection_pad2d", "replicate_pad2d",
+    "repeat", "repeat_interleave", "roll", "flip", "tril", "triu", "index", "index_select",
+    "gather", "masked_fill", "masked_fill_", "embedding", "one_hot", "where",
+    "fill", "fill_", "zero_", "arange", "ones", "zeros", "full", "ones_like", "zeros_like",
+    "full_like", "new_ones", "new_zeros", "new_full", "scalar_tensor", "empty",
+    "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh_copy",
+    "_unsafe_index", "expand_copy", "linspace", "eye",
+    # pooling and resampling
+    "max_pool2d_with_indices", "max_pool3d_with_indices", "avg_pool2d", "avg_pool3d",
+    "_adaptive_avg_pool2d", "_adaptive_avg_pool3d", "adaptive_max_pool2d",
+    "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d",
+    "upsample_bilinear2d", "_upsample_bilinear2d_aa", "upsample_linear1d",
+    "im2col", "col2im", "pixel_shuffle", "pixel_unshuffle",
+    # losses
+    "nll_loss_forward", "nll_loss2d_forward", "mse_loss", "l1_loss", "smooth_l1_loss",
+    "binary_cross_entropy", "binary_cross_entropy_with_logits", "huber_loss",
+    "cross_entropy_loss", "kl_div",
+    # complex numbers and dtype views that copy
+    "view_as_complex_copy", "view_as_real_copy", "polar", "complex", "resolve_conj",
+    "resolve_neg", "_conj_physical", "conj_physical",
+})
+_REPLAYABLE_OPS: dict[Any, bool] = {}  # op overload -> replayable, memoised
+
+
+def is_replayable(func: Any) -> bool:
+    """Recompute may replay this op: a pure function of its inputs and the RNG state, and
+    deterministic bit for bit on its device (NOTE [replayable ops])."""
+    replayable = _REPLAYABLE_OPS.get(func)
+    if replayable is None:
+        tags = func.tags
+        if func._overloadname == "out" and hasattr(func.overloadpacket, "default"):
+            tags = func.overloadpacket.default.tags  # the out= variant computes the same
+        replayable = (torch.Tag.pointwise in tags or is_random(func)
+                      or op_kind(func).rstrip("_") in _REPLAYABLE
+                      or op_kind(func) in _REPLAYABLE)
+        _REPLAYABLE_OPS[func] = replayable
+    return replayable
 
 
 def is_attention(kind: str) -> bool:

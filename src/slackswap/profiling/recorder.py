@@ -17,8 +17,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from slackswap.core.profile import OpCategory, OpRecord, TensorKind, TensorRecord
+from slackswap.errors import NESTED_BACKWARD, InputError
 from slackswap.profiling.kernels import attention_flops
-from slackswap.profiling.naming import is_random, is_recorded, op_kind, strided_tensors
+from slackswap.profiling.naming import (
+    is_random,
+    is_recorded,
+    is_replayable,
+    op_kind,
+    strided_tensors,
+)
 
 __all__ = ["StepRecorder", "dtype_name"]
 
@@ -109,14 +116,39 @@ class StepRecorder(TorchDispatchMode):
         )
         return tid
 
+    def mark_gradient(self, grad: torch.Tensor, param: torch.Tensor) -> None:
+        """``grad`` is a weight gradient of ``param`` (arriving at, or stored as, its
+        ``.grad``): model state, so it leaves activation memory. A storage larger than the
+        parameter (a gradient that is a view into an activation gradient) stays as it is."""
+        known = self._ids.get(grad.untyped_storage()._cdata)
+        if known is not None and not known[0].expired():
+            self._mark_gradient(known[1], param.untyped_storage().nbytes())
+
+    def _mark_gradient(self, tid: int, limit: int) -> None:
+        record = self.tensors[tid]
+        if record.kind != "activation" or record.producer is None or record.bytes > limit:
+            return
+        if self.ops[record.producer].phase != "backward":
+            return
+        record.kind = "gradient"
+        # the gradients autograd summed into it: a parameter used twice (tied weights)
+        for index in (record.producer, *record.backward_consumers):
+            op = self.ops[index]
+            if op.kind in ("add", "add_") and tid in op.outputs:
+                for other in op.inputs:
+                    self._mark_gradient(other, limit)
+
     # -- saved_tensors_hooks ------------------------------------------------------------
-    def pack(self, t: torch.Tensor) -> tuple[int, torch.Tensor]:
+    def pack(self, t: torch.Tensor) -> tuple[int | None, torch.Tensor]:
+        if t.layout != torch.strided:  # sparse and other layouts: no storage to plan
+            return None, t
         tid = self._id(t, "input", None)
         self.tensors[tid].saved = True
         return tid, t
 
-    def unpack(self, packed: tuple[int, torch.Tensor]) -> torch.Tensor:
-        self._unpacked.append(packed[0])
+    def unpack(self, packed: tuple[int | None, torch.Tensor]) -> torch.Tensor:
+        if packed[0] is not None:
+            self._unpacked.append(packed[0])
         return packed[1]
 
     # -- dispatch --------------------------------------------------------------------
@@ -124,6 +156,8 @@ class StepRecorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if not is_recorded(func):
             return func(*args, **kwargs)
+        if self.phase == "forward" and torch._C._current_graph_task_id() != -1:
+            raise InputError(NESTED_BACKWARD)
         inputs = strided_tensors((args, kwargs))
         in_ids = [self._id(t, "input", None) for t in inputs]
         if self.clock is None:
@@ -146,7 +180,7 @@ class StepRecorder(TorchDispatchMode):
                                for t in inputs),
                 bytes_written=sum(t.numel() * t.element_size() for t in outputs),
                 time_s=seconds, inputs=in_ids, outputs=out_ids, random=random,
-                inplace=func._schema.is_mutable,
+                inplace=func._schema.is_mutable, replayable=is_replayable(func),
             )
         )
         consumers = "forward_consumers" if self.phase == "forward" else "backward_consumers"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import time
@@ -18,13 +19,14 @@ from torch.func import functional_call
 from slackswap.core.costmodel import op_time
 from slackswap.core.hardware import Hardware, load_hardware
 from slackswap.core.profile import StepProfile
-from slackswap.errors import InputError, ProfileError
+from slackswap.errors import InputError, ProfileError, SlackSwapError
 from slackswap.profiling.kernels import TargetKernels
 from slackswap.profiling.naming import activation_name, module_path, name_kind
 from slackswap.profiling.recorder import StepRecorder
 
 __all__ = ["batch_fingerprint", "batch_tensors", "default_device", "eager_module", "fingerprint",
-           "model_fingerprint", "profile", "refuse_own_checkpointing", "transformer_blocks"]
+           "model_fingerprint", "profile", "refuse_own_checkpointing",
+           "refusing_own_checkpoint_calls", "transformer_blocks"]
 
 Batch = Mapping[str, Any] | tuple | list | torch.Tensor
 
@@ -33,7 +35,7 @@ def profile(
     model: torch.nn.Module,
     batch: Batch,
     hardware: str | Hardware = "a100-80gb",
-    mode: Literal["analytic", "measured"] = "analytic",
+    mode: Literal["analytic", "measured", "traced"] = "analytic",
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     *,
     kernels: Literal["cuda", "native"] | None = None,
@@ -45,7 +47,10 @@ def profile(
     ``analytic`` traces under ``FakeTensorMode`` (no weights, no compute) and prices each
     op on ``hardware`` with the roofline cost model; ``kernels`` picks whose kernel
     semantics to trace: the hardware's (``cuda``) or the local CPU's (``native``).
-    ``measured`` runs a real step on the model's device and times each op.
+    ``measured`` runs a real step on the model's device and times each op; ``traced``
+    runs a real step too (so the ops, and the ids a plan names, are exactly those the
+    model runs there, data-dependent branches included) and prices each op on
+    ``hardware`` as ``analytic`` does.
     The loss is ``output.loss`` when the model returns one, otherwise ``loss_fn(output)``.
     """
     hw = load_hardware(hardware)
@@ -57,12 +62,17 @@ def profile(
         for op in rec.ops:
             op.time_s = op_time(op, hw)
         used_kernels = kernels or hw.kernels
-    elif mode == "measured":
+    elif mode in ("measured", "traced"):
         with _leaves_no_trace(model):
-            rec, device = _trace_measured(model, batch, loss_fn, name, warmup)
+            rec, device = _trace_measured(model, batch, loss_fn, name,
+                                          warmup if mode == "measured" else 0)
         used_kernels = "cuda" if device.startswith("cuda") else "native"
+        if mode == "traced":
+            for op in rec.ops:
+                op.time_s = op_time(op, hw)
     else:
-        raise InputError(f"unknown profiling mode '{mode}'; use 'analytic' or 'measured'")
+        raise InputError(f"unknown profiling mode '{mode}'; use 'analytic', 'measured' or "
+                         "'traced'")
     _name_activations(rec)
     return StepProfile(
         model=name,
@@ -102,6 +112,34 @@ def refuse_own_checkpointing(model: torch.nn.Module) -> None:
         )
 
 
+_OWN_CHECKPOINT = (
+    "the model calls torch.utils.checkpoint itself, which recomputes activations its own "
+    "way; remove those calls (or turn gradient checkpointing off) and let the plan decide "
+    "what to recompute"
+)
+
+
+@contextlib.contextmanager
+def refusing_own_checkpoint_calls() -> Iterator[None]:
+    """Inside, a call to ``torch.utils.checkpoint`` (reentrant or not, directly or through
+    a wrapper) raises :class:`InputError`: its own saved-tensor hooks would hide the
+    activations of the checkpointed region from the plan."""
+    import torch.utils.checkpoint as tuc
+
+    # NOTE: both checkpoint implementations look this helper up in their module when
+    # they start; no public hook announces a checkpointed region.
+    original = tuc._infer_device_type
+
+    def refuse(*args: Any) -> str:
+        raise InputError(_OWN_CHECKPOINT)
+
+    tuc._infer_device_type = refuse
+    try:
+        yield
+    finally:
+        tuc._infer_device_type = original
+
+
 def fingerprint(model: torch.nn.Module, batch: Batch) -> str:
     """What a plan is valid for: :func:`model_fingerprint` then :func:`batch_fingerprint`."""
     return model_fingerprint(model) + batch_fingerprint(t for _, t in batch_tensors(batch))
@@ -112,7 +150,8 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     model = eager_module(model)
     parts = {
         "modules": [(n, type(m).__name__) for n, m in model.named_modules()],
-        "state": [(n, list(t.shape), str(t.dtype)) for n, t in _state(model).items()],
+        "state": [(n, list(t.shape), str(t.dtype), t.requires_grad)
+                  for n, t in _state(model).items()],
         "training": model.training,
     }
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:32]
@@ -156,7 +195,7 @@ def _call(model: torch.nn.Module, batch: Batch, name: str) -> Any:
         if isinstance(batch, (tuple, list)):
             return model(*batch)
         return model(batch)
-    except ProfileError:
+    except SlackSwapError:
         raise
     except Exception as e:
         raise ProfileError(f"model '{name}' raised in forward: {type(e).__name__}: {e}") from e
@@ -168,6 +207,8 @@ def _loss(output: Any, loss_fn: Callable[[Any], torch.Tensor] | None, name: str)
         loss = output.get("loss")
     if loss is None and loss_fn is not None:
         loss = loss_fn(output)
+    if loss is None and isinstance(output, torch.Tensor) and output.numel() == 1:
+        loss = output  # the model returns its loss
     if loss is None:
         raise ProfileError(
             f"model '{name}' returned no loss; pass labels in the batch or give a loss_fn"
@@ -183,12 +224,34 @@ def _loss(output: Any, loss_fn: Callable[[Any], torch.Tensor] | None, name: str)
 def _run_step(
     call: Callable[[], Any], loss_fn: Callable[[Any], torch.Tensor] | None, name: str,
     recorder: StepRecorder, tracker: ModTracker, extra: contextlib.AbstractContextManager,
+    params: Iterable[torch.Tensor] = (),
 ) -> None:
-    with tracker, recorder, extra:
+    with tracker, recorder, extra, refusing_own_checkpoint_calls():
         with torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack):
             loss = _loss(call(), loss_fn, name)
         recorder.phase = "backward"
-        loss.backward()
+        with _weight_gradients(recorder, params):
+            loss.backward()
+
+
+@contextlib.contextmanager
+def _weight_gradients(recorder: StepRecorder, params: Iterable[torch.Tensor]) -> Iterator[None]:
+    """Mark the gradients backward makes for ``params`` (each as it arrives, and what
+    ends up in ``.grad``) as weight gradients: model state, not activation memory."""
+    params = [p for p in params if p.requires_grad and p.is_leaf]
+    handles = [p.register_hook(functools.partial(_arrived, recorder, p)) for p in params]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+    for p in params:
+        if p.grad is not None:
+            recorder.mark_gradient(p.grad, p)
+
+
+def _arrived(recorder: StepRecorder, param: torch.Tensor, grad: torch.Tensor) -> None:
+    recorder.mark_gradient(grad, param)
 
 
 def _register_state(
@@ -197,9 +260,11 @@ def _register_state(
 ) -> None:
     params = dict(model.named_parameters())
     for path, t in state.items():
-        recorder.register(t, "parameter" if path in params else "buffer", path)
+        if t.layout == torch.strided:
+            recorder.register(t, "parameter" if path in params else "buffer", path)
     for key, t in batch_items:
-        recorder.register(t, "input", f"input:{key}")
+        if t.layout == torch.strided:
+            recorder.register(t, "input", f"input:{key}")
 
 
 def _has_padding(batch: Batch) -> bool:
@@ -241,8 +306,13 @@ def _trace_analytic(
             return _call(model, fake_batch, name)
         return _call(_Functional(model, state), fake_batch, name)
 
-    with fake_mode:
-        _run_step(call, loss_fn, name, recorder, tracker, extra)
+    # a loss_fn may close over real tensors (the targets): they join the trace as fakes
+    allowed, fake_mode.allow_non_fake_inputs = fake_mode.allow_non_fake_inputs, True
+    try:
+        with fake_mode:
+            _run_step(call, loss_fn, name, recorder, tracker, extra, state.values())
+    finally:
+        fake_mode.allow_non_fake_inputs = allowed
     return recorder, str(next(iter(state.values())).device) if state else "cpu"
 
 
@@ -301,7 +371,7 @@ def _trace_measured(
     recorder = StepRecorder(module_path(tracker, type(model).__name__), clock)
     _register_state(recorder, model, _state(model), batch_tensors(batch))
     _run_step(lambda: _call(model, batch, name), loss_fn, name, recorder, tracker,
-              contextlib.nullcontext())
+              contextlib.nullcontext(), params)
     model.zero_grad(set_to_none=True)
     if isinstance(clock, _CudaClock):
         for op, seconds in zip(recorder.ops, clock.durations(), strict=True):

@@ -26,13 +26,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from slackswap.core.plan import MIN_PLANNED_BYTES, Plan
 from slackswap.core.profile import StepProfile
-from slackswap.errors import InputError
+from slackswap.errors import NESTED_BACKWARD, InputError, VerifyError
 from slackswap.profiling.naming import (
     ForwardModules,
     activation_name,
     is_attention,
     is_random,
     is_recorded,
+    is_replayable,
     name_kind,
     op_kind,
 )
@@ -42,19 +43,23 @@ from slackswap.profiling.step import (
     eager_module,
     model_fingerprint,
     refuse_own_checkpointing,
+    refusing_own_checkpoint_calls,
 )
 from slackswap.runtime.checks import check_recomputable, checkpoint_releases
 from slackswap.runtime.copies import HostCopies
 from slackswap.runtime.recipes import (
     GeneratorState,
     Node,
+    Outside,
     Ref,
     Scratch,
     Step,
+    geometry,
     map_args,
     no_autocast,
     op_device,
     op_tensors,
+    plain_strided,
     rng_state,
     set_rng_state,
     storage_key,
@@ -74,6 +79,8 @@ class _Tracer(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         owner = self.owner
+        if owner._written:
+            owner._mark_modified()
         if (not is_recorded(func) or owner._replaying
                 or torch._C._current_graph_task_id() != -1):
             return func(*args, **kwargs)
@@ -85,7 +92,11 @@ class _Tracer(TorchDispatchMode):
             generator = kwargs.get("generator")
             if isinstance(generator, torch.Generator):
                 recorded = GeneratorState(generator.device, generator.get_state())
+        if func._schema.is_mutable:
+            owner._before_write(func, args, kwargs)
         out = func(*args, **kwargs)
+        if func._schema.is_mutable:
+            owner._after_write(func, args, kwargs)
         if rng is not None and isinstance(kwargs.get("generator"), torch.Generator):
             kwargs = {**kwargs, "generator": recorded}
         owner._record(func, name_kind(kind), args, kwargs, out, rng)
@@ -93,13 +104,33 @@ class _Tracer(TorchDispatchMode):
 
 
 class _Packed:
-    __slots__ = ("decision", "key", "node", "upto", "geometry", "device", "tensor",
-                 "__weakref__")
+    __slots__ = ("decision", "vkey", "node", "geometry", "device", "tensor", "saved",
+                 "version", "modified", "__weakref__")
 
-    def __init__(self, decision, key, node, upto, geometry, device, tensor=None) -> None:
-        self.decision, self.key, self.node, self.upto = decision, key, node, upto
+    def __init__(self, decision, vkey, node, geometry, device, saved, tensor=None) -> None:
+        self.decision, self.vkey, self.node = decision, vkey, node
         self.geometry, self.device = geometry, device
         self.tensor = tensor  # kept activations only
+        # autograd's own check, which its hooks switch off: the saved tensor must not
+        # change in place before backward reads it
+        self.saved, self.version = weakref.ref(saved), saved._version
+        self.modified = False
+
+    def check_version(self) -> None:
+        saved = self.saved() if self.tensor is None else self.tensor
+        if self.modified or (saved is not None and saved._version != self.version):
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by "
+                f"an inplace operation: '{self.node.name}' changed after it was saved for "
+                "backward (as autograd checks without slackswap)"
+            )
+
+    @property
+    def upto(self) -> int:
+        return self.vkey[1]
+
+
+_ACTIVE: list[apply] = []  # the block open now, if any: blocks do not nest
 
 
 class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
@@ -114,12 +145,18 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
     the model and the batch it is called with are checked before it runs. Plans name
     activations by the ids a profile of the same model, batch shape and kernels gives.
 
+    ``verify=True`` proves the plan on this model: the runtime keeps a copy of every
+    activation it offloads or drops, and compares every reload and rebuild with it byte
+    for byte, raising :class:`~slackswap.VerifyError` on the first difference (it holds
+    that copy until backward, so use it for a step, not for training).
+
     On CUDA the forward pass is assumed to run on one stream per device, and backward on
     the autograd engine's one thread per device (the usual single-GPU step).
     """
 
     def __init__(self, model: torch.nn.Module, plan: Plan,
-                 profile: StepProfile | None = None, batch: Any = None) -> None:
+                 profile: StepProfile | None = None, batch: Any = None,
+                 verify: bool = False) -> None:
         model = eager_module(model)  # inside torch.compile's or DDP's wrapper
         # Prefetch points are profile op indices; the profile says which op needs what.
         self._first_use: dict[str, int] = {}
@@ -138,10 +175,14 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
                                if t.first_backward_use is not None}
             self._checkpoints = checkpoint_releases(profile, plan)
         self.model = model
+        self.verify = verify
         self.decisions = {n: d for n, d in plan.decisions.items() if d != "keep"}
         self.stats = RuntimeStats()
         self._active = False
+        self._in_forward = False  # the model's forward is running (set by its hooks)
+        self._exit: contextlib.ExitStack | None = None
         self._replaying = False
+        # Saved values are keyed by storage and version (NOTE [values, not storages]).
         self._group: dict[tuple[int, int], torch.Tensor] = {}  # made by rebuilds, this op
         self._group_position: int | None = None
         self._outstanding = 0  # packed handles not yet unpacked, all storages together
@@ -150,61 +191,76 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         self._nodes: dict[int, Node] = {}
         # storages from outside the step (parameters, buffers, the batch): never named
         self._external: dict[int, StorageWeakRef] = {}
-        # host copies, by storage; each lives as long as a packed handle for it does, so a
+        self._outside_read: set[int] = set()  # outside storages that recipes read
+        self._packs: dict[int, list[Any]] = {}  # storage -> its packed handles, this step
+        self._written: list[Any] = []  # packed handles over storages just written
+        # outside storages as they were before forward changed them: (storage, version)
+        self._snapshots: dict[tuple[int, int], torch.Tensor] = {}
+        # host copies, by value; each lives as long as a packed handle for it does, so a
         # second backward through a retained graph can reload it again
-        self._host: dict[int, torch.Tensor] = {}
-        self._handles: dict[int, int] = {}  # packed handles autograd still holds, by storage
-        self._back: dict[int, torch.Tensor] = {}  # storages rebuilt or reloaded, this step
-        self._pending: dict[int, int] = {}  # packed handles not yet unpacked, by storage
-        self._held: dict[int, int] = {}  # saved storages resident on the device -> bytes
+        self._host: dict[tuple[int, int], torch.Tensor] = {}
+        self._originals: dict[tuple[int, int], torch.Tensor] = {}  # verify=True only
+        self._handles: dict[tuple[int, int], int] = {}  # packed handles autograd holds
+        self._back: dict[tuple[int, int], torch.Tensor] = {}  # rebuilt or reloaded, this step
+        self._pending: dict[tuple[int, int], int] = {}  # packed handles not yet unpacked
+        self._held: dict[Any, int] = {}  # saved values resident on the device -> bytes
         self._counts: dict[tuple[str, str], int] = {}
         self._checked = False
-        self._offloaded: dict[str, int] = {}  # activation id -> storage key, this step
+        self._offloaded: dict[str, tuple[int, int]] = {}  # activation id -> value, this step
         self._next_prefetch = 0
         self._copies = HostCopies()
 
     # -- context manager ---------------------------------------------------------------
     def __enter__(self) -> apply:
+        if _ACTIVE:
+            raise InputError(
+                "slackswap.apply blocks do not nest: a block already runs "
+                f"{'this' if _ACTIVE[-1] is self else 'another'} plan; close it first "
+                "(one block per forward pass)"
+            )
         self._active = torch.is_grad_enabled()  # under no_grad nothing is saved
         if not self._active:
             return self
         self._check_model(self.model)
         self._reset()
-        self._call_hook = self.model.register_forward_pre_hook(self._check_call,
-                                                               with_kwargs=True)
-        self._tracker = ForwardModules(self.model)
-        self._path = self._tracker.innermost
-        self._tracker.__enter__()
-        self._tracer = _Tracer(self)
-        self._tracer.__enter__()
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._hooks.__enter__()
-        # NOTE [no cyclic GC in forward]: the runtime keeps a small record per forward op
-        # until backward, and those allocations set off Python's cyclic collector over
-        # the whole heap again and again: two thirds of the runtime's cost per op, on a
-        # heap as large as a training process has. Reference counting still frees
-        # everything; only the cycle collector waits until the block ends.
-        self._gc_was_enabled = gc.isenabled()
-        gc.disable()
+        # Every global change is undone by this stack, on every exit path.
+        with contextlib.ExitStack() as stack:
+            _ACTIVE.append(self)
+            stack.callback(_ACTIVE.remove, self)
+            stack.callback(self.model.register_forward_pre_hook(
+                self._check_call, with_kwargs=True).remove)
+            stack.callback(self.model.register_forward_hook(
+                self._forward_done, always_call=True).remove)
+            self._tracker = ForwardModules(self.model)
+            self._path = self._tracker.innermost
+            stack.enter_context(self._tracker)
+            stack.enter_context(refusing_own_checkpoint_calls())
+            stack.enter_context(_Tracer(self))
+            stack.enter_context(
+                torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
+            # NOTE [no cyclic GC in forward]: the runtime keeps a small record per forward
+            # op until backward, and those allocations set off Python's cyclic collector
+            # over the whole heap again and again: two thirds of the runtime's cost per
+            # op, on a heap as large as a training process has. Reference counting still
+            # frees everything; only the cycle collector waits until the block ends.
+            if gc.isenabled():
+                gc.disable()
+                stack.callback(gc.enable)
+            self._exit = stack.pop_all()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if not self._active:
-            return
-        self._hooks.__exit__(*exc)
-        self._tracer.__exit__(*exc)
-        self._tracker.__exit__(*exc)
-        self._call_hook.remove()
-        if self._gc_was_enabled:
-            gc.enable()
+        if self._exit is not None:
+            stack, self._exit = self._exit, None
+            stack.__exit__(*exc)
 
     # -- what the plan was made for ----------------------------------------------------
     def _check_model(self, model: torch.nn.Module) -> None:
         refuse_own_checkpointing(model)
         if model_fingerprint(model) != self._fingerprint[:32]:
             raise InputError(
-                "plan was made for a different model (its modules, parameter shapes or "
-                "train/eval mode differ); re-plan for this model"
+                "plan was made for a different model (its modules, parameter shapes, "
+                "which parameters train, or train/eval mode differ); re-plan for this model"
             )
 
     def _check_call(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
@@ -215,8 +271,12 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
                 "covers one forward pass: open one block per forward (per micro-batch)"
             )
         self._calls += 1
+        self._in_forward = True
         tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
         self._check_batch(tensors, dict(kwargs) or dict(enumerate(args)))
+
+    def _forward_done(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        self._in_forward = False
 
     def _check_batch(self, tensors: list[torch.Tensor], named: dict | None = None) -> None:
         if batch_fingerprint(tensors) == self._fingerprint[32:]:
@@ -240,14 +300,20 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         self._counts.clear()
         self._checked = False
         self._calls = 0
+        self._in_forward = False
         self._group, self._group_position = {}, None
         self._kept_checkpoints = {}
         self._offloaded = {}
         self._next_prefetch = 0
         self._held = {}
         self._external = {}
+        self._outside_read = set()
+        self._snapshots = {}
+        self._packs = {}
+        self._written = []
         for t in (*self.model.parameters(), *self.model.buffers()):
-            self._mark_external(t)
+            if t.layout == torch.strided:
+                self._mark_external(t)
 
     def _mark_external(self, t: torch.Tensor) -> None:
         # the weak reference keeps the storage's key from being reused while it is held
@@ -258,30 +324,73 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         return ref is not None and not ref.expired()
 
     # -- forward: naming and recipes ---------------------------------------------------
+    def _before_write(self, func, args, kwargs) -> None:
+        """An op is about to change tensors in place. An outside tensor a recipe has read
+        is snapshotted first, so a rebuild reads what forward read; an activation written
+        without being an output of the op gets a step no replay can repeat."""
+        written = written_arguments(func)
+        for position, x in (*enumerate(args), *kwargs.items()):
+            if (position not in written or not isinstance(x, torch.Tensor)
+                    or x.layout != torch.strided):
+                continue
+            key = storage_key(x)
+            if key in self._outside_read and (key, x._version) not in self._snapshots:
+                self._snapshots[key, x._version] = _copy_storage(x)
+            node = self._nodes.get(key)
+            if node is not None and not _returns_alias(func, position):
+                node.steps.append(Step(None, (), {}, 0, None, [None]))
+
+    def _after_write(self, func, args, kwargs) -> None:
+        """An op changes tensors in place: the saved tensors over what it writes are looked
+        at once it has (autograd bumps their version after the kernel), so backward fails
+        as autograd does when it reads one changed (its hooks switch that check off)."""
+        written = written_arguments(func)
+        for position, x in (*enumerate(args), *kwargs.items()):
+            if position in written and isinstance(x, torch.Tensor) \
+                    and x.layout == torch.strided:
+                self._written.extend(self._packs.get(storage_key(x), ()))
+
+    def _mark_modified(self) -> None:
+        for ref in self._written:
+            packed = ref()
+            saved = packed.saved() if packed is not None else None
+            if saved is not None and saved._version != packed.version:
+                packed.modified = True
+        self._written.clear()
+
     def _record(self, func, kind, args, kwargs, out, rng) -> None:
         module = self._path()
         nodes = self._nodes
+        outside_read = self._outside_read
 
         def ref(x: Any) -> Any:
-            if isinstance(x, torch.Tensor) and x.layout == torch.strided:
+            if not isinstance(x, torch.Tensor):
+                return x  # constants stay as they are
+            if x.layout == torch.strided:
                 key = storage_key(x)
                 node = nodes.get(key)
                 if node is not None:
-                    return Ref(node, len(node.steps), tuple(x.size()), tuple(x.stride()),
-                                x.storage_offset(), x.dtype)
+                    return Ref(node, len(node.steps), geometry(x))
                 if not self._is_external(key):
                     self._mark_external(x)
-            # parameters, buffers, batch inputs and constants stay as they are
-            return x
+                outside_read.add(key)
+            # parameters, buffers, batch inputs: read again only at this version
+            return Outside(x, x._version)
 
-        step_args = map_args(ref, args)
-        step_kwargs = {k: map_args(ref, v) for k, v in kwargs.items()} if kwargs else kwargs
         written = written_arguments(func)
         if written:  # a replay must not repeat its writes to buffers (BatchNorm's stats)
-            step_args = tuple(Scratch(a) if i in written and isinstance(a, torch.Tensor)
-                              else a for i, a in enumerate(step_args))
-            step_kwargs = {k: Scratch(v) if k in written and isinstance(v, torch.Tensor)
-                           else v for k, v in step_kwargs.items()}
+            def mark(key: Any, x: Any) -> Any:
+                if key not in written or not isinstance(x, torch.Tensor):
+                    return ref(x)
+                if x.layout == torch.strided and storage_key(x) in nodes:
+                    return ref(x)
+                return Scratch(x)
+            step_args = tuple(mark(i, a) for i, a in enumerate(args))
+            step_kwargs = {k: mark(k, v) for k, v in kwargs.items()}
+        else:
+            step_args = map_args(ref, args)
+            step_kwargs = {k: map_args(ref, v) for k, v in kwargs.items()} if kwargs else kwargs
+        grad = torch.is_grad_enabled()
         tensors = op_tensors(out)
         outputs: list[Node | None] = [None] * len(tensors)
         for i, t in enumerate(tensors):
@@ -289,7 +398,7 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
             if self._is_external(key):
                 continue
             node = self._nodes.get(key)
-            step = Step(func, step_args, step_kwargs, i, rng, outputs)
+            step = Step(func, step_args, step_kwargs, i, rng, outputs, grad)
             if node is None:
                 k = self._counts.get((module, kind), 0)
                 self._counts[module, kind] = k + 1
@@ -297,58 +406,80 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
                 outputs[i] = node
                 if node.name in self._checkpoints:  # autograd does not save it: we keep it
                     self._kept_checkpoints[key] = (self._checkpoints[node.name], t)
-                    self._hold(key, t.untyped_storage().nbytes())
+                    self._hold((key, None), t.untyped_storage().nbytes())
             elif func._schema.is_mutable:
                 node.steps.append(step)
 
     # -- saved_tensors_hooks -----------------------------------------------------------
     def _pack(self, t: torch.Tensor) -> Any:
+        if not plain_strided(t):  # kept as autograd saved it
+            return t
         key = storage_key(t)
         node = self._nodes.get(key)
         nbytes = t.untyped_storage().nbytes()
         if node is None or nbytes < MIN_PLANNED_BYTES:
             return t
-        self._pending[key] = self._pending.get(key, 0) + 1
+        # NOTE [values, not storages]: a storage changed in place between two saves holds
+        # two values; the version is how many recorded ops have written it so far.
+        vkey = (key, len(node.steps))
+        self._pending[vkey] = self._pending.get(vkey, 0) + 1
         self._outstanding += 1
         decision = self.decisions.get(node.name, "keep")
+        if decision == "recompute" and not node.replayable():
+            self._outstanding -= 1
+            self._pending[vkey] -= 1
+            raise InputError(
+                f"cannot recompute '{node.name}': {node.unreplayable()} is not known to "
+                "replay bit for bit; keep or offload it (plans from slackswap.plan never "
+                "recompute it)"
+            )
         if decision == "keep":
-            self._hold(key, nbytes)
+            self._hold(vkey, nbytes)
             # detached: a saved output holding its own grad_fn would make the graph a
             # cycle that outlives a dropped step
             kept = t.detach()
             node.kept.append(weakref.ref(kept))  # a rebuild may read it after t died
-            packed = _Packed("keep", key, node, 0, None, t.device, tensor=kept)
+            packed = _Packed("keep", vkey, node, None, t.device, t, tensor=kept)
         else:
-            geometry = (tuple(t.size()), tuple(t.stride()), t.storage_offset(), t.dtype)
-            packed = _Packed(decision, key, node, len(node.steps), geometry, t.device)
-        if decision == "offload" and key not in self._host:
+            packed = _Packed(decision, vkey, node, geometry(t), t.device, t)
+            if self.verify and vkey not in self._originals:
+                with self._unrecorded():
+                    self._originals[vkey] = _copy_storage(t)
+        if decision == "offload" and vkey not in self._host:
             with self._unrecorded():
-                self._host[key] = self._copies.offload(t)
-            self._offloaded[node.name] = key
-            self.stats.offloaded_bytes += self._host[key].numel()
-        self._handles[key] = self._handles.get(key, 0) + 1
-        weakref.finalize(packed, self._handle_gone, key)
+                self._host[vkey] = self._copies.offload(t)
+            self._offloaded[node.name] = vkey
+            self.stats.offloaded_bytes += self._host[vkey].numel()
+        self._handles[vkey] = self._handles.get(vkey, 0) + 1
+        self._packs.setdefault(key, []).append(weakref.ref(packed))
+        weakref.finalize(packed, self._handle_gone, vkey)
         return packed
 
-    def _handle_gone(self, key: int) -> None:
+    def _handle_gone(self, vkey: tuple[int, int]) -> None:
         """Autograd freed a packed handle (its node ran, or the graph was dropped): once
-        none is left for the storage, whatever the runtime holds for it goes."""
-        self._handles[key] -= 1
-        if self._handles[key] == 0:
-            del self._handles[key]
-            self._host.pop(key, None)
-            self._back.pop(key, None)
-            self._release(key)
-            self._outstanding -= self._pending.pop(key, 0)  # never unpacked
+        none is left for the value, whatever the runtime holds for it goes."""
+        self._handles[vkey] -= 1
+        if self._handles[vkey] == 0:
+            del self._handles[vkey]
+            self._host.pop(vkey, None)
+            self._back.pop(vkey, None)
+            self._originals.pop(vkey, None)
+            self._release(vkey)
+            self._outstanding -= self._pending.pop(vkey, 0)  # never unpacked
             if self._outstanding == 0:
                 self._group = {}
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
+        if self._in_forward:
+            raise InputError(NESTED_BACKWARD)
         if not self._checked:
             self._check_seen()
-        key = packed.key
+        if self._written:
+            self._mark_modified()
+        packed.check_version()
+        vkey = packed.vkey
         position = self._first_use.get(packed.node.name)
         if position is None or position != self._group_position:
             # NOTE [rebuild groups]: what rebuilds make for one backward op (the profile
@@ -360,32 +491,45 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         if packed.decision == "keep":
             out = packed.tensor
         else:
-            base = self._back.get(key)
+            base = self._back.get(vkey)
             if base is None:
                 if packed.decision == "offload":
                     self.stats.late_reloads += 1  # not prefetched: backward waits for it
-                    base = self._reload(key, packed.device, waited=True)
+                    base = self._reload(vkey, packed.device, waited=True)
                 else:
                     base = self._rebuild(packed.node, packed.upto)
-                self._bring_back(key, base)
+                self._bring_back(vkey, base)
             base = self._copies.ready(base, self.stats)
-            out = view_of(base, *packed.geometry)
-        remaining = self._pending.pop(key, 0) - 1
+            out = view_of(base, packed.geometry)
+            if vkey in self._originals:
+                self._verify(packed, out)
+        remaining = self._pending.pop(vkey, 0) - 1
         if remaining > 0:
-            self._pending[key] = remaining
+            self._pending[vkey] = remaining
         # the last saved reference to it is back; below zero, a second backward through a
         # retained graph (or a second read of ctx.saved_tensors) brought it back again
         if remaining <= 0:
-            base = self._back.pop(key, None)
+            base = self._back.pop(vkey, None)
             if base is not None:  # another rebuild for this same op may still read it
-                self._group[key, packed.upto] = base
-            self._release(key)
+                self._group[vkey] = base
+            self._release(vkey)
         if remaining >= 0:
             self._outstanding -= 1
             if self._outstanding == 0:  # backward is through: what rebuilds made goes
                 self._group = {}
                 self._release_checkpoints(None)
         return out
+
+    def _verify(self, packed: _Packed, out: torch.Tensor) -> None:
+        original = view_of(self._originals[packed.vkey], packed.geometry)
+        if not _same_bits(original, out):
+            how = "reloaded from host memory" if packed.decision == "offload" else "rebuilt"
+            last = packed.node.steps[packed.upto - 1].func
+            raise VerifyError(
+                f"verify: '{packed.node.name}' {how} differs from the original (last "
+                f"written by {last}); keep it, and please report the model"
+            )
+        self.stats.verified += 1
 
     @contextlib.contextmanager
     def _unrecorded(self):
@@ -397,22 +541,23 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         finally:
             self._replaying = before
 
-    def _hold(self, key: int, nbytes: int) -> None:
+    def _hold(self, key: Any, nbytes: int) -> None:
         if key not in self._held:
             self._held[key] = nbytes
             self.stats._hold(nbytes)
 
-    def _release(self, key: int) -> None:
+    def _release(self, key: Any) -> None:
         nbytes = self._held.pop(key, None)
         if nbytes is not None:
             self.stats.resident_bytes -= nbytes
 
-    def _bring_back(self, key: int, base: torch.Tensor) -> None:
-        self._back[key] = base
-        self._hold(key, base.untyped_storage().nbytes())
+    def _bring_back(self, vkey: tuple[int, int], base: torch.Tensor) -> None:
+        self._back[vkey] = base
+        self._hold(vkey, base.untyped_storage().nbytes())
 
-    def _reload(self, key: int, device: torch.device, waited: bool = False) -> torch.Tensor:
-        host = self._host[key]
+    def _reload(self, vkey: tuple[int, int], device: torch.device,
+                waited: bool = False) -> torch.Tensor:
+        host = self._host[vkey]
         self.stats.reloaded_bytes += host.numel()
         if waited and device.type != "cuda":  # a synchronous copy backward waits for
             self.stats.stalls += 1
@@ -430,10 +575,10 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
             if point > position:
                 break
             self._next_prefetch += 1
-            key = self._offloaded.get(name)
-            waiting = key is not None and self._pending.get(key, 0) > 0
-            if waiting and key in self._host and key not in self._back:
-                self._bring_back(key, self._reload(key, device))
+            vkey = self._offloaded.get(name)
+            waiting = vkey is not None and self._pending.get(vkey, 0) > 0
+            if waiting and vkey in self._host and vkey not in self._back:
+                self._bring_back(vkey, self._reload(vkey, device))
                 self.stats.prefetched += 1
 
     def _check_seen(self) -> None:
@@ -455,7 +600,7 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         if self._replaying:  # an input of the rebuild in progress: timed with it
             return self._replay(node, upto)
         # The recorded ops already carry autocast's casts: replay them as they ran.
-        with torch.no_grad(), no_autocast(), self.stats.recompute_section(node.device):
+        with no_autocast(), self.stats.recompute_section(node.device):
             self._replaying = True
             try:
                 return self._replay(node, upto)
@@ -466,22 +611,32 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         current: torch.Tensor | None = None
 
         def resolve(x: Any) -> Any:
+            if isinstance(x, Outside):
+                return self._outside(x, node)
             if isinstance(x, GeneratorState):
                 return x.generator()
             if isinstance(x, Scratch):
-                return x.tensor.clone()
+                return x.tensor.detach().clone()
             if not isinstance(x, Ref):
                 return x
             base = current if x.node is node else self._materialize(x.node, x.upto)
-            return view_of(base, x.size, x.stride, x.offset, x.dtype)
+            return view_of(base, x.geometry)
 
         for step in node.steps[:upto]:
+            if step.func is None or not is_replayable(step.func):
+                raise InputError(
+                    f"cannot rebuild '{node.name}': {node.unreplayable()} is not known to "
+                    "replay bit for bit; keep or offload the activations it depends on"
+                )
             args = map_args(resolve, step.args)
             kwargs = {k: map_args(resolve, v) for k, v in step.kwargs.items()}
             if step.rng is not None:
                 saved = rng_state(node.device)
                 set_rng_state(step.rng, node.device)
-            out = step.func(*args, **kwargs)
+            # in the grad mode it first ran in (kernels may differ by it), on inputs that
+            # need no grad, so no graph is built and nothing is packed
+            with torch.set_grad_enabled(step.grad):
+                out = step.func(*args, **kwargs)
             if step.rng is not None:
                 set_rng_state(saved, node.device)
             self.stats.recomputed_ops += 1
@@ -492,12 +647,29 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         assert current is not None
         return current
 
+    def _outside(self, x: Outside, node: Node) -> torch.Tensor:
+        """An outside tensor as the recorded op read it: as it is, or as forward saw it
+        before changing it in place; changed since by anything else, the rebuild stops."""
+        t = x.tensor
+        if t._version == x.version:
+            return t.detach()
+        if t.layout == torch.strided:
+            snapshot = self._snapshots.get((storage_key(t), x.version))
+            if snapshot is not None:
+                return view_of(snapshot, geometry(t))
+        raise InputError(
+            f"cannot rebuild '{node.name}': a tensor from outside the step (parameter, "
+            f"buffer or batch input of shape {list(t.shape)}) it was made from was changed "
+            "in place after forward read it; keep or offload that activation, or change "
+            "the tensor only after backward"
+        )
+
     def _release_checkpoints(self, position: int | None) -> None:
         """Let go of the checkpoints no rebuild before ``position`` (None: any) reads."""
         for key, (last, _) in list(self._kept_checkpoints.items()):
             if position is None or last < position:
                 del self._kept_checkpoints[key]
-                self._release(key)
+                self._release((key, None))
 
     def _keep_siblings(self, step: Step, made: list[torch.Tensor]) -> None:
         """A re-run producer makes its other outputs too (attention's logsumexp beside its
@@ -507,32 +679,70 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
             if sibling is None or j == step.output or sibling.alive(1) is not None:
                 continue
             if len(sibling.steps) == 1:  # not changed in place later in forward
-                self._group[sibling.key, 1] = made[j]
+                vkey = (sibling.key, 1)
+                self._group[vkey] = made[j]
                 # one planned for recompute stays till backward unpacks it; an offloaded
                 # one is reloaded then, as the simulator schedules it
                 planned = self.decisions.get(sibling.name) == "recompute"
-                if planned and self._pending.get(sibling.key, 0) > 0 \
-                        and sibling.key not in self._back:
-                    self._bring_back(sibling.key, made[j])
+                if planned and self._pending.get(vkey, 0) > 0 and vkey not in self._back:
+                    self._bring_back(vkey, made[j])
 
     def _materialize(self, node: Node, upto: int) -> torch.Tensor:
         """An input of a rebuild: back already, still alive, on the host, or rebuilt."""
-        if node.key in self._back:  # a prefetched reload may still be in flight
-            return self._copies.ready(self._back[node.key], self.stats)
+        vkey = (node.key, upto)
+        if vkey in self._back:  # a prefetched reload may still be in flight
+            return self._copies.ready(self._back[vkey], self.stats)
         alive = node.alive(upto)
         if alive is not None:
             return alive
         # made already for this backward op (NOTE [rebuild groups]): an input read twice
         # (a residual, say) is made once
-        if (base := self._group.get((node.key, upto))) is not None:
+        if (base := self._group.get(vkey)) is not None:
             return base
-        if node.key in self._host and len(node.steps) == upto:
+        if vkey in self._host:
             # backward unpacks it later; the rebuild reads it now
-            base = self._copies.ready(self._reload(node.key, node.device), self.stats)
+            base = self._copies.ready(self._reload(vkey, node.device), self.stats)
         else:
             base = self._rebuild(node, upto)
-        self._group[node.key, upto] = base
-        if self._pending.get(node.key, 0) > 0 and len(node.steps) == upto:
+        self._group[vkey] = base
+        if self._pending.get(vkey, 0) > 0:
             # a saved activation backward will unpack later: keep it, as the simulator does
-            self._bring_back(node.key, base)
+            self._bring_back(vkey, base)
         return base
+
+
+def _returns_alias(func: Any, position: Any) -> bool:
+    """The op returns (an alias of) the argument it writes at ``position``, as in-place
+    and ``out=`` ops do: the write is then recorded as a step of the returned storage."""
+    arguments = func._schema.arguments
+    if isinstance(position, int):
+        argument = arguments[position] if position < len(arguments) else None
+    else:
+        argument = next((a for a in arguments if a.name == position), None)
+    if argument is None or argument.alias_info is None:
+        return False
+    sets = argument.alias_info.after_set
+    return any(r.alias_info is not None and r.alias_info.after_set & sets
+               for r in func._schema.returns)
+
+
+def _copy_storage(t: torch.Tensor) -> torch.Tensor:
+    storage = t.untyped_storage()
+    copy = torch.empty(storage.nbytes(), dtype=torch.uint8, device=t.device)
+    copy.untyped_storage().copy_(storage)
+    return copy
+
+
+_SAME_SIZE_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit (NaNs included), conjugate and negative bits included."""
+    if (a.is_conj(), a.is_neg(), a.shape, a.dtype) != (b.is_conj(), b.is_neg(), b.shape,
+                                                         b.dtype):
+        return False
+    a, b = a.resolve_conj().resolve_neg(), b.resolve_conj().resolve_neg()
+    if a.is_complex():
+        a, b = torch.view_as_real(a), torch.view_as_real(b)
+    ints = _SAME_SIZE_INTS[a.element_size()]
+    return torch.equal(a.view(ints), b.view(ints))

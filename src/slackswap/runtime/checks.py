@@ -28,18 +28,18 @@ def checkpoint_releases(profile: StepProfile, plan: Plan) -> dict[str, int]:
 
 
 def check_recomputable(profile: StepProfile, plan: Plan) -> None:
-    """Refuse, before anything runs, to recompute an activation that an in-place op
-    changes after a forward op has read it: the values backward needs are gone."""
+    """Refuse, before anything runs, to recompute an activation whose rebuild would replay
+    an op not known to replay bit for bit (NOTE [replayable ops])."""
     for name, decision in plan.decisions.items():
-        t = profile.by_name.get(name)
-        if decision != "recompute" or t is None:
+        if decision != "recompute" or name not in profile.by_name:
             continue
-        reads = [c for c in t.forward_consumers if t.id not in profile.ops[c].outputs]
-        if not reads:
-            continue
-        for op in profile.ops[min(reads) + 1:]:
-            if op.phase == "forward" and op.inplace and t.id in op.outputs:
-                raise InputError(
-                    f"cannot recompute '{name}': {op.kind} (op {op.index}) changes it in "
-                    f"place after op {min(reads)} read it; keep or offload it instead"
-                )
+        if name not in profile.recomputable:
+            t = profile.by_name[name]
+            ops = ", ".join(sorted({op.kind for op in profile.ops
+                                    if op.phase == "forward" and not op.replayable
+                                    and t.id in op.outputs}))
+            raise InputError(
+                f"cannot recompute '{name}': its rebuild replays "
+                f"{ops or 'an input that cannot be rebuilt'}, not known to replay bit for "
+                "bit; keep or offload it (plans from slackswap.plan never recompute it)"
+            )

@@ -26,16 +26,16 @@ def plan_model(
 ) -> Plan:
     """A plan whose activation ids match what ``model`` runs on its own device.
 
-    On CUDA the step is measured (real kernels, real times); elsewhere it is traced with
-    the local kernels and priced on ``hardware`` (default ``a100-80gb``). The plan keeps
+    On CUDA the step is measured (real kernels, real times); elsewhere one real step is
+    traced (so data-dependent branches, such as a mask checked for padding, take the
+    path training takes) and priced on ``hardware`` (default ``a100-80gb``). The plan keeps
     the profile in memory, so ``slackswap.apply(model, plan)`` reloads at its prefetch
     points; a plan read back from a file needs ``profile=`` for that.
     """
     params = list(model.parameters())
     on_cuda = bool(params) and params[0].device.type == "cuda"
     step = profile(model, batch, hardware or "a100-80gb",
-                   mode="measured" if on_cuda else "analytic", loss_fn=loss_fn,
-                   kernels=None if on_cuda else "native")
+                   mode="measured" if on_cuda else "traced", loss_fn=loss_fn)
     result = plan(step, budget, hardware, strategy)
     result._profile = step  # so that apply checks it and prefetches without being told
     return result

@@ -11,34 +11,58 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from slackswap.profiling.naming import op_kind
+from slackswap.profiling.naming import is_replayable, op_kind
 
-__all__ = ["Ref", "Step", "Node", "GeneratorState", "Scratch", "map_args", "op_tensors",
-           "storage_key", "view_of", "no_autocast", "rng_state", "set_rng_state",
-           "written_arguments", "op_device"]
+__all__ = ["Ref", "Step", "Node", "GeneratorState", "Scratch", "Outside", "Geometry",
+           "map_args", "op_tensors", "storage_key", "geometry", "view_of", "no_autocast",
+           "rng_state", "set_rng_state", "written_arguments", "op_device", "plain_strided"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
+class Geometry:
+    """Everything that makes a view of a storage read the values it reads."""
+
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+    conj: bool = False
+    neg: bool = False
+
+
+@dataclass(slots=True)
 class Ref:
     """An activation argument: a view into the storage of ``node`` as it was after
     ``upto`` of its steps."""
 
     node: Node
     upto: int
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int
-    dtype: torch.dtype
+    geometry: Geometry
+
+
+def geometry(t: torch.Tensor) -> Geometry:
+    return Geometry(tuple(t.size()), tuple(t.stride()), t.storage_offset(), t.dtype,
+                    t.is_conj(), t.is_neg())
+
+
+@dataclass(slots=True)
+class Outside:
+    """A tensor from outside the recorded step (a parameter, a buffer, the batch) read by
+    an op, with its version then: a replay reads it only at that version."""
+
+    tensor: torch.Tensor
+    version: int
 
 
 @dataclass(slots=True)
 class Step:
-    func: Any
-    args: Any  # with activation tensors replaced by Ref
+    func: Any  # None: a write the runtime saw but cannot replay
+    args: Any  # with activation tensors replaced by Ref, outside ones by Outside
     kwargs: Any
     output: int  # which tensor output of the op is the node's storage
     rng: tuple[torch.Tensor, torch.Tensor | None] | None
     outputs: list[Node | None]  # the nodes of all the op's outputs, shared by its steps
+    grad: bool = False  # grad mode the op ran in: kernels may differ by it
 
 
 class Node:
@@ -56,6 +80,17 @@ class Node:
         # NOTE: a weak reference to the StorageImpl keeps its address from being reused,
         # so storage keys stay unique while this node lives.
         self.storage = StorageWeakRef(tensor.untyped_storage())
+
+    def replayable(self) -> bool:
+        """Every op that wrote the storage can be replayed exactly (its own steps)."""
+        return all(s.func is not None and is_replayable(s.func) for s in self.steps)
+
+    def unreplayable(self) -> str:
+        """The first op that wrote the storage and cannot be replayed, by name."""
+        for s in self.steps:
+            if s.func is None or not is_replayable(s.func):
+                return "an in-place write it cannot see" if s.func is None else str(s.func)
+        return "nothing"
 
     def alive(self, upto: int) -> torch.Tensor | None:
         """A tensor over the storage as it is after ``upto`` steps, if one still lives."""
@@ -91,9 +126,26 @@ def storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
-def view_of(base: torch.Tensor, size, stride, offset, dtype) -> torch.Tensor:
-    out = base.new_empty(0, dtype=dtype)
-    return out.set_(base.untyped_storage(), offset, size, stride)
+def view_of(base: torch.Tensor, g: Geometry) -> torch.Tensor:
+    """A view over ``base``'s storage as ``g`` says, conjugate and negative bits included."""
+    out = base.new_empty(0, dtype=g.dtype).set_(base.untyped_storage(), g.offset, g.size,
+                                                 g.stride)
+    if g.conj:
+        out = out.conj()
+    if g.neg:
+        out = torch._neg_view(out)
+    return out
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def plain_strided(t: torch.Tensor) -> bool:
+    """A plain dense tensor whose values are its storage's bytes read through its geometry:
+    the only kind the runtime moves or rebuilds (sparse, nested, quantized and subclass
+    tensors are kept as autograd saved them)."""
+    return (type(t) in _PLAIN and t.layout == torch.strided and not t.is_quantized
+            and not t.is_nested)
 
 
 def no_autocast() -> contextlib.ExitStack:

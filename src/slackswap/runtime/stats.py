@@ -54,6 +54,7 @@ class RuntimeStats:
     late_reloads: int = 0  # reloads issued only when backward needed them
     stalls: int = 0  # times backward waited for a reload
     recomputed_ops: int = 0
+    verified: int = 0  # reloads and rebuilds compared with the original (verify=True)
     resident_bytes: int = 0
     peak_resident_bytes: int = 0
     _recompute: Timer = field(default_factory=Timer, repr=False)

@@ -11,11 +11,27 @@ NOTE [recompute semantics]
     producer, inputs first, recursively. Rebuilt *saved* activations stay until their last
     backward use; rebuilt intermediates are freed after the group that needed them and
     rebuilt again if a later group needs them. A kept or reloaded tensor that a rebuild
-    reads stays resident until that rebuild.
+    reads stays resident until that rebuild, unless backward has already unpacked it for
+    the last time: then autograd holds it no more, it is gone, and a rebuild that reads it
+    makes it again (NOTE [gone tensors]). A re-run op makes all its outputs: a copy of
+    an output still resident lasts as long as the re-run; one of an output that is gone is
+    held with the group.
+
+NOTE [gone tensors]
+    A saved tensor is gone after the last backward op that reads it (``end``): kept,
+    reloaded or rebuilt, no copy of it outlives that op but in the runtime's rebuild group.
+
+NOTE [rebuild groups] (as in the runtime, ``slackswap.runtime.apply``)
+    The runtime holds what rebuilds make for one backward op, and the reloaded or rebuilt
+    saved tensors backward unpacks for the last time, until backward unpacks a tensor
+    whose first backward use is another op. The schedule holds them as long
+    (:meth:`_Builder._group_resets`), past their last use when a later op reads a
+    tensor first needed by the same op.
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -106,16 +122,51 @@ class _Builder:
         self.live: dict[int, int] = {}  # tensor -> residency resident in backward
         self.reload_of: dict[int, int] = {}  # tensor -> h2d index
         self.mutators: dict[int, list[int]] = {}  # tensor -> forward in-place ops on it
+        # saved tensor -> the last backward op that reads it (NOTE [gone tensors])
+        self.end: dict[int, int] = {}
+        for t in profile.saved_activations:
+            uses = [*t.backward_consumers, *(() if t.first_backward_use is None
+                                             else (t.first_backward_use,))]
+            if t.producer is not None and uses:
+                self.end[t.id] = max(uses)
         for op in self.ops[: self.first_backward]:
             for tid in op.outputs:
                 if self.tensors[tid].producer != op.index and op.inplace:
                     self.mutators.setdefault(tid, []).append(op.index)
+        self.resets = self._group_resets()
+        self.first_item: dict[int, int] = {}  # backward op -> its first item (rebuilds first)
+        self.members: list[tuple[int, int]] = []  # (residency, op) joined that op's group
 
     # -- helpers --------------------------------------------------------------------------
     def _keeps(self, t: TensorRecord) -> bool:
         """Stays on the device from production to its last use."""
         d = self.decision.get(t.id)
         return d == "keep" or (d is None and bool(t.backward_consumers))
+
+    def _group_resets(self) -> list[int]:
+        """The backward ops before which the runtime lets its rebuild group go (NOTE
+        [rebuild groups]): those that unpack a planned tensor first needed by another op
+        than the last unpack's. An op that reads a tensor first needed by the same op as
+        the last unpack's (an in-place ReLU's output, read by max pooling's backward and
+        then by the ReLU's) keeps the group open."""
+        positions: dict[int, set[int]] = {}
+        for t in self.p.saved_activations:
+            if (t.producer is None or t.name is None or t.bytes < MIN_PLANNED_BYTES
+                    or t.first_backward_use is None):
+                continue
+            for j in {t.first_backward_use, *t.backward_consumers}:
+                positions.setdefault(j, set()).add(t.first_backward_use)
+        resets, current = [], None
+        for j in sorted(positions):
+            if positions[j] != {current}:
+                resets.append(j)
+                current = max(positions[j])
+        return resets
+
+    def _gone(self, tid: int, pos: int) -> bool:
+        """A saved tensor backward has unpacked for the last time before op ``pos``."""
+        end = self.end.get(tid)
+        return end is not None and end < pos
 
     def _new_residency(self, t: TensorRecord, source: str, item: int) -> int:
         rid = len(self.res)
@@ -162,9 +213,12 @@ class _Builder:
         t = self.tensors[tid]
         if not _is_activation(t):
             return None
+        gone = self._gone(tid, pos) and tid not in made  # (not made again for this op)
         if (rid := self.live.get(tid)) is not None:
-            return rid
-        if self.decision.get(tid) == "offload":
+            if not gone:
+                return rid
+            del self.live[tid]
+        if self.decision.get(tid) == "offload" and not gone:
             return self._reload(t, pos)
         assert t.producer is not None and self.ops[t.producer].phase == "forward"
         # Re-run the producer, then the forward in-place ops that mutated the tensor.
@@ -178,10 +232,20 @@ class _Builder:
                 self._read(rid, k)
             for out in op.outputs:
                 o = self.tensors[out]
-                if o.producer == op.index and _is_activation(o) and out not in self.live:
-                    self.live[out] = self._new_residency(o, "compute", k)
-                    if self.decision.get(out) != "recompute":
+                made_here = o.producer == op.index and _is_activation(o)
+                gone = made_here and self._gone(out, pos) and out not in made
+                if gone:  # a sibling whose first copy backward is done with
+                    self.live.pop(out, None)
+                if made_here and out not in self.live:
+                    rid = self.live[out] = self._new_residency(o, "compute", k)
+                    if gone or self.decision.get(out) != "recompute":
                         made.append(out)  # an intermediate: freed after the group
+                        if out == tid or not self.mutators.get(out):
+                            # (a sibling changed in place later in forward is not this
+                            # value: the runtime lets it go with the re-run)
+                            self.members.append((rid, pos))
+                elif made_here:  # the kernel makes a copy of a resident sibling too
+                    self._new_residency(o, "compute", k)
                 elif out in self.live and k not in self.uses[self.live[out]]:
                     self._read(self.live[out], k)
         return self.live[tid]
@@ -205,9 +269,14 @@ class _Builder:
                 needed_at.setdefault(t.first_backward_use, []).append(t.id)
         for op in self.ops[self.first_backward:]:
             made: list[int] = []
+            self.first_item[op.index] = len(self.items)
             wanted = dict.fromkeys([*op.inputs, *needed_at.get(op.index, [])])
             reads = [r for tid in wanted
                      if (r := self._ensure(tid, op.index, made)) is not None]
+            for tid in wanted:  # unpacked for the last time: the group holds it
+                if (self.end.get(tid) == op.index and tid in self.live
+                        and self.decision.get(tid) in ("offload", "recompute")):
+                    self.members.append((self.live[tid], op.index))
             k = len(self.items)
             self.items.append(Item(op.index, op.index, op.time_s, False))
             for rid in dict.fromkeys(reads):
@@ -222,6 +291,10 @@ class _Builder:
     def build(self) -> Schedule:
         self._forward()
         self._backward()
+        for rid, pos in self.members:  # held until the group after ``pos`` begins
+            r = bisect.bisect_right(self.resets, pos)
+            if r < len(self.resets):
+                self.uses[rid].append(self.first_item[self.resets[r]] - 1)
         for rid, items in self.uses.items():
             last = max(items) if items else None
             if last is None:  # a reload nobody read: free it once it lands

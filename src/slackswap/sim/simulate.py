@@ -71,6 +71,7 @@ def simulate(
         peak_bytes=tl.peak,
         peak_time_s=tl.peak_time,
         keep_all_peak_bytes=peak_keep_all,
+        gradient_bytes=profile.gradient_bytes,
         memory_limit_bytes=limit,
         stall_s={**tl.stall, "recompute": recompute},
         d2h_bytes=sum(c.bytes for c in schedule.d2h),

@@ -1,0 +1,111 @@
+"""The activation memory of a real training step, measured with ``MemTracker``.
+
+Activation memory as the simulator counts it: forward activations and backward
+temporaries (``MemTracker``'s ``ACT`` and ``TEMP``). Not counted: parameters, buffers and
+the batch (tracked up front as the model's and as external tensors), the runtime's host
+copies (on a CPU they are plain CPU tensors, so the tracker is told to skip the copy), and
+weight gradients. A weight gradient is made in backward as a temporary and becomes a
+parameter's ``.grad`` (``GRAD``) only when autograd hands it over, after the op that made
+it; ``MemTracker``'s own peak is taken in between. So this records every change the tracker
+makes and replays them afterwards, leaving out every storage that ever became a gradient,
+and the gradients autograd summed into one (a tied weight's two), as the profile does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _UpdateType
+
+from slackswap.runtime.copies import HostCopies
+
+__all__ = ["ActivationMemory"]
+
+_ACTIVATION = (_MemRefType.ACT, _MemRefType.TEMP)
+_SUMS = {torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor}
+
+
+class ActivationMemory(MemTracker):
+    """``with ActivationMemory(model, batch) as memory:`` around forward and backward;
+    then ``memory.peak`` is the highest activation memory of the step, in bytes."""
+
+    def __init__(self, model: torch.nn.Module, batch: Any = ()) -> None:
+        super().__init__()
+        self._events: list[tuple[_UpdateType, int, int, Any]] = []
+        self._serial: dict[int, int] = {}  # id of a live _WeakRefInfo -> its serial
+        self._host_copy = False
+        self._sums: list[tuple[list[int], list[int]]] = []  # (outputs, inputs) of sums
+        self.track_external(model, *_tensors(batch))
+
+    def __enter__(self) -> ActivationMemory:
+        original = self._original_offload = HostCopies.offload
+
+        def offload(copies: HostCopies, t: torch.Tensor) -> torch.Tensor:
+            self._host_copy = True
+            try:
+                return original(copies, t)
+            finally:
+                self._host_copy = False
+
+        HostCopies.offload = offload  # type: ignore[method-assign]
+        super().__enter__()
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        super().__exit__(*args)
+        HostCopies.offload = self._original_offload  # type: ignore[method-assign]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self._host_copy:
+            return func(*args, **(kwargs or {}))
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if func in _SUMS and self._mod_tracker.is_bw:  # how autograd sums gradients
+            self._sums.append((self._serials(out), self._serials(args)))
+        return out
+
+    def _serials(self, x: Any) -> list[int]:
+        tensors = [x] if isinstance(x, torch.Tensor) else [
+            t for t in x if isinstance(t, torch.Tensor)]
+        serials = []
+        for t in tensors:
+            winfo = self._WINFO.get(t.untyped_storage(), (None, None))[0]
+            if winfo is not None and id(winfo) in self._serial:
+                serials.append(self._serial[id(winfo)])
+        return serials
+
+    def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None) -> None:
+        key = id(winfo)
+        if u_type == _UpdateType.ADD or key not in self._serial:
+            self._serial[key] = len(self._events)
+        serial = self._serial[key]
+        if u_type == _UpdateType.DEL:
+            del self._serial[key]
+        self._events.append((u_type, serial, winfo.mem_consumed, winfo.reftype))
+        super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
+
+    @property
+    def peak(self) -> int:
+        gradients = {s for _, s, _, ref in self._events if ref == _MemRefType.GRAD}
+        for outputs, inputs in reversed(self._sums):  # the last sum made the .grad
+            if set(outputs) & gradients:
+                gradients.update(inputs)
+        size: dict[int, int] = {}
+        used = peak = 0
+        for u_type, serial, mem, ref in self._events:
+            if serial in gradients:
+                continue
+            if u_type == _UpdateType.DEL:
+                used -= size.pop(serial, 0)
+            elif u_type in (_UpdateType.ADD, _UpdateType.SIZE) and ref in _ACTIVATION:
+                used += mem - size.get(serial, 0)
+                size[serial] = mem
+            peak = max(peak, used)
+        return peak
+
+
+def _tensors(batch: Any) -> list[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    values = batch.values() if isinstance(batch, dict) else batch
+    return [t for t in values if isinstance(t, torch.Tensor)]

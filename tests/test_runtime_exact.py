@@ -1,0 +1,353 @@
+"""Exact or loud: each defect of issue 9 as a small model, bit-identical or refused."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+
+import pytest
+import torch
+
+import slackswap
+from slackswap.core.plan import Plan
+from slackswap.errors import InputError, VerifyError
+
+
+def _names(profile) -> list[str]:
+    return [t.name for t in profile.saved_activations if t.producer is not None]
+
+
+def _step(model, batch, plan=None, profile=None, loss_fn=None, verify=False, seed=1):
+    """Loss, gradients and buffers of one step, with or without a plan."""
+    torch.manual_seed(seed)
+    model.zero_grad(set_to_none=True)
+    if not hasattr(model, "_initial_buffers"):  # each step starts from the same statistics
+        model._initial_buffers = {n: b.clone() for n, b in model.named_buffers()}
+    with torch.no_grad():
+        for n, b in model.named_buffers():
+            b.copy_(model._initial_buffers[n])
+    runtime = slackswap.apply(model, plan, profile=profile, verify=verify) if plan else None
+    with runtime or contextlib.nullcontext():
+        out = model(batch)
+        loss = loss_fn(out) if loss_fn else out
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    return loss.detach(), grads, buffers, runtime
+
+
+def _assert_same(a, b) -> None:
+    assert torch.equal(a[0], b[0])
+    assert a[1].keys() == b[1].keys()
+    for name in a[1]:
+        assert torch.equal(a[1][name], b[1][name]), name
+    for name in a[2]:
+        assert torch.equal(a[2][name], b[2][name]), name
+
+
+def _uniform(profile, decision: str, names=None) -> Plan:
+    names = _names(profile) if names is None else names
+    return Plan(fingerprint=profile.fingerprint, strategy=decision,
+                decisions={n: decision for n in names})
+
+
+def _check_all(model, x, decisions=("offload", "recompute"), loss_fn=None) -> None:
+    profile = slackswap.profile(model, x, kernels="native", loss_fn=loss_fn)
+    reference = _step(model, x, loss_fn=loss_fn)
+    for decision in decisions:
+        names = _names(profile)
+        if decision == "recompute":
+            names = [n for n in names if n in profile.recomputable]
+        planned = _step(model, x, _uniform(profile, decision, names), profile,
+                        loss_fn=loss_fn, verify=True)
+        _assert_same(planned, reference)
+        assert planned[3].stats.verified > 0
+
+
+class _SavedTwice(torch.nn.Module):
+    """One storage saved by two in-place ops, changed between the saves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(32, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g, v = self.lin(x).unsafe_chunk(2, -1)
+        g = g.sigmoid_()
+        v = v.tanh_()
+        return (g * v).sum()
+
+
+def test_a_storage_saved_at_two_versions_comes_back_at_each() -> None:
+    torch.manual_seed(0)
+    _check_all(_SavedTwice(), torch.randn(16, 32))
+
+
+class _Recurrent(torch.nn.Module):
+    def __init__(self, cell: str) -> None:
+        super().__init__()
+        self.rnn = getattr(torch.nn, cell)(16, 32, num_layers=2, batch_first=True)
+        self.head = torch.nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(x)[0]).square().mean()
+
+
+@pytest.mark.parametrize("cell", ["GRU", "LSTM"])
+def test_recurrent_nets_are_exact_under_every_strategy(cell: str) -> None:
+    """The CPU GRU saves one storage twice around in-place ops; the LSTM kernel is not
+    replayable (outputs and workspace depend on grad mode), so it is never recomputed."""
+    torch.manual_seed(0)
+    model, x = _Recurrent(cell), torch.randn(4, 12, 16)
+    _check_all(model, x)
+    profile = slackswap.profile(model, x, kernels="native")
+    reference = _step(model, x)
+    for strategy in ("slackswap", "offload-only", "recompute-only"):
+        try:
+            plan = slackswap.plan(profile, 0.6, strategy=strategy)
+        except InputError:
+            continue
+        _assert_same(_step(model, x, plan, profile, verify=True), reference)
+
+
+def test_recomputing_a_kernel_that_cannot_replay_is_refused_up_front() -> None:
+    torch.manual_seed(0)
+    model, x = _Recurrent("LSTM"), torch.randn(4, 12, 16)
+    profile = slackswap.profile(model, x, kernels="native")
+    [lstm] = [n for n in _names(profile) if "mkldnn_rnn_layer" in n][:1]
+    assert lstm not in profile.recomputable
+    with pytest.raises(InputError, match="cannot recompute .*mkldnn_rnn_layer"):
+        slackswap.apply(model, _uniform(profile, "recompute", [lstm]), profile=profile)
+    with pytest.raises(InputError, match="cannot recompute"):  # without the profile: at save
+        _step(model, x, _uniform(profile, "recompute", [lstm]))
+    for strategy in ("recompute-only", "slackswap", "capuchin"):
+        with contextlib.suppress(InputError):
+            plan = slackswap.plan(profile, 0.5, strategy=strategy)
+            assert all(plan.decisions.get(n) != "recompute" for n in _names(profile)
+                       if n not in profile.recomputable)
+
+
+class _InPlaceCNN(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(8)
+        self.act = torch.nn.Hardswish(inplace=True)
+        self.conv2 = torch.nn.Conv2d(8, 8, 3, padding=1)
+        self.relu = torch.nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.bn(self.conv1(x)))
+        return self.relu(self.conv2(h)).mean()
+
+
+def test_recompute_through_in_place_activations_is_exact() -> None:
+    """Once refused by an in-place check; rebuilding each value at its version is exact."""
+    torch.manual_seed(0)
+    model, x = _InPlaceCNN(), torch.randn(2, 3, 16, 16)
+    profile = slackswap.profile(model, x, kernels="native")
+    assert set(_names(profile)) <= profile.recomputable
+    _check_all(model, x)
+
+
+class _Complex(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = torch.view_as_complex(self.lin(x).view(x.shape[0], 16, 2))
+        return torch.view_as_real(z * z.conj() * z).square().sum()
+
+
+def test_conjugate_views_survive_offload_and_recompute() -> None:
+    torch.manual_seed(0)
+    _check_all(_Complex(), torch.randn(8, 16))
+
+
+class _Shifted(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+        self.register_buffer("shift", torch.zeros(16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.lin(x) + self.shift)
+        with torch.no_grad():
+            self.shift.add_(1.0)  # a running statistic, updated after it was read
+        return (h * h).sum()
+
+
+def test_an_outside_tensor_changed_in_forward_is_read_as_it_was() -> None:
+    torch.manual_seed(0)
+    model, x = _Shifted(), torch.randn(8, 16)
+    profile = slackswap.profile(model, x, kernels="native")
+    plan = _uniform(profile, "recompute")
+    reference = _step(model, x)
+    model.shift.zero_()
+    planned = _step(model, x, plan, profile, verify=True)
+    model.shift.zero_()
+    again = _step(model, x)
+    _assert_same(planned, again)
+    assert torch.equal(reference[0], again[0])
+
+
+def test_a_batch_tensor_changed_before_backward_stops_a_rebuild() -> None:
+    torch.manual_seed(0)
+    model, x = _InPlaceCNN(), torch.randn(2, 3, 16, 16)
+    profile = slackswap.profile(model, x, kernels="native")
+    with slackswap.apply(model, _uniform(profile, "recompute"), profile=profile):
+        loss = model(x)
+    x.mul_(2.0)  # the batch, changed in place after forward read it
+    with pytest.raises(InputError, match="changed in place after forward read it"):
+        loss.backward()
+
+
+class _Sparse(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = torch.relu(self.lin(x))
+        s = (a * (a > 0.5)).to_sparse()
+        return torch.sparse.mm(s, self.lin.weight).square().sum()
+
+
+def test_sparse_saved_tensors_are_kept() -> None:
+    torch.manual_seed(0)
+    model, x = _Sparse(), torch.randn(8, 16)
+    profile = slackswap.profile(model, x, kernels="native")
+    reference = _step(model, x)
+    for decision in ("keep", "offload", "recompute"):
+        names = [n for n in _names(profile)
+                 if decision != "recompute" or n in profile.recomputable]
+        _assert_same(_step(model, x, _uniform(profile, decision, names), profile), reference)
+
+
+class _OwnCheckpoint(torch.nn.Module):
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.lin(t)), x,
+                                              use_reentrant=self.reentrant)
+        return h.square().sum()
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_model_that_checkpoints_itself_is_refused(reentrant: bool) -> None:
+    model, x = _OwnCheckpoint(reentrant), torch.randn(8, 16, requires_grad=reentrant)
+    with pytest.raises(InputError, match="torch.utils.checkpoint"):
+        slackswap.profile(model, x, kernels="native")
+    from slackswap.profiling.step import fingerprint
+
+    plan = Plan(fingerprint=fingerprint(model, x), strategy="x", decisions={})
+    with pytest.raises(InputError, match="torch.utils.checkpoint"), \
+            slackswap.apply(model, plan):
+        model(x)
+    assert gc.isenabled()
+    torch.utils.checkpoint.checkpoint(torch.tanh, x, use_reentrant=False)  # restored
+
+
+class _Plain(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+def test_one_call_planning_takes_a_loss_over_real_targets() -> None:
+    torch.manual_seed(0)
+    model, x, target = _Plain(), torch.randn(8, 16), torch.randn(8, 16)
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(out, target)
+
+    plan = slackswap.plan(model, x, budget=1.0, loss_fn=loss_fn)
+    _assert_same(_step(model, x, plan, loss_fn=loss_fn), _step(model, x, loss_fn=loss_fn))
+
+
+def test_a_forward_that_returns_its_loss_needs_no_loss_fn() -> None:
+    model, x = _SavedTwice(), torch.randn(16, 32)
+    profile = slackswap.profile(model, x, kernels="native")
+    assert profile.saved_activations
+
+
+def test_apply_blocks_do_not_nest_and_leave_nothing_behind() -> None:
+    torch.manual_seed(0)
+    model, x = _InPlaceCNN(), torch.randn(2, 3, 16, 16)
+    profile = slackswap.profile(model, x, kernels="native")
+    plan = _uniform(profile, "offload")
+    reference = _step(model, x)
+    outer = slackswap.apply(model, plan)
+    for inner in (outer, slackswap.apply(model, plan)):
+        with pytest.raises(InputError, match="do not nest"), outer, inner:
+            pass
+    for interrupt in (RuntimeError("inside"), KeyboardInterrupt()):
+        with pytest.raises(type(interrupt)), slackswap.apply(model, plan):
+            model(x)
+            raise interrupt
+    assert gc.isenabled()
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    assert _get_current_dispatch_mode() is None
+    assert not model._forward_pre_hooks
+    _assert_same(_step(model, x), reference)  # plain steps run as before
+    _assert_same(_step(model, x, plan), reference)
+
+
+def test_a_plan_for_all_trainable_parameters_refuses_a_frozen_model() -> None:
+    model, x = _InPlaceCNN(), torch.randn(2, 3, 16, 16)
+    plan = slackswap.plan(model, x, budget=1.0)
+    model.conv1.weight.requires_grad_(False)
+    with pytest.raises(InputError, match="which parameters train"):
+        slackswap.apply(model, plan, batch=x)
+
+
+def test_verify_catches_a_reload_that_differs(monkeypatch) -> None:
+    from slackswap.runtime.copies import HostCopies
+
+    torch.manual_seed(0)
+    model, x = _InPlaceCNN(), torch.randn(2, 3, 16, 16)
+    profile = slackswap.profile(model, x, kernels="native")
+    reload = HostCopies.reload
+
+    def corrupt(self, host, device):
+        out = reload(self, host, device)
+        out[:4] ^= 1  # one flipped bit
+        return out
+
+    monkeypatch.setattr(HostCopies, "reload", corrupt)
+    with pytest.raises(VerifyError, match="differs from the original"):
+        _step(model, x, _uniform(profile, "offload"), profile, verify=True)
+
+
+class _GradInForward(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        (g,) = torch.autograd.grad(torch.tanh(h).pow(3).sum(), h, create_graph=True)
+        return (g * self.b(h)).square().mean()
+
+
+def test_backward_inside_forward_is_refused() -> None:
+    """A plan covers one forward pass, then one backward; autograd.grad inside forward
+    unpacks saved tensors before forward ends, so it is refused, not half-planned."""
+    from slackswap.profiling.step import fingerprint
+
+    model, x = _GradInForward(), torch.randn(32, 64)
+    with pytest.raises(InputError, match="backward inside its forward"):
+        slackswap.profile(model, x, kernels="native")
+    plan = Plan(fingerprint=fingerprint(model, x), strategy="x", decisions={})
+    with pytest.raises(InputError, match="backward inside its forward"), \
+            slackswap.apply(model, plan):
+        model(x)
