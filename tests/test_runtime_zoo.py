@@ -1,0 +1,350 @@
+"""The runtime on model families it was not built around (:mod:`zoo`) and on PyTorch's own
+edge cases for saved-tensor hooks and checkpointing (:mod:`edge_cases`).
+
+Every step under a plan either matches the same step without slackswap bit for bit (loss,
+every gradient, parameters, buffers, the batch, the CPU RNG state after the step, and the
+modules' train mode), or is refused with :class:`slackswap.InputError` before the model
+runs, leaving model, batch and RNG as they were. Plans: every strategy at three budgets,
+all-offload, all-recompute, and mixes drawn by hypothesis. The default run is a fast tier;
+``pytest -m full`` runs the whole matrix.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import edge_cases
+import pytest
+import torch
+import zoo
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+import slackswap
+from slackswap import InputError, Plan, StepProfile
+from slackswap.planners import smallest_feasible_budget
+
+assert not zoo.MODELS.keys() & edge_cases.MODELS.keys()
+MODELS: dict[str, Callable[[], Any]] = {**zoo.MODELS, **edge_cases.MODELS}
+# refused when profiled, with the library's own error: nothing to plan or run
+REFUSED = {"grad_in_forward": "backward inside its forward pass"}
+NAMES = [name for name in MODELS if name not in REFUSED]
+# models whose step draws random numbers (dropout, drop path, noise): a seed changes the loss
+RANDOM = ["lstm", "gru", "cnn_bn_inplace", "vit", "unet", "t5", "bart", "multihead_attention",
+          "custom_function", "targets_loss_fn", "random_in_function"]
+BUDGETS = [0.7, 0.5, 0.3]
+SEED = 0
+Kind = Literal["backward", "grad", "double"]
+
+
+@dataclass
+class Case:
+    """One model: its pristine copy (never run), batch, loss_fn, profile and plan targets."""
+
+    model: torch.nn.Module
+    batch: Any
+    loss_fn: Callable[[Any], torch.Tensor] | None
+    profile: StepProfile
+    names: list[str]  # saved activations a plan may keep, offload or recompute
+    checkpoints: list[str]  # unsaved activations a plan may only keep
+
+
+@functools.cache
+def built(name: str) -> tuple[torch.nn.Module, Any, Callable[[Any], torch.Tensor] | None]:
+    """The model as its factory makes it: never run, copied for every step."""
+    return MODELS[name]()
+
+
+@functools.cache
+def case(name: str) -> Case:
+    model, batch, loss_fn = built(name)
+    # traced: one real step, as ``slackswap.plan(model, batch)`` profiles on a CPU (a fake
+    # trace cannot follow branches on tensor values, such as BART checking its mask)
+    profile = slackswap.profile(copy.deepcopy(model), copy.deepcopy(batch), mode="traced",
+                                loss_fn=loss_fn)
+    names = [t.name for t in profile.saved_activations if t.producer is not None]
+    return Case(model, batch, loss_fn, profile, names, sorted(profile.checkpointable))
+
+
+def _call(model: torch.nn.Module, batch: Any) -> Any:
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
+
+
+def _loss(output: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> torch.Tensor:
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, Mapping):
+        loss = output.get("loss")
+    return loss if loss is not None else loss_fn(output)
+
+
+def _tensors(batch: Any) -> dict[str, torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        return {"input": batch}
+    items = batch.items() if isinstance(batch, Mapping) else enumerate(batch)
+    return {str(k): v for k, v in items if isinstance(v, torch.Tensor)}
+
+
+def _state(model: torch.nn.Module, batch: Any) -> dict[str, torch.Tensor | None]:
+    """What a step may leave behind besides its outputs: gradients, parameters, buffers,
+    the batch, the CPU RNG state."""
+    values: dict[str, torch.Tensor | None] = {}
+    for n, p in model.named_parameters():
+        values[f"grad {n}"] = None if p.grad is None else p.grad.detach().clone()
+        values[f"parameter {n}"] = p.detach().clone()
+    for n, b in model.named_buffers():
+        values[f"buffer {n}"] = b.detach().clone()
+    for n, t in _tensors(batch).items():
+        values[f"batch {n}"] = t.detach().clone()
+    values["rng"] = torch.get_rng_state()
+    return values
+
+
+def _modes(model: torch.nn.Module) -> dict[str, bool]:
+    return {n: m.training for n, m in model.named_modules()}
+
+
+def _finish(model: torch.nn.Module, loss: torch.Tensor, kind: Kind) -> dict[str, Any]:
+    """The backward half of a step: ``loss.backward()``, ``torch.autograd.grad``, or a
+    gradient penalty's backward through ``create_graph=True`` gradients."""
+    out: dict[str, Any] = {"loss": loss.detach().clone()}
+    if kind == "backward":
+        loss.backward()
+        return out
+    params = [p for p in model.parameters() if p.requires_grad]
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    grads = torch.autograd.grad(loss, params, create_graph=kind == "double", allow_unused=True)
+    out.update({f"autograd.grad {n}": None if g is None else g.detach().clone()
+                for n, g in zip(names, grads, strict=True)})
+    if kind == "double":
+        penalty = sum(g.square().sum() for g in grads if g is not None)
+        out["penalty"] = penalty.detach().clone()
+        penalty.backward()
+    return out
+
+
+@functools.cache
+def reference(name: str, kind: Kind = "backward", seed: int = SEED) -> dict[str, Any]:
+    """The step without slackswap, run twice: the harness needs it deterministic."""
+    runs = []
+    for _ in range(2):
+        model, batch, loss_fn = map(copy.deepcopy, built(name))
+        torch.manual_seed(seed)
+        out = _finish(model, _loss(_call(model, batch), loss_fn), kind)
+        runs.append({**out, **_state(model, batch), "modes": _modes(model)})
+    _assert_same(runs[1], runs[0], "the step without slackswap is not deterministic: ")
+    return runs[0]
+
+
+class Refused(UserWarning):
+    """The runtime refused a plan before the model ran: allowed, and listed in the summary."""
+
+
+class _Calls:
+    """Counts calls of the model's submodules (its own forward may be refused first)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.count = 0
+        for _, m in list(model.named_modules())[1:]:
+            m.register_forward_pre_hook(self._hook)
+
+    def _hook(self, *_: Any) -> None:
+        self.count += 1
+
+
+def planned(name: str, plan: Plan, kind: Kind = "backward"
+            ) -> tuple[dict[str, Any] | None, slackswap.apply | None]:
+    """One step under ``plan`` and the runtime that ran it; (None, None) when the runtime
+    refused it before the model ran."""
+    c = case(name)
+    model, batch = copy.deepcopy(c.model), copy.deepcopy(c.batch)
+    calls = _Calls(model)
+    torch.manual_seed(SEED)
+    before = _state(model, batch)
+    try:
+        runtime = slackswap.apply(model, plan, profile=c.profile, verify=True)
+        with runtime:  # the loss too: a loss_fn's ops are part of the profiled step
+            loss = _loss(_call(model, batch), c.loss_fn)
+    except InputError as e:
+        assert calls.count == 0, f"refused after {calls.count} module calls: {e}"
+        _assert_same(_state(model, batch), before, f"refused ({e}) but changed ")
+        warnings.warn(Refused(f"{name}: {e}"), stacklevel=2)
+        return None, None
+    out = _finish(model, loss, kind)
+    return {**out, **_state(model, batch), "modes": _modes(model)}, runtime
+
+
+def _differ(a: torch.Tensor | None, b: torch.Tensor | None) -> str | None:
+    if a is None or b is None:
+        return None if a is b else f"{'None' if a is None else 'a tensor'}, expected " + (
+            "None" if b is None else "a tensor")
+    if (a.dtype, a.shape, a.is_conj()) != (b.dtype, b.shape, b.is_conj()):
+        return f"{a.dtype} {list(a.shape)} conj={a.is_conj()}, expected {b.dtype} " \
+               f"{list(b.shape)} conj={b.is_conj()}"
+    if torch.equal(a, b):
+        return None
+    if a.is_floating_point() or a.is_complex():
+        diff = (a - b).abs()
+        return f"max |diff| {diff.max().item():.3g} at {diff.argmax().item()} of {a.numel()}"
+    return f"{int((a != b).sum())} of {a.numel()} elements differ"
+
+
+def _assert_same(got: dict[str, Any], want: dict[str, Any], what: str = "") -> None:
+    assert got.keys() == want.keys(), f"{what}keys {sorted(got.keys() ^ want.keys())}"
+    bad = {k: d for k in want if k != "modes" and (d := _differ(got[k], want[k]))}
+    assert not bad, f"{what}{len(bad)} differ: " + "; ".join(f"{k}: {d}" for k, d in bad.items())
+    if "modes" in want:
+        flipped = [m for m, on in want["modes"].items() if got["modes"].get(m) != on]
+        assert not flipped, f"{what}train/eval mode changed for {flipped}"
+
+
+def check(name: str, plan: Plan, kind: Kind = "backward") -> slackswap.apply | None:
+    """The step under ``plan`` is the step without slackswap, or refused before it ran."""
+    got, runtime = planned(name, plan, kind)
+    if got is not None:
+        _assert_same(got, reference(name, kind))
+    return runtime
+
+
+def uniform(name: str, decision: str) -> Plan:
+    """The same decision for every saved activation."""
+    c = case(name)
+    return Plan(fingerprint=c.profile.fingerprint, strategy="x",
+                decisions={n: decision for n in c.names})
+
+
+def mixed(name: str) -> Plan:
+    """Keep, offload, recompute, keep, ... in profile order."""
+    c = case(name)
+    return Plan(fingerprint=c.profile.fingerprint, strategy="x",
+                decisions={n: ("keep", "offload", "recompute")[i % 3]
+                           for i, n in enumerate(c.names)})
+
+
+def strategy_plan(name: str, strategy: str, budget: float | int) -> Plan:
+    """The strategy's plan; the test is skipped where it has none for the budget."""
+    try:
+        return slackswap.plan(case(name).profile, budget, strategy=strategy)
+    except InputError as e:
+        pytest.skip(f"{strategy} has no plan at {budget}: {e}")
+
+
+def drawn(data: st.DataObject, name: str) -> Plan:
+    """A decision drawn for every saved activation; some unsaved ones kept as checkpoints."""
+    c = case(name)
+    decisions = {n: data.draw(st.sampled_from(["keep", "offload", "recompute"]), label=n)
+                 for n in c.names}
+    decisions.update({n: "keep" for n in c.checkpoints if data.draw(st.booleans(), label=n)})
+    return Plan(fingerprint=c.profile.fingerprint, strategy="random", decisions=decisions)
+
+
+_HYPOTHESIS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                         HealthCheck.data_too_large])
+# The fast tier reports the first failing plan as drawn: shrinking a plan of a hundred
+# decisions re-runs the step hundreds of times. The full tier shrinks.
+_NO_SHRINK = dict(_HYPOTHESIS, phases=[Phase.explicit, Phase.reuse, Phase.generate])
+full = pytest.mark.full
+
+# -- fast tier ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", RANDOM)
+def test_the_reference_step_draws_random_numbers(name: str) -> None:
+    """Dropout is on in these models: another seed gives another loss, so bit-identity
+    under a plan covers the RNG replay."""
+    assert all(_modes(built(name)[0]).values())
+    assert not torch.equal(reference(name, seed=1)["loss"], reference(name)["loss"])
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_models_the_library_refuses_are_refused_when_profiled(name: str) -> None:
+    model, batch, loss_fn = built(name)
+    with pytest.raises(InputError, match=REFUSED[name]):
+        slackswap.profile(copy.deepcopy(model), copy.deepcopy(batch), mode="traced",
+                          loss_fn=loss_fn)
+    with pytest.raises(InputError, match=REFUSED[name]):
+        slackswap.profile(copy.deepcopy(model), copy.deepcopy(batch), kernels="native",
+                          loss_fn=loss_fn)
+
+
+@pytest.mark.parametrize("decision", ["offload", "recompute"])
+@pytest.mark.parametrize("name", NAMES)
+def test_uniform_plans(name: str, decision: str) -> None:
+    runtime = check(name, uniform(name, decision))
+    if runtime is not None:  # it did move something (tensors under 1 KiB never move)
+        stats = runtime.stats
+        assert (stats.offloaded_bytes if decision == "offload" else stats.recomputed_ops) > 0
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_slackswap_at_half_the_peak_or_the_least_it_reaches(name: str) -> None:
+    """Small models often cannot reach half their peak: then the smallest feasible budget,
+    so every model runs one planned step in the fast tier."""
+    profile = case(name).profile
+    budget = max(0.5 * profile.keep_all_peak, smallest_feasible_budget(profile))
+    check(name, strategy_plan(name, "slackswap", int(budget)))
+
+
+@pytest.mark.parametrize("name", NAMES)
+@settings(max_examples=3, **_NO_SHRINK)
+@given(data=st.data())
+def test_random_plans(name: str, data: st.DataObject) -> None:
+    check(name, drawn(data, name))
+
+
+FAST_DOUBLE = ["vit", "custom_function", "storage_saved_twice", "complex_tensors"]
+
+
+@pytest.mark.parametrize("kind", ["grad", "double"])
+@pytest.mark.parametrize("name", FAST_DOUBLE)
+def test_autograd_grad_and_double_backward(name: str, kind: Kind) -> None:
+    """``torch.autograd.grad`` instead of ``loss.backward()``, and a gradient penalty's
+    backward through ``create_graph=True`` gradients."""
+    for plan in (uniform(name, "offload"), uniform(name, "recompute")):
+        check(name, plan, kind)
+
+
+# -- full matrix ------------------------------------------------------------------------------
+
+
+@full
+@pytest.mark.parametrize("budget", BUDGETS)
+@pytest.mark.parametrize("strategy", sorted(slackswap.STRATEGIES))
+@pytest.mark.parametrize("name", NAMES)
+def test_every_strategy_and_budget(name: str, strategy: str, budget: float) -> None:
+    check(name, strategy_plan(name, strategy, budget))
+
+
+@full
+@pytest.mark.parametrize("name", NAMES)
+@settings(max_examples=25, **_HYPOTHESIS)
+@given(data=st.data())
+def test_many_random_plans(name: str, data: st.DataObject) -> None:
+    check(name, drawn(data, name))
+
+
+@full
+@pytest.mark.parametrize("plan", ["offload", "recompute", "mixed"])
+@pytest.mark.parametrize("kind", ["grad", "double"])
+@pytest.mark.parametrize("name", NAMES)
+def test_autograd_grad_and_double_backward_everywhere(name: str, kind: Kind, plan: str) -> None:
+    check(name, mixed(name) if plan == "mixed" else uniform(name, plan), kind)
+
+
+@full
+@pytest.mark.parametrize("kind", ["grad", "double"])
+@pytest.mark.parametrize("name", NAMES)
+@settings(max_examples=8, **_HYPOTHESIS)
+@given(data=st.data())
+def test_random_plans_with_autograd_grad_and_double_backward(
+    name: str, kind: Kind, data: st.DataObject
+) -> None:
+    check(name, drawn(data, name), kind)

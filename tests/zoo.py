@@ -1,0 +1,422 @@
+"""Small CPU models of families the runtime was not built around, one step each.
+
+Every factory returns ``(model, batch, loss_fn)`` with a fixed seed, the model in training
+mode with dropout on. The batch is a dict (called as ``model(**batch)``), a tuple
+(``model(*batch)``) or a tensor (``model(batch)``); the loss is ``output.loss``,
+``output["loss"]`` or ``loss_fn(output)``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from cnn_models import BasicBlock
+from torch import nn
+
+Case = tuple[nn.Module, Any, Callable[[Any], torch.Tensor] | None]
+
+
+@dataclass
+class Output:
+    """A model output with a ``.loss`` attribute, like Hugging Face's."""
+
+    loss: torch.Tensor
+    logits: torch.Tensor
+
+
+def _first_class_loss(out: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy against class 0: a loss_fn that needs no target tensor."""
+    return out.logsumexp(-1).mean() - out[..., 0].mean()
+
+
+# -- recurrent ----------------------------------------------------------------------------
+class _LSTMLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, 32)
+        self.rnn = nn.LSTM(32, 64, num_layers=2, dropout=0.1, batch_first=True)
+        self.drop = nn.Dropout(0.1)
+        self.head = nn.Linear(64, 64)
+
+    def forward(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        h, _ = self.rnn(self.drop(self.emb(ids)))
+        logits = self.head(h[:, :-1])
+        return {"loss": F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())}
+
+
+def lstm() -> Case:
+    """A 2-layer LSTM language model with dropout between layers, returning a dict."""
+    torch.manual_seed(0)
+    model = _LSTMLM().train()
+    return model, {"ids": torch.randint(0, 64, (8, 10))}, None
+
+
+class _GRUTagger(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.GRU(32, 48, num_layers=2, dropout=0.1, batch_first=True,
+                          bidirectional=True)
+        self.head = nn.Linear(96, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, last = self.rnn(x)
+        return self.head(h) + last.mean(0).unsqueeze(1).repeat(1, 1, 2)[..., :5]
+
+
+def gru() -> Case:
+    """A bidirectional 2-layer GRU over a float tensor batch, loss from ``loss_fn``."""
+    torch.manual_seed(0)
+    return _GRUTagger().train(), torch.randn(8, 8, 32), _first_class_loss
+
+
+# -- convolutional ------------------------------------------------------------------------
+class _BNNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
+            nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.BatchNorm2d(16),
+            nn.Hardswish(inplace=True), nn.Dropout2d(0.1), nn.MaxPool2d(2),
+        )
+        self.head = nn.Linear(16 * 4 * 4, 10)
+
+    def forward(self, pixels: torch.Tensor, labels: torch.Tensor) -> Output:
+        logits = self.head(self.features(pixels).flatten(1))
+        return Output(F.cross_entropy(logits, labels), logits)
+
+
+def cnn_bn_inplace() -> Case:
+    """Conv + BatchNorm + in-place ReLU/Hardswish + Dropout2d, returning ``.loss``."""
+    torch.manual_seed(0)
+    batch = {"pixels": torch.randn(4, 3, 16, 16), "labels": torch.randint(0, 10, (4,))}
+    return _BNNet().train(), batch, None
+
+
+class _TinyResNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, 1, 1, bias=False), nn.BatchNorm2d(8),
+                                  nn.ReLU(inplace=True))
+        self.layer1 = BasicBlock(8, 8)
+        self.layer2 = BasicBlock(8, 16, stride=2)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.layer2(self.layer1(self.stem(x)))
+        return {"loss": F.cross_entropy(self.fc(self.pool(h).flatten(1)), labels)}
+
+
+def resnet() -> Case:
+    """Two torchvision-style BasicBlocks (one downsampling), called with a tuple batch."""
+    torch.manual_seed(0)
+    return _TinyResNet().train(), (torch.randn(4, 3, 12, 12), torch.randint(0, 10, (4,))), None
+
+
+# -- vision transformer -------------------------------------------------------------------
+def drop_path(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """Stochastic depth as timm writes it: drop whole samples, rescale the rest."""
+    if p == 0.0 or not training:
+        return x
+    keep = 1.0 - p
+    mask = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(keep)
+    mask.div_(keep)
+    return x * mask
+
+
+class _DropPath(nn.Module):
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return drop_path(x, self.p, self.training)
+
+
+class _ViTAttention(nn.Module):
+    def __init__(self, dim: int, heads: int, drop: float) -> None:
+        super().__init__()
+        self.heads, self.drop = heads, drop
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.proj_drop = nn.Dropout(drop)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        h = F.scaled_dot_product_attention(q, k, v,
+                                           dropout_p=self.drop if self.training else 0.0)
+        return self.proj_drop(self.proj(h.transpose(1, 2).reshape(b, n, c)))
+
+
+class _ViTBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, drop: float, path: float) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = _ViTAttention(dim, heads, drop)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Dropout(drop),
+                                 nn.Linear(2 * dim, dim), nn.Dropout(drop))
+        self.drop_path = _DropPath(path)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop_path(self.attn(self.norm1(x)))
+        return x + self.drop_path(self.mlp(self.norm2(x)))
+
+
+class _TinyViT(nn.Module):
+    def __init__(self, dim: int = 32, depth: int = 2) -> None:
+        super().__init__()
+        self.patch = nn.Conv2d(3, dim, 4, 4)
+        self.cls = nn.Parameter(torch.zeros(1, 1, dim))
+        self.pos = nn.Parameter(torch.randn(1, 17, dim) * 0.02)
+        self.pos_drop = nn.Dropout(0.1)
+        self.blocks = nn.ModuleList(_ViTBlock(dim, 4, 0.1, 0.2 * (i + 1) / depth)
+                                    for i in range(depth))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.patch(x).flatten(2).transpose(1, 2)
+        h = self.pos_drop(torch.cat([self.cls.expand(h.shape[0], -1, -1), h], 1) + self.pos)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h)[:, 0])
+
+
+def vit() -> Case:
+    """A 2-block ViT: SDPA with dropout, hand-written per-sample drop path, loss_fn."""
+    torch.manual_seed(0)
+    return _TinyViT().train(), torch.randn(4, 3, 16, 16), _first_class_loss
+
+
+# -- diffusion UNet -----------------------------------------------------------------------
+def timestep_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sinusoidal embedding of integer timesteps, as DDPM writes it."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32) / half)
+    args = t.float()[:, None] * freqs[None]
+    return torch.cat([torch.cos(args), torch.sin(args)], -1)
+
+
+class _ResBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, tdim: int) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.GroupNorm(8, cin), nn.GroupNorm(8, cout)
+        self.conv1 = nn.Conv2d(cin, cout, 3, padding=1)
+        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1)
+        self.temb = nn.Linear(tdim, cout)
+        self.drop = nn.Dropout(0.1)
+        self.skip = nn.Conv2d(cin, cout, 1) if cin != cout else nn.Identity()
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        h = self.conv1(F.silu(self.norm1(x)))
+        h = h + self.temb(F.silu(temb))[:, :, None, None]
+        h = self.conv2(self.drop(F.silu(self.norm2(h))))
+        return self.skip(x) + h
+
+
+class _TinyUNet(nn.Module):
+    def __init__(self, ch: int = 16, tdim: int = 32) -> None:
+        super().__init__()
+        self.tdim = tdim
+        self.time_mlp = nn.Sequential(nn.Linear(tdim, tdim), nn.SiLU(), nn.Linear(tdim, tdim))
+        self.conv_in = nn.Conv2d(3, ch, 3, padding=1)
+        self.down1 = _ResBlock(ch, ch, tdim)
+        self.downsample = nn.Conv2d(ch, ch, 3, stride=2, padding=1)
+        self.down2 = _ResBlock(ch, 2 * ch, tdim)
+        self.mid = _ResBlock(2 * ch, 2 * ch, tdim)
+        self.upsample = nn.Conv2d(2 * ch, 2 * ch, 3, padding=1)
+        self.up = _ResBlock(3 * ch, ch, tdim)
+        self.norm_out = nn.GroupNorm(8, ch)
+        self.conv_out = nn.Conv2d(ch, 3, 3, padding=1)
+
+    def denoise(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        temb = self.time_mlp(timestep_embedding(t, self.tdim))
+        h1 = self.down1(self.conv_in(x), temb)
+        h = self.mid(self.down2(self.downsample(h1), temb), temb)
+        h = self.upsample(F.interpolate(h, scale_factor=2.0, mode="nearest"))
+        h = self.up(torch.cat([h, h1], 1), temb)  # skip connection
+        return self.conv_out(F.silu(self.norm_out(h)))
+
+    def forward(self, images: torch.Tensor, timesteps: torch.Tensor) -> dict[str, torch.Tensor]:
+        noise = torch.randn_like(images)  # drawn in the step, as diffusion training does
+        alpha = torch.cos((timesteps.float() / 1000 + 0.008) / 1.008 * math.pi / 2) ** 2
+        alpha = alpha[:, None, None, None]
+        noisy = alpha.sqrt() * images + (1 - alpha).sqrt() * noise
+        return {"loss": F.mse_loss(self.denoise(noisy, timesteps), noise)}
+
+
+def unet() -> Case:
+    """A DDPM-style UNet: GroupNorm, SiLU, timestep embedding, skip concat, noise drawn in
+    forward."""
+    torch.manual_seed(0)
+    batch = {"images": torch.randn(2, 3, 16, 16), "timesteps": torch.randint(0, 1000, (2,))}
+    return _TinyUNet().train(), batch, None
+
+
+# -- Hugging Face encoder-decoders ---------------------------------------------------------
+def _seq2seq_batch(pad: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 100, (2, 12), generator=gen)
+    mask = torch.ones_like(ids)
+    ids[1, 9:], mask[1, 9:] = pad, 0
+    labels = torch.randint(3, 100, (2, 7), generator=gen)
+    labels[0, 5:] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def t5() -> Case:
+    """T5ForConditionalGeneration from a tiny config: relative position bias, padding."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.T5Config(
+        vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+        num_heads=4, relative_attention_num_buckets=8, dropout_rate=0.1,
+        decoder_start_token_id=0, pad_token_id=0, use_cache=False,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(config).train()
+    return model, _seq2seq_batch(pad=0), None
+
+
+def bart() -> Case:
+    """BartForConditionalGeneration from a tiny config, SDPA attention, dropout on."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.BartConfig(
+        vocab_size=100, d_model=32, encoder_layers=2, decoder_layers=2,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+        decoder_ffn_dim=64, max_position_embeddings=32, dropout=0.1, attention_dropout=0.1,
+        activation_dropout=0.1, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+        decoder_start_token_id=2, use_cache=False,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.BartForConditionalGeneration(config).train()
+    return model, _seq2seq_batch(pad=1), None
+
+
+# -- torch.nn attention -------------------------------------------------------------------
+class _MHAModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 32)
+        self.attn = nn.MultiheadAttention(32, 4, dropout=0.1, batch_first=True)
+        self.norm = nn.LayerNorm(32)
+        self.layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.1, batch_first=True,
+                                                norm_first=True)
+        self.head = nn.Linear(32, 50)
+
+    def forward(self, ids: torch.Tensor, padding: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.emb(ids)
+        n = ids.shape[1]
+        causal = torch.ones(n, n, dtype=torch.bool).triu(1)
+        a, _ = self.attn(h, h, h, attn_mask=causal)  # need_weights: the explicit path
+        h = self.layer(self.norm(h + a), src_key_padding_mask=padding)
+        logits = self.head(h[:, :-1])
+        return {"loss": F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())}
+
+
+def multihead_attention() -> Case:
+    """nn.MultiheadAttention (causal mask, weights returned) and an nn.TransformerEncoderLayer
+    with a key padding mask."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 50, (3, 10))
+    padding = torch.zeros(3, 10, dtype=torch.bool)
+    padding[2, 7:] = True
+    return _MHAModel().train(), {"ids": ids, "padding": padding}, None
+
+
+# -- custom autograd.Function ---------------------------------------------------------------
+class _ScaledSwish(torch.autograd.Function):
+    """Saves an input and a tensor made inside forward, and a non-tensor on ctx."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, beta: float) -> torch.Tensor:
+        s = torch.sigmoid(beta * x)
+        ctx.save_for_backward(x, s)
+        ctx.beta = beta
+        return x * s
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        x, s = ctx.saved_tensors
+        return grad * (s + ctx.beta * x * s * (1 - s)), None
+
+
+class _TopK(torch.autograd.Function):
+    """Two outputs, the integer one marked non-differentiable and saved."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        values, idx = x.topk(k, -1)
+        ctx.mark_non_differentiable(idx)
+        ctx.save_for_backward(idx)
+        ctx.shape = x.shape
+        return values, idx
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor, _: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (idx,) = ctx.saved_tensors
+        return grad.new_zeros(ctx.shape).scatter(-1, idx, grad), None
+
+
+class _CustomFunctionNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 64), nn.Linear(64, 64)
+        self.drop = nn.Dropout(0.1)
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.b(self.drop(_ScaledSwish.apply(self.a(x), 1.5)))
+        values, idx = _TopK.apply(h, 8)
+        return {"loss": self.out(values * (idx.float() + 1) / 64).square().mean()}
+
+
+def custom_function() -> Case:
+    """Custom torch.autograd.Functions: one saving a tensor it made, one with an integer
+    non-differentiable output."""
+    torch.manual_seed(0)
+    return _CustomFunctionNet().train(), torch.randn(64, 32), None
+
+
+# -- a loss_fn over targets ---------------------------------------------------------------
+class _Classifier(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Dropout(0.1), nn.Linear(64, 5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def targets_loss_fn() -> Case:
+    """The commonest training loop: the model returns logits and ``loss_fn`` compares them
+    with a target tensor it closes over."""
+    torch.manual_seed(0)
+    targets = torch.randint(0, 5, (64,))
+    return _Classifier().train(), torch.randn(64, 32), lambda out: F.cross_entropy(out, targets)
+
+
+MODELS: dict[str, Callable[[], Case]] = {
+    "lstm": lstm,
+    "gru": gru,
+    "cnn_bn_inplace": cnn_bn_inplace,
+    "resnet": resnet,
+    "vit": vit,
+    "unet": unet,
+    "t5": t5,
+    "bart": bart,
+    "multihead_attention": multihead_attention,
+    "custom_function": custom_function,
+    "targets_loss_fn": targets_loss_fn,
+}
