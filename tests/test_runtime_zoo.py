@@ -230,11 +230,18 @@ def mixed(name: str) -> Plan:
 
 
 def strategy_plan(name: str, strategy: str, budget: float | int) -> Plan:
-    """The strategy's plan; the test is skipped where it has none for the budget."""
+    """The strategy's plan; where the budget is out of reach of small models, at the
+    smallest budget any plan reaches; skipped where the strategy has none even there."""
+    profile = case(name).profile
     try:
-        return slackswap.plan(case(name).profile, budget, strategy=strategy)
+        return slackswap.plan(profile, budget, strategy=strategy)
+    except InputError:
+        pass
+    least = smallest_feasible_budget(profile)
+    try:
+        return slackswap.plan(profile, least, strategy=strategy)
     except InputError as e:
-        pytest.skip(f"{strategy} has no plan at {budget}: {e}")
+        pytest.skip(f"{strategy} has no plan at {budget} nor at {least} B: {e}")
 
 
 def drawn(data: st.DataObject, name: str) -> Plan:

@@ -381,7 +381,7 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         if written:  # a replay must not repeat its writes to buffers (BatchNorm's stats)
             def mark(key: Any, x: Any) -> Any:
                 if key not in written or not isinstance(x, torch.Tensor):
-                    return ref(x)
+                    return map_args(ref, x)
                 if x.layout == torch.strided and storage_key(x) in nodes:
                     return ref(x)
                 return Scratch(x)
@@ -428,6 +428,8 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         if decision == "recompute" and not node.replayable():
             self._outstanding -= 1
             self._pending[vkey] -= 1
+            if not self._pending[vkey]:
+                del self._pending[vkey]
             raise InputError(
                 f"cannot recompute '{node.name}': {node.unreplayable()} is not known to "
                 "replay bit for bit; keep or offload it (plans from slackswap.plan never "
