@@ -351,3 +351,20 @@ def test_backward_inside_forward_is_refused() -> None:
     with pytest.raises(InputError, match="backward inside its forward"), \
             slackswap.apply(model, plan):
         model(x)
+
+
+class _ShiftedThroughData(_Shifted):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.lin(x) + self.shift)
+        self.shift.data.add_(1.0)  # through .data: the version counter does not move
+        return (h * h).sum()
+
+
+def test_an_outside_tensor_changed_through_data_is_read_as_it_was() -> None:
+    torch.manual_seed(0)
+    model, x = _ShiftedThroughData(), torch.randn(8, 16)
+    profile = slackswap.profile(model, x, kernels="native")
+    model.shift.zero_()
+    planned = _step(model, x, _uniform(profile, "recompute"), profile, verify=True)
+    model.shift.zero_()
+    _assert_same(planned, _step(model, x))

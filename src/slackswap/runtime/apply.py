@@ -194,7 +194,8 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         self._outside_read: set[int] = set()  # outside storages that recipes read
         self._packs: dict[int, list[Any]] = {}  # storage -> its packed handles, this step
         self._written: list[Any] = []  # packed handles over storages just written
-        # outside storages as they were before forward changed them: (storage, version)
+        self._outside_writes: dict[int, int] = {}  # outside storage -> writes in forward
+        # outside storages as they were before forward changed them: (storage, writes)
         self._snapshots: dict[tuple[int, int], torch.Tensor] = {}
         # host copies, by value; each lives as long as a packed handle for it does, so a
         # second backward through a retained graph can reload it again
@@ -308,6 +309,7 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         self._held = {}
         self._external = {}
         self._outside_read = set()
+        self._outside_writes = {}
         self._snapshots = {}
         self._packs = {}
         self._written = []
@@ -334,9 +336,12 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
                     or x.layout != torch.strided):
                 continue
             key = storage_key(x)
-            if key in self._outside_read and (key, x._version) not in self._snapshots:
-                self._snapshots[key, x._version] = _copy_storage(x)
             node = self._nodes.get(key)
+            if node is None:  # an outside storage: counted, and kept as it was if read
+                writes = self._outside_writes.get(key, 0)
+                if key in self._outside_read and (key, writes) not in self._snapshots:
+                    self._snapshots[key, writes] = _copy_storage(x)
+                self._outside_writes[key] = writes + 1
             if node is not None and not _returns_alias(func, position):
                 node.steps.append(Step(None, (), {}, 0, None, [None]))
 
@@ -374,7 +379,8 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
                 if not self._is_external(key):
                     self._mark_external(x)
                 outside_read.add(key)
-            # parameters, buffers, batch inputs: read again only at this version
+                return Outside(x, x._version, self._outside_writes.get(key, 0))
+            # parameters, buffers, batch inputs: read again only as they are now
             return Outside(x, x._version)
 
         written = written_arguments(func)
@@ -653,10 +659,12 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         """An outside tensor as the recorded op read it: as it is, or as forward saw it
         before changing it in place; changed since by anything else, the rebuild stops."""
         t = x.tensor
-        if t._version == x.version:
+        strided = t.layout == torch.strided
+        writes = self._outside_writes.get(storage_key(t), 0) if strided else 0
+        if t._version == x.version and writes == x.writes:
             return t.detach()
-        if t.layout == torch.strided:
-            snapshot = self._snapshots.get((storage_key(t), x.version))
+        if strided:
+            snapshot = self._snapshots.get((storage_key(t), x.writes))
             if snapshot is not None:
                 return view_of(snapshot, geometry(t))
         raise InputError(

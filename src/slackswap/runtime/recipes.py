@@ -48,10 +48,12 @@ def geometry(t: torch.Tensor) -> Geometry:
 @dataclass(slots=True)
 class Outside:
     """A tensor from outside the recorded step (a parameter, a buffer, the batch) read by
-    an op, with its version then: a replay reads it only at that version."""
+    an op, with its version then and the writes to its storage forward had made (a write
+    through ``.data`` leaves the version as it was): a replay reads it only as it was."""
 
     tensor: torch.Tensor
     version: int
+    writes: int = 0
 
 
 @dataclass(slots=True)
