@@ -95,8 +95,6 @@ class _Tracer(TorchDispatchMode):
         if func._schema.is_mutable:
             owner._before_write(func, args, kwargs)
         out = func(*args, **kwargs)
-        if func._schema.is_mutable:
-            owner._after_write(func, args, kwargs)
         if rng is not None and isinstance(kwargs.get("generator"), torch.Generator):
             kwargs = {**kwargs, "generator": recorded}
         owner._record(func, name_kind(kind), args, kwargs, out, rng)
@@ -329,13 +327,16 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
     def _before_write(self, func, args, kwargs) -> None:
         """An op is about to change tensors in place. An outside tensor a recipe has read
         is snapshotted first, so a rebuild reads what forward read; an activation written
-        without being an output of the op gets a step no replay can repeat."""
+        without being an output of the op gets a step no replay can repeat. The saved
+        tensors over what it writes are looked at once it has (autograd bumps their
+        version after the kernel; see :meth:`_mark_modified`)."""
         written = written_arguments(func)
         for position, x in (*enumerate(args), *kwargs.items()):
             if (position not in written or not isinstance(x, torch.Tensor)
                     or x.layout != torch.strided):
                 continue
             key = storage_key(x)
+            self._written.extend(self._packs.get(key, ()))
             node = self._nodes.get(key)
             if node is None:  # an outside storage: counted, and kept as it was if read
                 writes = self._outside_writes.get(key, 0)
@@ -345,17 +346,9 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
             if node is not None and not _returns_alias(func, position):
                 node.steps.append(Step(None, (), {}, 0, None, [None]))
 
-    def _after_write(self, func, args, kwargs) -> None:
-        """An op changes tensors in place: the saved tensors over what it writes are looked
-        at once it has (autograd bumps their version after the kernel), so backward fails
-        as autograd does when it reads one changed (its hooks switch that check off)."""
-        written = written_arguments(func)
-        for position, x in (*enumerate(args), *kwargs.items()):
-            if position in written and isinstance(x, torch.Tensor) \
-                    and x.layout == torch.strided:
-                self._written.extend(self._packs.get(storage_key(x), ()))
-
     def _mark_modified(self) -> None:
+        """Saved tensors the last op changed are marked, so backward fails as autograd
+        does when it reads one (its hooks switch that check off)."""
         for ref in self._written:
             packed = ref()
             saved = packed.saved() if packed is not None else None
