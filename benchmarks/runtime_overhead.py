@@ -1,47 +1,65 @@
-"""What the runtime costs per step when it moves nothing, and with a plan.
+"""What the runtime costs on the host, side by side with PyTorch's own tools.
 
 Run: python benchmarks/runtime_overhead.py [--model gpt2-xl-tiny] [--layers N]
-    [--batch B] [--seq S] [--steps K] [--device cpu|cuda]
-The runtime's dispatch mode and hooks run Python on every forward op; this prints the
-median step time without the runtime, with a keep-all plan (pure overhead), and with a
-SlackSwap plan at 50% (or the smallest feasible budget), and the overhead per forward op
-in microseconds. On a GPU the overhead is CPU time that overlaps kernels already
-queued, so it matters only when the step is launch-bound. On CPU about a third of it
-is Python's cyclic garbage collector, which the runtime's per-op records set off more
-often (the records live until backward).
+    [--batch B] [--seq S] [--steps K] [--device cpu|cuda] [--threads T]
+
+Every configuration runs in one process, interleaved step by step so that drift in the
+machine's speed hits all of them alike, and the median step time of each is printed:
+
+- plain: no hooks at all;
+- keep-all: the runtime with a plan that moves nothing (its pure overhead);
+- all-offload: every planable activation offloaded, against
+  ``torch.autograd.graph.save_on_cpu`` (which offloads every saved tensor);
+- all-recompute: every recomputable activation recomputed, against non-reentrant
+  ``torch.utils.checkpoint`` of every transformer block;
+- a SlackSwap plan at 50% of the keep-all peak (or the smallest feasible budget).
+
+"added per fwd op" is (step - plain) / forward ops, in microseconds. Targets (issue 10):
+all-offload within 1.5x of save_on_cpu, all-recompute within 1.5x of block
+checkpointing, keep-all about 10 us per forward op or less. On a GPU the runtime's host
+time overlaps kernels already queued, so it matters when the step is launch-bound.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
+from collections.abc import Callable
 
 import torch
+import torch.utils.checkpoint as tuc
 
 import slackswap
-from slackswap.core.plan import Plan
+from slackswap.core.plan import MIN_PLANNED_BYTES, Plan
 from slackswap.models import MODEL_PRESETS, build_model, with_layers
 from slackswap.planners.api import smallest_feasible_budget
 
 
-def median_step(model, batch, plan, profile, steps: int, device: str) -> float:
-    times = []
-    for _ in range(steps + 1):  # the first is a warm-up
-        torch.manual_seed(0)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        if plan is None:
-            loss = model(**batch).loss
-        else:
-            with slackswap.apply(model, plan, profile=profile):
-                loss = model(**batch).loss
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return sorted(times[1:])[len(times[1:]) // 2]
+def _blocks_checkpointed(model: torch.nn.Module, blocks: list[str]) -> contextlib.ExitStack:
+    """Every block's forward under non-reentrant checkpointing, undone on exit."""
+    stack = contextlib.ExitStack()
+    modules = dict(model.named_modules())
+    for path in blocks:
+        block = modules[path]
+        forward = block.forward
+
+        def checkpointed(*args, _forward=forward, **kwargs):
+            return tuc.checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+
+        block.forward = checkpointed
+        stack.callback(setattr, block, "forward", forward)
+    return stack
+
+
+def _all(profile, decision: str) -> Plan:
+    names = (profile.recomputable if decision == "recompute"
+             else {t.name for t in profile.saved_activations if t.producer is not None})
+    decisions = {t.name: (decision if t.name in names and t.bytes >= MIN_PLANNED_BYTES
+                          else "keep")
+                 for t in profile.saved_activations if t.name is not None}
+    return Plan(fingerprint=profile.fingerprint, strategy=f"all-{decision}",
+                decisions=decisions)
 
 
 def main() -> None:
@@ -50,28 +68,60 @@ def main() -> None:
     parser.add_argument("--layers", type=int)
     parser.add_argument("--batch", type=int)
     parser.add_argument("--seq", type=int)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     name = with_layers(args.model, args.layers)
     dtype = "bf16" if args.device == "cuda" else "fp32"
     model, batch = build_model(name, batch=args.batch, seq=args.seq, dtype=dtype, fake=False,
                                device=args.device)
-    mode = "measured" if args.device == "cuda" else "analytic"
-    profile = slackswap.profile(model, batch, mode=mode, name=name,
-                                kernels=None if args.device == "cuda" else "native")
+    mode = "measured" if args.device == "cuda" else "traced"
+    profile = slackswap.profile(model, batch, mode=mode, name=name)
     forward_ops = sum(op.phase == "forward" for op in profile.ops)
-    plain = median_step(model, batch, None, profile, args.steps, args.device)
-    keep = median_step(model, batch, Plan.keep_all(profile), profile, args.steps, args.device)
     budget = max(int(0.5 * profile.keep_all_peak), smallest_feasible_budget(profile))
-    planned = median_step(model, batch, slackswap.plan(profile, budget), profile, args.steps,
-                          args.device)
-    print(f"model                 {name} ({forward_ops} forward ops, {args.device})")
-    print(f"plain step            {plain * 1e3:9.2f} ms")
-    print(f"runtime, keep-all     {keep * 1e3:9.2f} ms")
-    share = budget / profile.keep_all_peak
-    print(f"runtime, {share:4.0%} plan    {planned * 1e3:9.2f} ms")
-    print(f"overhead per fwd op   {(keep - plain) / forward_ops * 1e6:9.1f} us")
+    planned = slackswap.plan(profile, budget)
+
+    def runtime(plan: Plan) -> Callable[[], contextlib.AbstractContextManager]:
+        return lambda: slackswap.apply(model, plan, profile=profile)
+
+    configs: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
+        "plain": contextlib.nullcontext,
+        "runtime, keep-all": runtime(Plan.keep_all(profile)),
+        "save_on_cpu": torch.autograd.graph.save_on_cpu,
+        "runtime, all-offload": runtime(_all(profile, "offload")),
+        "checkpoint blocks": lambda: _blocks_checkpointed(model, profile.layers),
+        "runtime, all-recompute": runtime(_all(profile, "recompute")),
+        f"runtime, {budget / profile.keep_all_peak:.0%} plan": runtime(planned),
+    }
+    times: dict[str, list[float]] = {label: [] for label in configs}
+    for step in range(args.steps + 1):  # the first round is a warm-up
+        for label, context in configs.items():
+            torch.manual_seed(0)
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            with context():
+                loss = model(**batch).loss
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            if step:
+                times[label].append(time.perf_counter() - start)
+    median = {label: sorted(ts)[len(ts) // 2] for label, ts in times.items()}
+    plain = median["plain"]
+    print(f"model {name}: {forward_ops} forward ops, {args.device}, "
+          f"{args.threads} thread(s), median of {args.steps} steps")
+    print(f"{'':26s}{'step ms':>10s}{'added us/fwd op':>17s}")
+    for label, seconds in median.items():
+        added = (seconds - plain) / forward_ops * 1e6
+        print(f"{label:26s}{seconds * 1e3:10.2f}{added:17.1f}")
+    offload = median["runtime, all-offload"] / median["save_on_cpu"]
+    recompute = median["runtime, all-recompute"] / median["checkpoint blocks"]
+    print(f"all-offload / save_on_cpu          {offload:5.2f}x (target <= 1.5x)")
+    print(f"all-recompute / checkpoint blocks  {recompute:5.2f}x (target <= 1.5x)")
 
 
 if __name__ == "__main__":

@@ -73,7 +73,10 @@ class StepProfile(JsonFile, _Record):
 
     # 2: weight gradients are their own tensor kind (``gradient``), out of activation
     # memory. A version-1 file still loads; its weight gradients count as activations.
-    schema_version: int = 2
+    # 3: ``saves`` and ``module_events``, which let the runtime find a plan's tensors
+    # without watching every op. Older files load without them (the runtime then watches
+    # every forward op).
+    schema_version: int = 3
     model: str
     fingerprint: str  # hash of module structure, parameter and batch shapes and dtypes
     hardware: str
@@ -84,6 +87,10 @@ class StepProfile(JsonFile, _Record):
     model_state_bytes: int  # parameters and buffers (model states are not planned)
     ops: list[OpRecord]
     tensors: list[TensorRecord]
+    # Forward only, in order: the tensor id autograd saved at each pack (-1: not strided),
+    # and the number of ops run before each module call's pre- or post-hook fired.
+    saves: list[int] = []
+    module_events: list[int] = []
 
     @cached_property
     def saved_activations(self) -> list[TensorRecord]:

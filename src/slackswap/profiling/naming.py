@@ -3,7 +3,8 @@ runtime, so a plan made from a profile finds its tensors in a real step."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -11,7 +12,8 @@ from torch.distributed._tools.mod_tracker import ModTracker
 from torch.utils._pytree import tree_leaves
 
 __all__ = ["is_recorded", "op_kind", "is_random", "is_attention", "is_replayable", "name_kind",
-           "strided_tensors", "module_path", "ForwardModules", "activation_name"]
+           "strided_tensors", "module_path", "ForwardModules", "activation_name",
+           "ActivationNamer", "module_events"]
 
 _RANDOM = ("bernoulli", "rand", "randn", "randint", "normal", "uniform", "exponential",
            "multinomial", "native_dropout", "dropout", "randperm")
@@ -194,6 +196,37 @@ class ForwardModules:
         return max(self._active, key=len, default="")
 
 
+@contextlib.contextmanager
+def module_events(callback: Callable[..., None]) -> Iterator[None]:
+    """``callback`` runs at every module call's forward pre-hook and forward hook (global
+    hooks, the first of each to run): the profiler and the runtime count the same
+    events, which split a forward pass into the same segments of ops."""
+    from torch.nn.modules import module as nn_module
+
+    handles = [nn_module.register_module_forward_pre_hook(callback),
+               nn_module.register_module_forward_hook(callback, always_call=True)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def activation_name(module: str, kind: str, k: int) -> str:
     """``<module>:<op kind>:<k>``: the k-th tensor that module made with that op."""
     return f"{module or '(top)'}:{kind}:{k}"
+
+
+class ActivationNamer:
+    """Names each new storage of a forward pass, in production order, by
+    :func:`activation_name`: the one rule the profiler and the runtime both follow, so a
+    plan names what the step makes. ``kind`` is the op's short name (:func:`op_kind`)."""
+
+    def __init__(self) -> None:
+        self._counts: dict[tuple[str, str], int] = {}
+
+    def __call__(self, module: str, kind: str) -> str:
+        kind = name_kind(kind)
+        k = self._counts.get((module, kind), 0)
+        self._counts[module, kind] = k + 1
+        return activation_name(module, kind, k)

@@ -89,6 +89,15 @@ class StepRecorder(TorchDispatchMode):
         self.tensors: list[TensorRecord] = []
         self._ids: dict[int, tuple[StorageWeakRef, int]] = {}
         self._unpacked: list[int] = []
+        # forward only: the tensor saved at each pack, and the ops run before each module
+        # hook fired (see StepProfile.saves and StepProfile.module_events)
+        self.saves: list[int] = []
+        self.module_events: list[int] = []
+
+    def module_event(self, *args: Any) -> None:
+        """A global module forward pre- or post-hook: how many ops ran before it."""
+        if self.phase == "forward":
+            self.module_events.append(len(self.ops))
 
     # -- tensor identity -------------------------------------------------------------
     def register(self, tensor: torch.Tensor, kind: TensorKind, name: str) -> int:
@@ -141,9 +150,13 @@ class StepRecorder(TorchDispatchMode):
     # -- saved_tensors_hooks ------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> tuple[int | None, torch.Tensor]:
         if t.layout != torch.strided:  # sparse and other layouts: no storage to plan
+            if self.phase == "forward":
+                self.saves.append(-1)
             return None, t
         tid = self._id(t, "input", None)
         self.tensors[tid].saved = True
+        if self.phase == "forward":
+            self.saves.append(tid)
         return tid, t
 
     def unpack(self, packed: tuple[int | None, torch.Tensor]) -> torch.Tensor:

@@ -7,7 +7,6 @@ import functools
 import hashlib
 import json
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Literal
 
@@ -21,7 +20,7 @@ from slackswap.core.hardware import Hardware, load_hardware
 from slackswap.core.profile import StepProfile
 from slackswap.errors import InputError, ProfileError, SlackSwapError
 from slackswap.profiling.kernels import TargetKernels
-from slackswap.profiling.naming import activation_name, module_path, name_kind
+from slackswap.profiling.naming import ActivationNamer, module_events, module_path
 from slackswap.profiling.recorder import StepRecorder
 
 __all__ = ["batch_fingerprint", "batch_tensors", "default_device", "eager_module", "fingerprint",
@@ -85,6 +84,8 @@ def profile(
         model_state_bytes=sum(t.untyped_storage().nbytes() for t in _state(model).values()),
         ops=rec.ops,
         tensors=rec.tensors,
+        saves=rec.saves,
+        module_events=rec.module_events,
     )
 
 
@@ -226,7 +227,8 @@ def _run_step(
     recorder: StepRecorder, tracker: ModTracker, extra: contextlib.AbstractContextManager,
     params: Iterable[torch.Tensor] = (),
 ) -> None:
-    with tracker, recorder, extra, refusing_own_checkpoint_calls():
+    with tracker, recorder, extra, refusing_own_checkpoint_calls(), module_events(
+            recorder.module_event):
         with torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack):
             loss = _loss(call(), loss_fn, name)
         recorder.phase = "backward"
@@ -412,16 +414,13 @@ def _name_activations(rec: StepRecorder) -> None:
     ``external:<k>``. Plans name saved activations (and unsaved ones to keep as
     checkpoints) by these ids.
     """
-    counts: Counter[tuple[str, str]] = Counter()
+    namer = ActivationNamer()
     for t in rec.tensors:  # ids follow production order
         if t.kind != "activation" or t.producer is None:
             continue
         op = rec.ops[t.producer]
-        if op.phase != "forward":
-            continue
-        kind = name_kind(op.kind)
-        t.name = activation_name(op.module, kind, counts[op.module, kind])
-        counts[op.module, kind] += 1
+        if op.phase == "forward":
+            t.name = namer(op.module, op.kind)
     external = 0
     for t in rec.tensors:
         if t.saved and t.name is None and not t.is_parameter:

@@ -28,13 +28,13 @@ from slackswap.core.plan import MIN_PLANNED_BYTES, Plan
 from slackswap.core.profile import StepProfile
 from slackswap.errors import NESTED_BACKWARD, InputError, VerifyError
 from slackswap.profiling.naming import (
+    ActivationNamer,
     ForwardModules,
-    activation_name,
     is_attention,
     is_random,
     is_recorded,
     is_replayable,
-    name_kind,
+    module_events,
     op_kind,
 )
 from slackswap.profiling.step import (
@@ -67,6 +67,7 @@ from slackswap.runtime.recipes import (
     written_arguments,
 )
 from slackswap.runtime.stats import RuntimeStats
+from slackswap.runtime.watch import Watch, can_watch, watch_for
 
 __all__ = ["apply", "RuntimeStats"]
 
@@ -85,6 +86,7 @@ class _Tracer(TorchDispatchMode):
                 or torch._C._current_graph_task_id() != -1):
             return func(*args, **kwargs)
         kind = op_kind(func)
+        index = owner._next_op(kind) if owner._watch is not None else None
         rng = None
         # attention kernels draw from the RNG when they have dropout
         if is_random(func) or is_attention(kind):
@@ -97,29 +99,52 @@ class _Tracer(TorchDispatchMode):
         out = func(*args, **kwargs)
         if rng is not None and isinstance(kwargs.get("generator"), torch.Generator):
             kwargs = {**kwargs, "generator": recorded}
-        owner._record(func, name_kind(kind), args, kwargs, out, rng)
+        owner._record(func, kind, args, kwargs, out, rng, index)
         return out
+
+    def on(self) -> None:
+        self.__enter__()
+
+    def off(self) -> None:
+        top = torch._C._len_torch_dispatch_stack() - 1
+        if top < 0 or torch._C._get_dispatch_stack_at(top) is not self:
+            raise InputError(
+                "a dispatch mode entered inside the model's forward was still active when "
+                "its module returned; slackswap.apply cannot run with it (keep the plan "
+                "to whole modules, or leave the mode in the module that entered it)"
+            )
+        self.__exit__(None, None, None)
 
 
 class _Packed:
-    __slots__ = ("decision", "vkey", "node", "geometry", "device", "tensor", "saved",
-                 "version", "modified", "__weakref__")
+    """What autograd holds for a saved tensor: the tensor itself (kept), or how to get it
+    back. When autograd lets go of it, the runtime lets go of what it held for it."""
 
-    def __init__(self, decision, vkey, node, geometry, device, saved, tensor=None) -> None:
-        self.decision, self.vkey, self.node = decision, vkey, node
-        self.geometry, self.device = geometry, device
+    __slots__ = ("owner", "decision", "vkey", "name", "node", "geometry", "device",
+                 "tensor", "saved", "version", "modified", "__weakref__")
+
+    def __init__(self, owner: apply, decision: str, vkey: tuple[int, int], name: str | None,
+                 node: Node | None, t: torch.Tensor, tensor: torch.Tensor | None) -> None:
+        self.owner, self.decision, self.vkey, self.name, self.node = (
+            owner, decision, vkey, name, node)
+        self.device = t.device
         self.tensor = tensor  # kept activations only
+        self.geometry = geometry(t) if tensor is None else None
         # autograd's own check, which its hooks switch off: the saved tensor must not
-        # change in place before backward reads it
-        self.saved, self.version = weakref.ref(saved), saved._version
+        # change in place before backward reads it (a kept one shares its version counter)
+        self.saved = weakref.ref(t) if tensor is None else None
+        self.version = t._version
         self.modified = False
+
+    def __del__(self) -> None:
+        self.owner._handle_gone(self.vkey, self.tensor is not None)
 
     def check_version(self) -> None:
         saved = self.saved() if self.tensor is None else self.tensor
         if self.modified or (saved is not None and saved._version != self.version):
             raise RuntimeError(
                 "one of the variables needed for gradient computation has been modified by "
-                f"an inplace operation: '{self.node.name}' changed after it was saved for "
+                f"an inplace operation: '{self.name}' changed after it was saved for "
                 "backward (as autograd checks without slackswap)"
             )
 
@@ -174,6 +199,19 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
             self._checkpoints = checkpoint_releases(profile, plan)
         self.model = model
         self.verify = verify
+        # NOTE [watch only what the plan rebuilds]; without a profile that can guide it,
+        # every forward op is watched and named by the shared rule
+        params = next(iter(model.parameters()), None)
+        device = params.device.type if params is not None else "cpu"
+        self._watch: Watch | None = (
+            watch_for(profile, plan) if profile is not None and can_watch(profile, device)
+            else None)
+        self._tracer: _Tracer | None = None
+        self._tracing = False
+        self._segment = 0
+        self._op_index = 0
+        self._packs_seen = 0
+        self._kept_refs: dict[int, Any] = {}  # storage -> a kept tensor over it, unwatched
         self.decisions = {n: d for n, d in plan.decisions.items() if d != "keep"}
         self.stats = RuntimeStats()
         self._active = False
@@ -203,7 +241,6 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         self._back: dict[tuple[int, int], torch.Tensor] = {}  # rebuilt or reloaded, this step
         self._pending: dict[tuple[int, int], int] = {}  # packed handles not yet unpacked
         self._held: dict[Any, int] = {}  # saved values resident on the device -> bytes
-        self._counts: dict[tuple[str, str], int] = {}
         self._checked = False
         self._offloaded: dict[str, tuple[int, int]] = {}  # activation id -> value, this step
         self._next_prefetch = 0
@@ -230,11 +267,20 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
                 self._check_call, with_kwargs=True).remove)
             stack.callback(self.model.register_forward_hook(
                 self._forward_done, always_call=True).remove)
-            self._tracker = ForwardModules(self.model)
-            self._path = self._tracker.innermost
-            stack.enter_context(self._tracker)
             stack.enter_context(refusing_own_checkpoint_calls())
-            stack.enter_context(_Tracer(self))
+            self._tracer = _Tracer(self)
+            if self._watch is None:
+                self._tracker = ForwardModules(self.model)
+                self._path = self._tracker.innermost
+                self._namer = ActivationNamer()
+                stack.enter_context(self._tracker)
+                stack.enter_context(self._tracer)
+            else:
+                stack.enter_context(module_events(self._module_event))
+                if self._watch.segments[0]:
+                    self._tracer.on()
+                    self._tracing = True
+                stack.callback(self._stop_tracing)
             stack.enter_context(
                 torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
             # NOTE [no cyclic GC in forward]: the runtime keeps a small record per forward
@@ -273,6 +319,46 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         self._in_forward = True
         tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
         self._check_batch(tensors, dict(kwargs) or dict(enumerate(args)))
+        for t in tensors:  # the batch is from outside the step
+            if t.layout == torch.strided:
+                self._mark_external(t)
+
+    # -- watching only what the plan needs (NOTE [watch only what the plan rebuilds]) ---
+    def _module_event(self, *args: Any) -> None:
+        """A module's forward starts or ends: the next segment of ops begins."""
+        if self._replaying or self._watch is None:
+            return
+        if self._written:
+            self._mark_modified()
+        self._segment += 1
+        watch, segment = self._watch, self._segment
+        on = segment < len(watch.segments) and watch.segments[segment]
+        if segment < len(watch.starts):
+            self._op_index = watch.starts[segment]
+        if on != self._tracing:
+            assert self._tracer is not None
+            self._tracer.on() if on else self._tracer.off()
+            self._tracing = on
+
+    def _stop_tracing(self) -> None:
+        if self._tracing and self._tracer is not None:
+            self._tracing = False
+            self._tracer.off()
+
+    def _next_op(self, kind: str) -> int:
+        """The profile's index of the op the watched segment runs now, checked."""
+        index, watch = self._op_index, self._watch
+        self._op_index += 1
+        assert watch is not None
+        expected = watch.op_kinds.get(index)
+        if expected != kind:
+            got = f"op {index} is {expected}" if expected else f"has no op {index} there"
+            raise InputError(
+                f"the step ran {kind} where its profile {got}: the plan's profile is not of "
+                "this step (another batch, code path or kernels); profile it again with "
+                "mode='traced' (slackswap.plan(model, batch) does) or on this device"
+            )
+        return index
 
     def _forward_done(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
         self._in_forward = False
@@ -296,7 +382,9 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         # host copies and rebuilt storages go as they are unpacked.
         self.stats = RuntimeStats()
         self._nodes = {}
-        self._counts.clear()
+        self._namer = ActivationNamer()
+        self._segment, self._op_index, self._packs_seen = 0, 0, 0
+        self._kept_refs = {}
         self._checked = False
         self._calls = 0
         self._in_forward = False
@@ -356,10 +444,10 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
                 packed.modified = True
         self._written.clear()
 
-    def _record(self, func, kind, args, kwargs, out, rng) -> None:
-        module = self._path()
+    def _record(self, func, kind, args, kwargs, out, rng, index: int | None) -> None:
         nodes = self._nodes
         outside_read = self._outside_read
+        sparse = index is not None
 
         def ref(x: Any) -> Any:
             if not isinstance(x, torch.Tensor):
@@ -367,6 +455,10 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
             if x.layout == torch.strided:
                 key = storage_key(x)
                 node = nodes.get(key)
+                if node is None and sparse and not self._is_external(key):
+                    # made in a segment nobody watched: read back as it is now, from a
+                    # saved handle, or not at all (then a rebuild needing it stops)
+                    node = self._unwatched_node(x, key)
                 if node is not None:
                     return Ref(node, len(node.steps), geometry(x))
                 if not self._is_external(key):
@@ -392,71 +484,116 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         grad = torch.is_grad_enabled()
         tensors = op_tensors(out)
         outputs: list[Node | None] = [None] * len(tensors)
+        mutable = func._schema.is_mutable
+        names = self._watch.op_names[index] if sparse else None
         for i, t in enumerate(tensors):
             key = storage_key(t)
             if self._is_external(key):
                 continue
             node = self._nodes.get(key)
             step = Step(func, step_args, step_kwargs, i, rng, outputs, grad)
+            if node is None and sparse and mutable:
+                # written in place here, made where nobody watched: no replay makes it
+                node = self._unwatched_node(t, key)
             if node is None:
-                k = self._counts.get((module, kind), 0)
-                self._counts[module, kind] = k + 1
-                node = self._nodes[key] = Node(activation_name(module, kind, k), step, t)
+                name = (names[i] if i < len(names) else None) if names is not None else (
+                    self._namer(self._path(), kind))
+                node = self._nodes[key] = Node(name, step, t)
                 outputs[i] = node
                 if node.name in self._checkpoints:  # autograd does not save it: we keep it
                     self._kept_checkpoints[key] = (self._checkpoints[node.name], t)
                     self._hold((key, None), t.untyped_storage().nbytes())
-            elif func._schema.is_mutable:
+            elif mutable:
                 node.steps.append(step)
 
     # -- saved_tensors_hooks -----------------------------------------------------------
     def _pack(self, t: torch.Tensor) -> Any:
+        name = None
+        if self._watch is not None and not self._replaying:
+            # the j-th save of the step saves what the profile's j-th save did
+            j = self._packs_seen
+            self._packs_seen = j + 1
+            names = self._watch.pack_names
+            name = names[j] if j < len(names) else None
         if not plain_strided(t):  # kept as autograd saved it
             return t
         key = storage_key(t)
         node = self._nodes.get(key)
         nbytes = t.untyped_storage().nbytes()
-        if node is None or nbytes < MIN_PLANNED_BYTES:
+        if nbytes < MIN_PLANNED_BYTES:
             return t
+        if node is None:
+            if name is None or self._is_external(key):
+                return t
+            if name in self.decisions:
+                node = self._saved_node(t, key, name, nbytes)
+        elif name is not None and node.name is None:
+            node.name = name
+        else:
+            name = node.name
+        decision = self.decisions.get(name, "keep")
         # NOTE [values, not storages]: a storage changed in place between two saves holds
         # two values; the version is how many recorded ops have written it so far.
-        vkey = (key, len(node.steps))
-        self._pending[vkey] = self._pending.get(vkey, 0) + 1
-        self._outstanding += 1
-        decision = self.decisions.get(node.name, "keep")
-        if decision == "recompute" and not node.replayable():
-            self._outstanding -= 1
-            self._pending[vkey] -= 1
-            if not self._pending[vkey]:
-                del self._pending[vkey]
-            raise InputError(
-                f"cannot recompute '{node.name}': {node.unreplayable()} is not known to "
-                "replay bit for bit; keep or offload it (plans from slackswap.plan never "
-                "recompute it)"
-            )
+        vkey = (key, len(node.steps) if node is not None else 0)
         if decision == "keep":
-            self._hold(vkey, nbytes)
             # detached: a saved output holding its own grad_fn would make the graph a
             # cycle that outlives a dropped step
             kept = t.detach()
-            node.kept.append(weakref.ref(kept))  # a rebuild may read it after t died
-            packed = _Packed("keep", vkey, node, None, t.device, t, tensor=kept)
+            if node is not None:
+                node.kept.append(weakref.ref(kept))  # a rebuild may read it after t died
+            else:  # for a node a watched op may make for it later
+                self._kept_refs[key] = weakref.ref(kept)
+            self._hold(vkey, nbytes)
+            packed = _Packed(self, "keep", vkey, name, node, t, kept)
         else:
-            packed = _Packed(decision, vkey, node, geometry(t), t.device, t)
+            assert node is not None
+            if decision == "recompute" and not node.replayable():
+                raise InputError(
+                    f"cannot recompute '{name}': {node.unreplayable()} is not known to "
+                    "replay bit for bit; keep or offload it (plans from slackswap.plan "
+                    "never recompute it)"
+                )
+            packed = _Packed(self, decision, vkey, name, node, t, None)
+            self._outstanding += 1
             if self.verify and vkey not in self._originals:
                 with self._unrecorded():
                     self._originals[vkey] = _copy_storage(t)
-        if decision == "offload" and vkey not in self._host:
-            with self._unrecorded():
-                self._host[vkey] = self._copies.offload(t)
-            self._offloaded[node.name] = vkey
-            self.stats.offloaded_bytes += self._host[vkey].numel()
+            if decision == "offload" and vkey not in self._host:
+                with self._unrecorded():
+                    self._host[vkey] = self._copies.offload(t)
+                self._offloaded[name] = vkey
+                self.stats.offloaded_bytes += self._host[vkey].numel()
+            self._packs.setdefault(key, []).append(weakref.ref(packed))
+        self._pending[vkey] = self._pending.get(vkey, 0) + 1
         self._handles[vkey] = self._handles.get(vkey, 0) + 1
-        self._packs.setdefault(key, []).append(weakref.ref(packed))
-        weakref.finalize(packed, self._handle_gone, vkey)
         return packed
 
-    def _handle_gone(self, vkey: tuple[int, int]) -> None:
+    def _unwatched_node(self, t: torch.Tensor, key: int) -> Node:
+        """A storage made where the runtime did not watch: its first step is one no
+        replay repeats, so it is read back as it is, or from a saved handle, never made."""
+        node = self._nodes[key] = Node(None, Step(None, (), {}, 0, None, [None]), t)
+        kept = self._kept_refs.get(key)
+        if kept is not None:
+            node.kept.append(kept)
+        return node
+
+    def _saved_node(self, t: torch.Tensor, key: int, name: str, nbytes: int) -> Node:
+        """Autograd saves, unwatched, the tensor the profile names ``name``, and the plan
+        moves it."""
+        assert self._watch is not None
+        planned = self._watch.bytes.get(name)
+        if planned is not None and planned != nbytes:
+            raise InputError(
+                f"the step saved {nbytes} bytes where its profile saved '{name}' "
+                f"({planned} bytes): the plan's profile is not of this step (another "
+                "batch, code path or kernels); profile it again with mode='traced' "
+                "(slackswap.plan(model, batch) does) or on this device"
+            )
+        node = self._unwatched_node(t, key)
+        node.name = name
+        return node
+
+    def _handle_gone(self, vkey: tuple[int, int], kept: bool) -> None:
         """Autograd freed a packed handle (its node ran, or the graph was dropped): once
         none is left for the value, whatever the runtime holds for it goes."""
         self._handles[vkey] -= 1
@@ -466,9 +603,11 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
             self._back.pop(vkey, None)
             self._originals.pop(vkey, None)
             self._release(vkey)
-            self._outstanding -= self._pending.pop(vkey, 0)  # never unpacked
-            if self._outstanding == 0:
-                self._group = {}
+            never = self._pending.pop(vkey, 0)  # never unpacked
+            if not kept and never:
+                self._outstanding -= never
+                if self._outstanding == 0:
+                    self._group = {}
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
@@ -481,7 +620,7 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
             self._mark_modified()
         packed.check_version()
         vkey = packed.vkey
-        position = self._first_use.get(packed.node.name)
+        position = self._first_use.get(packed.name)
         if position is None or position != self._group_position:
             # NOTE [rebuild groups]: what rebuilds make for one backward op (the profile
             # op that first needs this tensor) serves all of that op's rebuilds, then goes,
@@ -514,7 +653,7 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
             if base is not None:  # another rebuild for this same op may still read it
                 self._group[vkey] = base
             self._release(vkey)
-        if remaining >= 0:
+        if remaining >= 0 and packed.decision != "keep":
             self._outstanding -= 1
             if self._outstanding == 0:  # backward is through: what rebuilds made goes
                 self._group = {}
@@ -585,6 +724,8 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
     def _check_seen(self) -> None:
         self._checked = True
         produced = {node.name for node in self._nodes.values()}
+        if self._watch is not None:  # saved where nobody watched, small ones included
+            produced.update(self._watch.pack_names[:self._packs_seen])
         missing = [n for n in self.decisions if n not in produced]
         if missing:
             raise InputError(

@@ -1,0 +1,109 @@
+"""Which parts of a forward pass the runtime must watch to apply a plan, from its profile.
+
+NOTE [watch only what the plan rebuilds]
+    Watching an op (a ``TorchDispatchMode`` sees it) costs tens of microseconds of Python
+    on the host; most ops of a step need none of it. Saved tensors are named when autograd
+    packs them: the j-th pack of the step saves the tensor the profile's j-th pack saved
+    (``StepProfile.saves``), so offloading and keeping watch nothing. Recompute needs
+    recipes, so the ops a rebuild replays are watched, with the in-place ops that change a
+    storage the plan moves or a rebuild reads (their versions keep values apart). Module
+    hooks split the forward pass into segments (``StepProfile.module_events``), and the
+    dispatch mode is on only in the segments that hold a watched op; inside one, the k-th
+    op is the profile's op at the segment's start plus k, and must be the op it names.
+    This module is plain Python: the runtime asks it once per plan, before anything runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from slackswap.core.plan import Plan
+from slackswap.core.profile import StepProfile
+
+__all__ = ["Watch", "watch_for"]
+
+
+@dataclass(frozen=True)
+class Watch:
+    """What the runtime watches for one plan on one profile."""
+
+    segments: list[bool]  # per segment: the dispatch mode is on in it
+    starts: list[int]  # per segment: the profile's index of its first op
+    ends: list[int]  # per segment: one past its last forward op
+    pack_names: list[str | None]  # per pack of forward: the id of the tensor it saves
+    op_names: dict[int, list[str | None]]  # watched op index -> ids of its outputs
+    op_kinds: dict[int, str]  # watched op index -> its kind, checked as it runs
+    bytes: dict[str, int]  # id -> storage bytes, checked when a planned tensor is saved
+
+    @property
+    def watched_ops(self) -> int:
+        spans = zip(self.segments, self.starts, self.ends, strict=True)
+        return sum(end - start for on, start, end in spans if on)
+
+
+def can_watch(profile: StepProfile, device_type: str) -> bool:
+    """The profile can guide the runtime on this device: it ran this step (traced or
+    measured, not an analytic trace, whose ops can differ from a real step's), with the
+    kernels this device runs, and has the tables. Otherwise the runtime watches every op
+    and names tensors by the shared rule."""
+    native = "cuda" if device_type == "cuda" else "native"
+    return (profile.mode != "analytic" and bool(profile.module_events)
+            and profile.kernels == native)
+
+
+def watch_for(profile: StepProfile, plan: Plan) -> Watch:
+    """The segments to watch so that every activation the plan recomputes has a recipe,
+    every checkpoint it keeps is held, and every write that matters is seen."""
+    ops = [op for op in profile.ops if op.phase == "forward"]
+    tensors = profile.tensors
+    ids = {t.name: t.id for t in tensors if t.name is not None}
+    recompute = {ids[n] for n, d in plan.decisions.items() if d == "recompute" and n in ids}
+    moved = {ids[n] for n, d in plan.decisions.items() if d != "keep" and n in ids}
+    checkpoints = {ids[n] for n, d in plan.decisions.items()
+                   if d == "keep" and n in profile.checkpointable}
+    writers: dict[int, list[int]] = {}
+    for op in ops:
+        for t in op.outputs:
+            if op.inplace or tensors[t].producer == op.index:
+                writers.setdefault(t, []).append(op.index)
+    mutated = {t for op in ops if op.inplace for t in op.outputs
+               if tensors[t].producer != op.index}
+
+    # tensors a rebuild must make again, and the ops that write them; checkpoints too,
+    # since a second backward through a retained graph rebuilds them once released
+    rebuilt, todo, watched = set(), [*recompute, *checkpoints], set()
+    while todo:
+        t = todo.pop()
+        if t in rebuilt:
+            continue
+        rebuilt.add(t)
+        for index in writers.get(t, ()):
+            watched.add(index)
+            for u in ops[index].inputs:
+                if u == t or tensors[u].kind != "activation":
+                    continue
+                if not tensors[u].saved or u in mutated:
+                    todo.append(u)
+    read = {u for i in watched for u in ops[i].inputs}
+    # writes that change a value the plan moves or a rebuild reads (an op that writes a
+    # tensor from outside the step may not return it: batch norm's running statistics)
+    outside = {u for u in read if tensors[u].kind != "activation"}
+    for op in ops:
+        if op.inplace and (any(t in moved or t in read for t in op.outputs)
+                           or any(u in outside for u in op.inputs)):
+            watched.add(op.index)
+
+    forward = len(ops)
+    starts = [0, *(min(e, forward) for e in profile.module_events)]
+    ends = [*starts[1:], forward]
+    segments = [any(i in watched for i in range(s, e)) for s, e in zip(starts, ends, strict=True)]
+    op_names = {i: [tensors[t].name for t in ops[i].outputs]
+                for on, s, e in zip(segments, starts, ends, strict=True) if on for i in range(s, e)}
+    return Watch(
+        segments=segments, starts=starts, ends=ends,
+        pack_names=[tensors[t].name if t >= 0 else None for t in profile.saves],
+        op_names=op_names,
+        op_kinds={i: ops[i].kind for i in op_names},
+        bytes={n: tensors[t].bytes for n, t in ids.items()
+               if n in plan.decisions and plan.decisions[n] != "keep"},
+    )
