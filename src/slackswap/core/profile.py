@@ -87,9 +87,10 @@ class StepProfile(JsonFile, _Record):
     model_state_bytes: int  # parameters and buffers (model states are not planned)
     ops: list[OpRecord]
     tensors: list[TensorRecord]
-    # Forward only, in order: the tensor id autograd saved at each pack (-1: not strided),
-    # and the number of ops run before each module call's pre- or post-hook fired.
-    saves: list[int] = []
+    # Forward only, in order: at each pack, the tensor id autograd saved (-1: not strided)
+    # and the number of ops run before it; before each module call's pre- or post-hook
+    # fired, the number of ops run.
+    saves: list[tuple[int, int]] = []
     module_events: list[int] = []
 
     @cached_property

@@ -89,9 +89,9 @@ class StepRecorder(TorchDispatchMode):
         self.tensors: list[TensorRecord] = []
         self._ids: dict[int, tuple[StorageWeakRef, int]] = {}
         self._unpacked: list[int] = []
-        # forward only: the tensor saved at each pack, and the ops run before each module
-        # hook fired (see StepProfile.saves and StepProfile.module_events)
-        self.saves: list[int] = []
+        # forward only: the tensor saved at each pack with the ops run before it, and the
+        # ops run before each module hook fired (StepProfile.saves, .module_events)
+        self.saves: list[tuple[int, int]] = []
         self.module_events: list[int] = []
 
     def module_event(self, *args: Any) -> None:
@@ -151,12 +151,12 @@ class StepRecorder(TorchDispatchMode):
     def pack(self, t: torch.Tensor) -> tuple[int | None, torch.Tensor]:
         if t.layout != torch.strided:  # sparse and other layouts: no storage to plan
             if self.phase == "forward":
-                self.saves.append(-1)
+                self.saves.append((-1, len(self.ops)))
             return None, t
         tid = self._id(t, "input", None)
         self.tensors[tid].saved = True
         if self.phase == "forward":
-            self.saves.append(tid)
+            self.saves.append((tid, len(self.ops)))
         return tid, t
 
     def unpack(self, packed: tuple[int | None, torch.Tensor]) -> torch.Tensor:

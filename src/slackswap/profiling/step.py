@@ -24,7 +24,7 @@ from slackswap.profiling.naming import ActivationNamer, module_events, module_pa
 from slackswap.profiling.recorder import StepRecorder
 
 __all__ = ["batch_fingerprint", "batch_tensors", "default_device", "eager_module", "fingerprint",
-           "model_fingerprint", "profile", "refuse_own_checkpointing",
+           "model_fingerprint", "model_state", "profile", "refuse_own_checkpointing",
            "refusing_own_checkpoint_calls", "transformer_blocks"]
 
 Batch = Mapping[str, Any] | tuple | list | torch.Tensor
@@ -81,7 +81,8 @@ def profile(
         kernels=used_kernels,
         device=device,
         layers=transformer_blocks(model),
-        model_state_bytes=sum(t.untyped_storage().nbytes() for t in _state(model).values()),
+        model_state_bytes=sum(t.untyped_storage().nbytes()
+                              for t in model_state(model).values()),
         ops=rec.ops,
         tensors=rec.tensors,
         saves=rec.saves,
@@ -102,10 +103,12 @@ def eager_module(model: torch.nn.Module) -> torch.nn.Module:
             return model
 
 
-def refuse_own_checkpointing(model: torch.nn.Module) -> None:
+def refuse_own_checkpointing(model: torch.nn.Module,
+                             modules: list[tuple[str, torch.nn.Module]] | None = None) -> None:
     """A model that checkpoints its own blocks hides their activations from the plan."""
+    modules = list(model.named_modules()) if modules is None else modules
     # transformers marks each checkpointed module (is_gradient_checkpointing reads these)
-    if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
+    if any(getattr(m, "gradient_checkpointing", False) is True for _, m in modules):
         raise InputError(
             "the model has gradient checkpointing on, which recomputes activations its own "
             "way; turn it off (in transformers: model.gradient_checkpointing_disable()) and "
@@ -146,13 +149,16 @@ def fingerprint(model: torch.nn.Module, batch: Batch) -> str:
     return model_fingerprint(model) + batch_fingerprint(t for _, t in batch_tensors(batch))
 
 
-def model_fingerprint(model: torch.nn.Module) -> str:
-    """32 hex digits: the module tree, parameter and buffer shapes and dtypes, train mode."""
+def model_fingerprint(model: torch.nn.Module,
+                      modules: list[tuple[str, torch.nn.Module]] | None = None) -> str:
+    """32 hex digits: the module tree, parameter and buffer shapes and dtypes, train mode.
+    ``modules``: ``model.named_modules()``, when the caller has walked it already."""
     model = eager_module(model)
+    modules = list(model.named_modules()) if modules is None else modules
     parts = {
-        "modules": [(n, type(m).__name__) for n, m in model.named_modules()],
+        "modules": [(n, type(m).__name__) for n, m in modules],
         "state": [(n, list(t.shape), str(t.dtype), t.requires_grad)
-                  for n, t in _state(model).items()],
+                  for n, t in model_state(model, modules).items()],
         "training": model.training,
     }
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:32]
@@ -178,8 +184,22 @@ def transformer_blocks(model: torch.nn.Module) -> list[str]:
 # -- tracing ---------------------------------------------------------------------------
 
 
-def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
+def model_state(model: torch.nn.Module,
+           modules: list[tuple[str, torch.nn.Module]] | None = None) -> dict[str, torch.Tensor]:
+    """Parameters then buffers by name, each tensor once, as ``named_parameters()`` and
+    ``named_buffers()`` list them; one walk over ``modules`` when given."""
+    if modules is None:
+        return {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    state: dict[str, torch.Tensor] = {}
+    for members in ("_parameters", "_buffers"):
+        seen: set[int] = set()
+        for prefix, module in modules:
+            for name, t in getattr(module, members).items():
+                if t is None or id(t) in seen:
+                    continue
+                seen.add(id(t))
+                state[f"{prefix}.{name}" if prefix else name] = t
+    return state
 
 
 def batch_tensors(batch: Batch) -> list[tuple[str, torch.Tensor]]:
@@ -287,7 +307,7 @@ def _is_causal_lm(model: torch.nn.Module) -> bool:
 def _trace_analytic(
     model: torch.nn.Module, batch: Batch, loss_fn, name: str, kernels: str,
 ) -> tuple[StepRecorder, str]:
-    state = _state(model)
+    state = model_state(model)
     fakes = [t for t in state.values() if isinstance(t, FakeTensor)]
     fake_mode = fakes[0].fake_mode if fakes else FakeTensorMode()
     if not fakes:  # a real model: trace it with fake copies of its weights
@@ -371,7 +391,7 @@ def _trace_measured(
     clock = _CudaClock() if device.type == "cuda" else _wall_clock
     tracker = ModTracker()
     recorder = StepRecorder(module_path(tracker, type(model).__name__), clock)
-    _register_state(recorder, model, _state(model), batch_tensors(batch))
+    _register_state(recorder, model, model_state(model), batch_tensors(batch))
     _run_step(lambda: _call(model, batch, name), loss_fn, name, recorder, tracker,
               contextlib.nullcontext(), params)
     model.zero_grad(set_to_none=True)

@@ -42,10 +42,11 @@ from slackswap.profiling.step import (
     batch_tensors,
     eager_module,
     model_fingerprint,
+    model_state,
     refuse_own_checkpointing,
     refusing_own_checkpoint_calls,
 )
-from slackswap.runtime.checks import check_recomputable, checkpoint_releases
+from slackswap.runtime.checks import prepare
 from slackswap.runtime.copies import HostCopies
 from slackswap.runtime.recipes import (
     GeneratorState,
@@ -184,6 +185,7 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         # Prefetch points are profile op indices; the profile says which op needs what.
         self._first_use: dict[str, int] = {}
         self._checkpoints: dict[str, int] = {}  # unsaved tensors kept -> release position
+        # without a profile, reloads are issued when backward needs them
         self._prefetch = sorted(plan.prefetch.items(), key=lambda kv: (kv[1], kv[0]))
         profile = profile if profile is not None else plan._profile
         self._fingerprint, self._profile = plan.fingerprint, profile
@@ -192,11 +194,9 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
             named = dict(batch_tensors(batch))
             self._check_batch(list(named.values()), named)
         if profile is not None:
-            plan.check(profile)
-            check_recomputable(profile, plan)
-            self._first_use = {n: t.first_backward_use for n, t in profile.by_name.items()
-                               if t.first_backward_use is not None}
-            self._checkpoints = checkpoint_releases(profile, plan)
+            ready = prepare(profile, plan)
+            self._first_use, self._checkpoints = ready.first_use, ready.checkpoints
+            self._prefetch = ready.prefetch  # on a tie, in the simulator's order
         self.model = model
         self.verify = verify
         # NOTE [watch only what the plan rebuilds]; without a profile that can guide it,
@@ -301,8 +301,9 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
 
     # -- what the plan was made for ----------------------------------------------------
     def _check_model(self, model: torch.nn.Module) -> None:
-        refuse_own_checkpointing(model)
-        if model_fingerprint(model) != self._fingerprint[:32]:
+        self._modules = list(model.named_modules())  # one walk serves every check
+        refuse_own_checkpointing(model, self._modules)
+        if model_fingerprint(model, self._modules) != self._fingerprint[:32]:
             raise InputError(
                 "plan was made for a different model (its modules, parameter shapes, "
                 "which parameters train, or train/eval mode differ); re-plan for this model"
@@ -399,7 +400,7 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         self._snapshots = {}
         self._packs = {}
         self._written = []
-        for t in (*self.model.parameters(), *self.model.buffers()):
+        for t in model_state(self.model, self._modules).values():
             if t.layout == torch.strided:
                 self._mark_external(t)
 

@@ -2,12 +2,69 @@
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
 from slackswap.core.plan import Plan
 from slackswap.core.profile import StepProfile
 from slackswap.errors import InputError
 from slackswap.sim.schedule import build_schedule
 
-__all__ = ["checkpoint_releases", "check_recomputable"]
+__all__ = ["Prepared", "prepare", "prepared", "checkpoint_releases", "check_recomputable"]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What the runtime needs from a plan's profile, worked out once per plan."""
+
+    first_use: dict[str, int]  # saved activation -> the backward op that first needs it
+    checkpoints: dict[str, int]  # unsaved tensor kept -> release position
+    prefetch: list[tuple[str, int]]  # reloads in the order the simulator issues them
+
+
+# id(plan) -> (plan, profile, its decisions and prefetch points, what was worked out), by
+# weak reference: a training loop applies one plan step after step
+_PREPARED: dict[int, tuple[Any, Any, tuple, Any]] = {}
+
+
+def prepared(profile: StepProfile, plan: Plan, make: Callable[[], T]) -> T:
+    """``make()``, worked out once for this plan and profile (as long as the plan's
+    decisions and prefetch points stay as they were), keyed by what ``make`` is."""
+    key = (id(plan), getattr(make, "__qualname__", id(make)))
+    state = (dict(plan.decisions), dict(plan.prefetch))
+    cached = _PREPARED.get(key)
+    if (cached is not None and cached[0]() is plan and cached[1]() is profile
+            and cached[2] == state):
+        return cached[3]
+    value = make()
+    if len(_PREPARED) >= 64:
+        _PREPARED.clear()
+    _PREPARED[key] = (weakref.ref(plan), weakref.ref(profile), state, value)
+    return value
+
+
+def prepare(profile: StepProfile, plan: Plan) -> Prepared:
+    """Check the plan against its profile (refusing what cannot run exactly) and work out
+    the runtime's tables: once per plan, since a training loop applies it every step."""
+    def make() -> Prepared:
+        plan.check(profile)
+        check_recomputable(profile, plan)
+        schedule = build_schedule(profile, plan) if plan.prefetch else None
+        need = {profile.tensors[c.tensor].name: i
+                for i, c in enumerate(schedule.h2d)} if schedule is not None else {}
+        order = sorted(plan.prefetch.items(),
+                       key=lambda kv: (kv[1], need.get(kv[0], len(need)), kv[0]))
+        return Prepared(
+            first_use={n: t.first_backward_use for n, t in profile.by_name.items()
+                       if t.first_backward_use is not None},
+            checkpoints=checkpoint_releases(profile, plan),
+            prefetch=order,
+        )
+    return prepared(profile, plan, make)
 
 
 def checkpoint_releases(profile: StepProfile, plan: Plan) -> dict[str, int]:

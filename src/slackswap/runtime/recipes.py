@@ -110,9 +110,16 @@ class Node:
 # deeper), so two small functions replace torch.utils._pytree here: the dispatch mode runs
 # them on every op of the forward pass, and pytree's generality costs about 10x more.
 def map_args(fn: Any, x: Any) -> Any:
-    if isinstance(x, (tuple, list)):
-        return type(x)(map_args(fn, y) for y in x)
+    kind = type(x)
+    if kind is tuple or kind is list:
+        out = [map_args(fn, y) if type(y) in _SEQUENCES else fn(y) for y in x]
+        return tuple(out) if kind is tuple else out
+    if isinstance(x, (tuple, list)):  # a named tuple or a list subclass
+        return kind(map_args(fn, y) for y in x)
     return fn(x)
+
+
+_SEQUENCES = (tuple, list)
 
 
 def op_tensors(out: Any) -> list[torch.Tensor]:

@@ -53,7 +53,14 @@ def can_watch(profile: StepProfile, device_type: str) -> bool:
 
 def watch_for(profile: StepProfile, plan: Plan) -> Watch:
     """The segments to watch so that every activation the plan recomputes has a recipe,
-    every checkpoint it keeps is held, and every write that matters is seen."""
+    every checkpoint it keeps is held, and every write that matters is seen (worked out
+    once per plan)."""
+    from slackswap.runtime.checks import prepared
+
+    return prepared(profile, plan, lambda: _watch_for(profile, plan))
+
+
+def _watch_for(profile: StepProfile, plan: Plan) -> Watch:
     ops = [op for op in profile.ops if op.phase == "forward"]
     tensors = profile.tensors
     ids = {t.name: t.id for t in tensors if t.name is not None}
@@ -84,13 +91,21 @@ def watch_for(profile: StepProfile, plan: Plan) -> Watch:
                     continue
                 if not tensors[u].saved or u in mutated:
                     todo.append(u)
-    read = {u for i in watched for u in ops[i].inputs}
-    # writes that change a value the plan moves or a rebuild reads (an op that writes a
-    # tensor from outside the step may not return it: batch norm's running statistics)
-    outside = {u for u in read if tensors[u].kind != "activation"}
+    # Writes that change a value after the plan has saved it to move, or after a watched
+    # op read it (an op that writes a tensor from outside the step may not return it:
+    # batch norm's running statistics); writes before then are part of the value.
+    first_read: dict[int, int] = {}
+    for index in sorted(watched):
+        for u in ops[index].inputs:
+            first_read.setdefault(u, index)
+    first_save: dict[int, int] = {}
+    for t, before in profile.saves:
+        first_save.setdefault(t, before)
     for op in ops:
-        if op.inplace and (any(t in moved or t in read for t in op.outputs)
-                           or any(u in outside for u in op.inputs)):
+        if op.inplace and any(
+                (t in moved and op.index >= first_save.get(t, 0))
+                or (t in first_read and op.index > first_read[t])
+                for t in (*op.outputs, *op.inputs)):
             watched.add(op.index)
 
     forward = len(ops)
@@ -101,7 +116,7 @@ def watch_for(profile: StepProfile, plan: Plan) -> Watch:
                 for on, s, e in zip(segments, starts, ends, strict=True) if on for i in range(s, e)}
     return Watch(
         segments=segments, starts=starts, ends=ends,
-        pack_names=[tensors[t].name if t >= 0 else None for t in profile.saves],
+        pack_names=[tensors[t].name if t >= 0 else None for t, _ in profile.saves],
         op_names=op_names,
         op_kinds={i: ops[i].kind for i in op_names},
         bytes={n: tensors[t].bytes for n, t in ids.items()
