@@ -1,0 +1,120 @@
+"""The runtime watches only what a plan rebuilds (NOTE [watch only what the plan
+rebuilds]): cost by construction, and a loud refusal when the step is not its profile's."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import pytest
+import torch
+
+import slackswap
+from slackswap.core.plan import MIN_PLANNED_BYTES, Plan
+from slackswap.errors import InputError
+from slackswap.models import build_model
+from slackswap.runtime.watch import watch_for
+
+apply_module = importlib.import_module("slackswap.runtime.apply")
+
+
+@functools.cache
+def traced(name: str = "gpt2-xl-tiny"):
+    model, batch = build_model(name, dtype="fp32", fake=False)
+    return model, batch, slackswap.profile(model, batch, mode="traced")
+
+
+def uniform(profile, decision: str) -> Plan:
+    names = profile.recomputable if decision == "recompute" else set(profile.by_name)
+    return Plan(fingerprint=profile.fingerprint, strategy=decision, decisions={
+        t.name: decision if t.name in names and t.bytes >= MIN_PLANNED_BYTES
+        and t.producer is not None else "keep" for t in profile.saved_activations})
+
+
+def dispatches(model, batch, plan, profile) -> tuple[int, dict]:
+    """Ops the runtime's dispatch mode saw in one step, and the loss and gradients."""
+    seen = [0]
+    original = apply_module._Tracer.__torch_dispatch__
+
+    def counting(self, *args, **kwargs):
+        seen[0] += 1
+        return original(self, *args, **kwargs)
+
+    apply_module._Tracer.__torch_dispatch__ = counting
+    try:
+        torch.manual_seed(0)
+        with slackswap.apply(model, plan, profile=profile, verify=True):
+            loss = model(**batch).loss
+        loss.backward()
+    finally:
+        apply_module._Tracer.__torch_dispatch__ = original
+    out = {"loss": loss.detach(), **{n: p.grad.clone() for n, p in model.named_parameters()}}
+    model.zero_grad(set_to_none=True)
+    return seen[0], out
+
+
+def reference(model, batch) -> dict:
+    torch.manual_seed(0)
+    loss = model(**batch).loss
+    loss.backward()
+    out = {"loss": loss.detach(), **{n: p.grad.clone() for n, p in model.named_parameters()}}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+@pytest.mark.parametrize("decision", ["keep", "offload"])
+def test_keeping_and_offloading_watch_no_op(decision: str) -> None:
+    model, batch, profile = traced()
+    plan = Plan.keep_all(profile) if decision == "keep" else uniform(profile, decision)
+    assert watch_for(profile, plan).watched_ops == 0
+    seen, got = dispatches(model, batch, plan, profile)
+    assert seen == 0
+    want = reference(model, batch)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_recompute_watches_the_ops_its_rebuilds_replay_and_little_else() -> None:
+    model, batch, profile = traced()
+    name = "transformer.h.1.mlp.act:gelu:0"
+    plan = Plan(fingerprint=profile.fingerprint, strategy="one", decisions={name: "recompute"})
+    watch = watch_for(profile, plan)
+    forward = sum(op.phase == "forward" for op in profile.ops)
+    assert 0 < watch.watched_ops < forward / 4
+    producer = profile.by_name[name].producer
+    assert producer in watch.op_kinds
+    seen, got = dispatches(model, batch, plan, profile)
+    assert 0 < seen < forward / 2
+    want = reference(model, batch)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_step_that_saves_other_bytes_than_its_profile_is_refused() -> None:
+    model, batch, profile = traced()
+    plan = uniform(profile, "offload")
+    wrong = profile.model_copy(deep=True)
+    moved = next(n for n, d in plan.decisions.items() if d == "offload")
+    wrong.by_name[moved].bytes += 4  # as if another code path had made it
+    with (pytest.raises(InputError, match=f"profile saved '{moved}'"),
+          slackswap.apply(model, plan, profile=wrong)):
+        model(**batch)
+
+
+def test_a_watched_op_that_is_not_the_profiles_is_refused() -> None:
+    model, batch, profile = traced()
+    plan = uniform(profile, "recompute")
+    wrong = profile.model_copy(deep=True)
+    index = min(watch_for(profile, plan).op_kinds)
+    wrong.ops[index].kind = "not_this_op"
+    with (pytest.raises(InputError, match="where its profile op"),
+          slackswap.apply(model, plan, profile=wrong)):
+        model(**batch)
+
+
+def test_without_a_guiding_profile_every_op_is_watched_and_named_by_the_shared_rule() -> None:
+    model, batch, profile = traced()
+    plan = uniform(profile, "offload")  # read back from a file: no profile in memory
+    forward = sum(op.phase == "forward" for op in profile.ops)
+    seen, got = dispatches(model, batch, Plan.model_validate(plan.model_dump()), None)
+    assert seen >= forward
+    want = reference(model, batch)
+    assert all(torch.equal(got[k], want[k]) for k in want)
