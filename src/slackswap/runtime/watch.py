@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from slackswap.core.plan import Plan
 from slackswap.core.profile import StepProfile
+from slackswap.runtime.checks import prepared
 
 __all__ = ["Watch", "watch_for"]
 
@@ -55,8 +56,6 @@ def watch_for(profile: StepProfile, plan: Plan) -> Watch:
     """The segments to watch so that every activation the plan recomputes has a recipe,
     every checkpoint it keeps is held, and every write that matters is seen (worked out
     once per plan)."""
-    from slackswap.runtime.checks import prepared
-
     return prepared(profile, plan, lambda: _watch_for(profile, plan))
 
 
