@@ -89,7 +89,7 @@ def main() -> None:
     configs: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
         "plain": contextlib.nullcontext,
         "runtime, keep-all": runtime(Plan.keep_all(profile)),
-        "save_on_cpu": torch.autograd.graph.save_on_cpu,
+        "save_on_cpu": lambda: torch.autograd.graph.save_on_cpu(pin_memory=True),
         "runtime, all-offload": runtime(_all(profile, "offload")),
         "checkpoint blocks": lambda: _blocks_checkpointed(model, profile.layers),
         "runtime, all-recompute": runtime(_all(profile, "recompute")),

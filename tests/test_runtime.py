@@ -679,6 +679,43 @@ def test_a_saved_tensor_changed_in_place_fails_as_autograd_does(decision: str) -
         custom_step(model, x, plan)
 
 
+class _TwoLayers(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(64, 64), torch.nn.Linear(64, 2)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        small = self.second(torch.tanh(self.first(x)))  # 8 x 2: too small to plan
+        return {"loss": (small * small).sum()}
+
+
+@pytest.mark.parametrize("changed", ["parameter", "batch input", "small activation"])
+@pytest.mark.parametrize("decision", ["keep", "offload", "recompute"])
+def test_what_the_plan_leaves_alone_keeps_autograds_version_check(
+        changed: str, decision: str) -> None:
+    """Tensors the runtime leaves as autograd saved them (parameters, the batch, ones too
+    small to plan) are still checked: changed in place between forward and backward,
+    backward fails as it does without slackswap instead of using the new values (or a
+    rebuild that would read the changed input stops first)."""
+    model, x = _TwoLayers(), torch.randn(8, 64, requires_grad=True)
+    profile = slackswap.profile(model, x, kernels="native")
+    [name] = [t.name for t in profile.saved_activations if t.name.endswith(":tanh:0")]
+    plan = Plan(fingerprint=profile.fingerprint, strategy="x", decisions={name: decision})
+    for runtime in (contextlib.nullcontext(), slackswap.apply(model, plan)):
+        with runtime:
+            out = model(x)
+        with torch.no_grad():
+            if changed == "parameter":
+                model.second.weight.mul_(2)
+            elif changed == "batch input":
+                x.mul_(2)
+            else:
+                out["loss"].grad_fn.next_functions[0][0]._saved_self.mul_(2)
+        with pytest.raises((RuntimeError, InputError),
+                           match="modified by an inplace operation|changed in place"):
+            out["loss"].backward()
+
+
 def test_reloads_start_at_their_prefetch_points() -> None:
     profile, model, batch, names, reference = setup("gpt2-xl-tiny")
     first_backward = next(op.index for op in profile.ops if op.phase == "backward")

@@ -103,12 +103,16 @@ def eager_module(model: torch.nn.Module) -> torch.nn.Module:
             return model
 
 
+_MARK = "gradient_checkpointing"
+
+
 def refuse_own_checkpointing(model: torch.nn.Module,
                              modules: list[tuple[str, torch.nn.Module]] | None = None) -> None:
     """A model that checkpoints its own blocks hides their activations from the plan."""
     modules = list(model.named_modules()) if modules is None else modules
-    # transformers marks each checkpointed module (is_gradient_checkpointing reads these)
-    if any(getattr(m, "gradient_checkpointing", False) is True for _, m in modules):
+    # transformers marks each checkpointed module (is_gradient_checkpointing reads these);
+    # read without nn.Module.__getattr__, whose miss raises, once per module per step
+    if any(vars(m).get(_MARK, getattr(type(m), _MARK, False)) is True for _, m in modules):
         raise InputError(
             "the model has gradient checkpointing on, which recomputes activations its own "
             "way; turn it off (in transformers: model.gradient_checkpointing_disable()) and "
@@ -150,18 +154,33 @@ def fingerprint(model: torch.nn.Module, batch: Batch) -> str:
 
 
 def model_fingerprint(model: torch.nn.Module,
-                      modules: list[tuple[str, torch.nn.Module]] | None = None) -> str:
+                      modules: list[tuple[str, torch.nn.Module]] | None = None,
+                      state: dict[str, torch.Tensor] | None = None) -> str:
     """32 hex digits: the module tree, parameter and buffer shapes and dtypes, train mode.
-    ``modules``: ``model.named_modules()``, when the caller has walked it already."""
+    ``modules`` and ``state``: ``model.named_modules()`` and :func:`model_state`, when the
+    caller has them already."""
     model = eager_module(model)
     modules = list(model.named_modules()) if modules is None else modules
-    parts = {
-        "modules": [(n, type(m).__name__) for n, m in modules],
-        "state": [(n, list(t.shape), str(t.dtype), t.requires_grad)
-                  for n, t in model_state(model, modules).items()],
-        "training": model.training,
-    }
-    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:32]
+    state = model_state(model, modules) if state is None else state
+    key = (tuple((n, type(m)) for n, m in modules),
+           tuple((n, t.shape, t.dtype, t.requires_grad) for n, t in state.items()),
+           model.training)
+    # the runtime checks the model every step: hash what it is only when it changed
+    digest = _FINGERPRINTS.get(key)
+    if digest is None:
+        parts = {
+            "modules": [(n, m.__name__) for n, m in key[0]],
+            "state": [(n, list(shape), str(dtype), grad) for n, shape, dtype, grad in key[1]],
+            "training": key[2],
+        }
+        digest = hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:32]
+        if len(_FINGERPRINTS) >= 16:
+            _FINGERPRINTS.clear()
+        _FINGERPRINTS[key] = digest
+    return digest
+
+
+_FINGERPRINTS: dict[tuple, str] = {}
 
 
 def batch_fingerprint(tensors: Iterable[torch.Tensor]) -> str:

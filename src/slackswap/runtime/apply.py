@@ -117,6 +117,26 @@ class _Tracer(TorchDispatchMode):
         self.__exit__(None, None, None)
 
 
+class _Saved:
+    """A saved tensor the runtime leaves as autograd saved it (a parameter, the batch, a
+    small or unnamed activation): held with its version, since autograd's own check that
+    it has not changed in place before backward is off under saved-tensor hooks."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor, self.version = tensor, tensor._version
+
+    def unpack(self) -> torch.Tensor:
+        if self.tensor._version != self.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by "
+                f"an inplace operation: a tensor of shape {list(self.tensor.shape)} changed "
+                "after it was saved for backward (as autograd checks without slackswap)"
+            )
+        return self.tensor
+
+
 class _Packed:
     """What autograd holds for a saved tensor: the tensor itself (kept), or how to get it
     back. When autograd lets go of it, the runtime lets go of what it held for it."""
@@ -227,6 +247,8 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         self._nodes: dict[int, Node] = {}
         # storages from outside the step (parameters, buffers, the batch): never named
         self._external: dict[int, StorageWeakRef] = {}
+        self._state: dict[str, torch.Tensor] = {}  # the model's parameters and buffers
+        self._state_keys: set[int] = set()
         self._outside_read: set[int] = set()  # outside storages that recipes read
         self._packs: dict[int, list[Any]] = {}  # storage -> its packed handles, this step
         self._written: list[Any] = []  # packed handles over storages just written
@@ -275,7 +297,7 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
                 self._namer = ActivationNamer()
                 stack.enter_context(self._tracker)
                 stack.enter_context(self._tracer)
-            else:
+            elif any(self._watch.segments):  # nothing to count when nothing is watched
                 stack.enter_context(module_events(self._module_event))
                 if self._watch.segments[0]:
                     self._tracer.on()
@@ -302,8 +324,9 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
     # -- what the plan was made for ----------------------------------------------------
     def _check_model(self, model: torch.nn.Module) -> None:
         self._modules = list(model.named_modules())  # one walk serves every check
+        self._state = model_state(model, self._modules)
         refuse_own_checkpointing(model, self._modules)
-        if model_fingerprint(model, self._modules) != self._fingerprint[:32]:
+        if model_fingerprint(model, self._modules, self._state) != self._fingerprint[:32]:
             raise InputError(
                 "plan was made for a different model (its modules, parameter shapes, "
                 "which parameters train, or train/eval mode differ); re-plan for this model"
@@ -400,15 +423,18 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         self._snapshots = {}
         self._packs = {}
         self._written = []
-        for t in model_state(self.model, self._modules).values():
-            if t.layout == torch.strided:
-                self._mark_external(t)
+        # the model's state is held (by self._state) through the step, so its storage
+        # keys stay its own without a weak reference each
+        self._state_keys = {storage_key(t) for t in self._state.values()
+                            if t.layout == torch.strided}
 
     def _mark_external(self, t: torch.Tensor) -> None:
         # the weak reference keeps the storage's key from being reused while it is held
         self._external[storage_key(t)] = StorageWeakRef(t.untyped_storage())
 
     def _is_external(self, key: int) -> bool:
+        if key in self._state_keys:
+            return True
         ref = self._external.get(key)
         return ref is not None and not ref.expired()
 
@@ -517,15 +543,19 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
             names = self._watch.pack_names
             name = names[j] if j < len(names) else None
         if not plain_strided(t):  # kept as autograd saved it
-            return t
+            return _Saved(t)
         key = storage_key(t)
         node = self._nodes.get(key)
         nbytes = t.untyped_storage().nbytes()
+        # detached: a saved output holding its own grad_fn would make the graph a cycle
+        # that outlives a dropped step (the detached tensor shares the version counter)
         if nbytes < MIN_PLANNED_BYTES:
-            return t
+            return _Saved(self._kept(t, key, node))
         if node is None:
-            if name is None or self._is_external(key):
-                return t
+            if self._is_external(key):
+                return _Saved(t.detach())
+            if name is None:
+                return _Saved(self._kept(t, key, None))
             if name in self.decisions:
                 node = self._saved_node(t, key, name, nbytes)
         elif name is not None and node.name is None:
@@ -537,13 +567,7 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         # two values; the version is how many recorded ops have written it so far.
         vkey = (key, len(node.steps) if node is not None else 0)
         if decision == "keep":
-            # detached: a saved output holding its own grad_fn would make the graph a
-            # cycle that outlives a dropped step
-            kept = t.detach()
-            if node is not None:
-                node.kept.append(weakref.ref(kept))  # a rebuild may read it after t died
-            else:  # for a node a watched op may make for it later
-                self._kept_refs[key] = weakref.ref(kept)
+            kept = self._kept(t, key, node)
             self._hold(vkey, nbytes)
             packed = _Packed(self, "keep", vkey, name, node, t, kept)
         else:
@@ -568,6 +592,16 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         self._pending[vkey] = self._pending.get(vkey, 0) + 1
         self._handles[vkey] = self._handles.get(vkey, 0) + 1
         return packed
+
+    def _kept(self, t: torch.Tensor, key: int, node: Node | None) -> torch.Tensor:
+        """``t`` detached, as autograd will hold it: a rebuild may read the storage
+        through it after ``t`` died (or through a node a watched op makes for it later)."""
+        kept = t.detach()
+        if node is not None:
+            node.kept.append(weakref.ref(kept))
+        else:
+            self._kept_refs[key] = weakref.ref(kept)
+        return kept
 
     def _unwatched_node(self, t: torch.Tensor, key: int) -> Node:
         """A storage made where the runtime did not watch: its first step is one no
@@ -611,8 +645,8 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
                     self._group = {}
 
     def _unpack(self, packed: Any) -> torch.Tensor:
-        if isinstance(packed, torch.Tensor):
-            return packed
+        if type(packed) is _Saved:
+            return packed.unpack()
         if self._in_forward:
             raise InputError(NESTED_BACKWARD)
         if not self._checked:
