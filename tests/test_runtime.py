@@ -115,7 +115,11 @@ def test_random_plans_are_bit_identical(data, name: str) -> None:
     profile, model, batch, names, reference = setup(name)
     decisions = {n: data.draw(st.sampled_from(["keep", "offload", "recompute"]), label=n)
                  for n in names}
-    plan = Plan(fingerprint=profile.fingerprint, strategy="random", decisions=decisions)
+    # reloads that may start at the first backward op: the runtime issues them there
+    first_backward = next(op.index for op in profile.ops if op.phase == "backward")
+    prefetch = {n: first_backward for n, d in decisions.items() if d == "offload"}
+    plan = Plan(fingerprint=profile.fingerprint, strategy="random", decisions=decisions,
+                prefetch=prefetch if data.draw(st.booleans(), label="prefetch") else {})
     assert_identical(run(model, batch, plan), reference)
     assert_runs_as_simulated(profile, plan, stats_of(model, batch, plan, profile))
 
@@ -137,12 +141,20 @@ def stats_of(model, batch, plan, profile=None):
 
 def assert_runs_as_simulated(profile, plan, stats) -> None:
     """The runtime did the work the simulator scheduled: the same ops re-run, the same
-    bytes copied each way."""
+    bytes copied each way, the same activations reloaded, in the same order when the
+    plan says when to start each reload (without a prefetch point, the runtime reloads
+    when autograd unpacks, in autograd's order)."""
     simulated = slackswap.simulate(profile, plan)
-    rebuilt = sum(item.recompute for item in simulated.run.schedule.items)
+    schedule = simulated.run.schedule
+    rebuilt = sum(item.recompute for item in schedule.items)
     assert stats.recomputed_ops == rebuilt
     assert stats.offloaded_bytes == simulated.d2h_bytes
     assert stats.reloaded_bytes == simulated.h2d_bytes
+    reloads = [profile.tensors[c.tensor].name for c in schedule.h2d]
+    if all(name in plan.prefetch for name in reloads):
+        assert stats.reload_order == reloads
+    else:
+        assert sorted(stats.reload_order) == sorted(reloads)
 
 
 @pytest.mark.parametrize("kind", ["recompute-all", "mixed", "slackswap", "checkpoint-blocks"])
@@ -190,13 +202,13 @@ def test_repeated_steps_hold_nothing_and_repeat_exactly() -> None:
         with runtime:
             loss = model(**batch).loss
         loss.backward()
-        assert runtime._host == {} and runtime._back == {} and runtime._held == {}
-        assert runtime._pending == {} and runtime._handles == {}
+        assert runtime.values.host == {} and runtime.values.back == {} and runtime.values.held == {}
+        assert runtime.values.pending == {} and runtime.values.handles == {}
         assert runtime.stats.resident_bytes == 0
         assert torch.equal(loss.detach(), reference[0])
         del loss
         # every storage the step made is gone, as the allocator sees it
-        assert [n.name for n in runtime._nodes.values() if not n.storage.expired()] == []
+        assert [n.name for n in runtime.state.nodes.values() if not n.storage.expired()] == []
         if step == 10:
             before = live_tensors()
     assert live_tensors() <= before  # no growth
@@ -227,7 +239,7 @@ def test_a_retained_graph_runs_backward_twice() -> None:
     # the second pass reloads everything again (the plan's schedule covers the first)
     assert runtime.stats.reloaded_bytes >= 2 * once.stats.reloaded_bytes > 0
     del planned
-    assert runtime._host == {} and runtime._back == {} and runtime._held == {}
+    assert runtime.values.host == {} and runtime.values.back == {} and runtime.values.held == {}
 
 
 class _ReadsTwice(torch.autograd.Function):
@@ -275,10 +287,10 @@ def test_a_graph_dropped_without_backward_leaves_nothing_held() -> None:
     runtime = slackswap.apply(model, plan, profile=profile)
     with runtime:
         loss = model(**batch).loss
-    assert runtime._host and runtime._handles
+    assert runtime.values.host and runtime.values.handles
     del loss
-    assert runtime._host == {} and runtime._held == {} and runtime._pending == {}
-    assert runtime._handles == {} and runtime.stats.resident_bytes == 0
+    assert runtime.values.host == {} and runtime.values.held == {} and runtime.values.pending == {}
+    assert runtime.values.handles == {} and runtime.stats.resident_bytes == 0
 
 
 def test_the_garbage_collector_is_restored() -> None:
@@ -414,7 +426,7 @@ def test_a_batch_of_another_shape_is_refused_before_anything_runs() -> None:
     for runtime in (slackswap.apply(model, plan, profile=profile), slackswap.apply(model, plan)):
         with pytest.raises(InputError, match="re-plan"), runtime:
             model(**longer)
-        assert runtime._nodes == {} and runtime.stats.offloaded_bytes == 0
+        assert runtime.state.nodes == {} and runtime.stats.offloaded_bytes == 0
     with slackswap.apply(model, plan):  # the batch passed by position matches too
         model(batch["input_ids"], labels=batch["labels"]).loss.backward()
 

@@ -95,9 +95,10 @@ def test_host_copies_are_pinned_and_released() -> None:
     torch.manual_seed(0)
     with runtime:
         loss = model(**batch).loss
-    assert runtime._host and all(h.is_pinned() for h in runtime._host.values())
+    assert runtime.values.host and all(h.is_pinned() for h in runtime.values.host.values())
     loss.backward()
-    assert runtime._host == {} and runtime._back == {} and runtime.stats.resident_bytes == 0
+    assert runtime.values.host == {} and runtime.values.back == {}
+    assert runtime.stats.resident_bytes == 0
 
 
 def test_repeated_steps_hold_no_device_memory() -> None:

@@ -15,7 +15,7 @@ from slackswap.errors import InputError
 from slackswap.models import build_model
 from slackswap.runtime.watch import watch_for
 
-apply_module = importlib.import_module("slackswap.runtime.apply")
+recording = importlib.import_module("slackswap.runtime.recording")
 
 
 @functools.cache
@@ -34,20 +34,20 @@ def uniform(profile, decision: str) -> Plan:
 def dispatches(model, batch, plan, profile) -> tuple[int, dict]:
     """Ops the runtime's dispatch mode saw in one step, and the loss and gradients."""
     seen = [0]
-    original = apply_module._Tracer.__torch_dispatch__
+    original = recording._Tracer.__torch_dispatch__
 
     def counting(self, *args, **kwargs):
         seen[0] += 1
         return original(self, *args, **kwargs)
 
-    apply_module._Tracer.__torch_dispatch__ = counting
+    recording._Tracer.__torch_dispatch__ = counting
     try:
         torch.manual_seed(0)
         with slackswap.apply(model, plan, profile=profile, verify=True):
             loss = model(**batch).loss
         loss.backward()
     finally:
-        apply_module._Tracer.__torch_dispatch__ = original
+        recording._Tracer.__torch_dispatch__ = original
     out = {"loss": loss.detach(), **{n: p.grad.clone() for n, p in model.named_parameters()}}
     model.zero_grad(set_to_none=True)
     return seen[0], out

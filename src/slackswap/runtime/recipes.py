@@ -11,11 +11,18 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from slackswap.profiling.naming import is_replayable, op_kind
+from slackswap.profiling.naming import (
+    is_attention,
+    is_random,
+    is_recorded,
+    is_replayable,
+    op_kind,
+)
 
 __all__ = ["Ref", "Step", "Node", "GeneratorState", "Scratch", "Outside", "Geometry",
            "map_args", "op_tensors", "storage_key", "geometry", "view_of", "no_autocast",
-           "rng_state", "set_rng_state", "written_arguments", "op_device", "plain_strided"]
+           "rng_state", "set_rng_state", "written_arguments", "op_device", "plain_strided",
+           "view_or_base", "op_info", "OpInfo"]
 
 
 @dataclass(slots=True)
@@ -49,11 +56,13 @@ def geometry(t: torch.Tensor) -> Geometry:
 class Outside:
     """A tensor from outside the recorded step (a parameter, a buffer, the batch) read by
     an op, with its version then and the writes to its storage forward had made (a write
-    through ``.data`` leaves the version as it was): a replay reads it only as it was."""
+    through ``.data`` leaves the version as it was): a replay reads it only as it was.
+    ``step`` is the forward pass that read it (its writes and snapshots)."""
 
     tensor: torch.Tensor
     version: int
     writes: int = 0
+    step: Any = None
 
 
 @dataclass(slots=True)
@@ -146,6 +155,16 @@ def view_of(base: torch.Tensor, g: Geometry) -> torch.Tensor:
     return out
 
 
+def view_or_base(base: torch.Tensor, g: Geometry) -> torch.Tensor:
+    """:func:`view_of`, or ``base`` itself when it already reads what ``g`` reads (an
+    op's whole output, the usual input of a replayed op): replay only reads inputs."""
+    if (base.dtype == g.dtype and base.storage_offset() == g.offset and not g.conj
+            and not g.neg and base.size() == g.size and base.stride() == g.stride
+            and not base.is_conj() and not base.is_neg()):
+        return base
+    return view_of(base, g)
+
+
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
@@ -219,6 +238,27 @@ def written_arguments(func: Any) -> frozenset:
         written = frozenset(marked) | {arguments[i].name for i in marked}
         _WRITTEN[func] = written
     return written
+
+
+class OpInfo(tuple):
+    """What the runtime asks of an op overload on every call, worked out once:
+    ``(recorded, kind, draws from the RNG, mutable, written arguments)``."""
+
+    __slots__ = ()
+
+
+_OP_INFO: dict[Any, OpInfo] = {}
+
+
+def op_info(func: Any) -> OpInfo:
+    info = _OP_INFO.get(func)
+    if info is None:
+        kind = op_kind(func)
+        # attention kernels draw from the RNG when they have dropout
+        info = _OP_INFO[func] = OpInfo((
+            is_recorded(func), kind, is_random(func) or is_attention(kind),
+            func._schema.is_mutable, written_arguments(func)))
+    return info
 
 
 def op_device(args: tuple) -> torch.device | None:

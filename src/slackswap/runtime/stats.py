@@ -57,6 +57,8 @@ class RuntimeStats:
     verified: int = 0  # reloads and rebuilds compared with the original (verify=True)
     resident_bytes: int = 0
     peak_resident_bytes: int = 0
+    # ids of the activations reloaded, in the order the reloads were issued
+    reload_order: list[str] = field(default_factory=list)
     _recompute: Timer = field(default_factory=Timer, repr=False)
     _stall: Timer = field(default_factory=Timer, repr=False)
 
@@ -80,7 +82,8 @@ class RuntimeStats:
 
     def as_dict(self) -> dict[str, float]:
         """Every figure, times included (on CUDA this waits for the step's timing events)."""
-        figures = {k: v for k, v in vars(self).items() if not k.startswith("_")}
+        figures = {k: v for k, v in vars(self).items()
+                   if not k.startswith("_") and k != "reload_order"}
         return figures | {"recompute_s": self.recompute_s, "stall_s": self.stall_s}
 
     def _hold(self, nbytes: int) -> None:

@@ -1,0 +1,303 @@
+"""Forward under a plan: the ops the runtime watches, named and recorded as recipes.
+
+NOTE [one owner of the hooks]
+    Only the innermost ``saved_tensors_hooks`` pair runs, so keep, offload and recompute
+    share one pair (:mod:`slackswap.runtime.saved`). A ``TorchDispatchMode`` watches the
+    forward ops a rebuild needs (NOTE [watch only what the plan rebuilds]; without a
+    profile that can guide it, every op): it names each new storage (from the profile,
+    or by the shared rule of :mod:`slackswap.profiling.naming`) and records how it was
+    made: the op, its arguments (activations by reference, never by value), and the RNG
+    state before a random op. A rebuild replays the recipe (:mod:`slackswap.runtime.replay`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from slackswap.errors import InputError
+from slackswap.profiling.naming import ActivationNamer, ForwardModules, module_events
+from slackswap.runtime.recipes import (
+    GeneratorState,
+    Node,
+    Outside,
+    Ref,
+    Scratch,
+    Step,
+    geometry,
+    map_args,
+    op_device,
+    op_info,
+    op_tensors,
+    rng_state,
+    storage_key,
+)
+from slackswap.runtime.state import StepState, unseen_step
+from slackswap.runtime.watch import Watch
+
+if TYPE_CHECKING:
+    from slackswap.runtime.saved import SavedValues
+
+__all__ = ["Recorder"]
+
+
+class _Tracer(TorchDispatchMode):
+    def __init__(self, recorder: Recorder) -> None:
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return self.recorder.dispatch(func, args, kwargs or {})
+
+    def on(self) -> None:
+        self.__enter__()
+
+    def off(self) -> None:
+        top = torch._C._len_torch_dispatch_stack() - 1
+        if top < 0 or torch._C._get_dispatch_stack_at(top) is not self:
+            raise InputError(
+                "a dispatch mode entered inside the model's forward was still active when "
+                "its module returned; slackswap.apply cannot run with it (keep the plan "
+                "to whole modules, or leave the mode in the module that entered it)"
+            )
+        self.__exit__(None, None, None)
+
+
+class Recorder:
+    """Watches one forward pass for a plan: which ops, their names and recipes, and the
+    in-place writes that matter to what the plan saved."""
+
+    def __init__(self, state: StepState, watch: Watch | None, checkpoints: dict[str, int],
+                 values: SavedValues) -> None:
+        self.state, self.watch, self.values = state, watch, values
+        self.checkpoints = checkpoints  # unsaved tensors kept -> release position
+        self.quiet = False  # the runtime's own ops (host copies, replays) are not the model's
+        self.tracer = _Tracer(self)
+        self.tracing = False
+        self.segment = 0
+        self.op_index = 0
+        self.packs_seen = 0
+        self.namer = ActivationNamer()
+        self.path: Any = None  # full watch: the innermost module running
+
+    def enter(self, model: torch.nn.Module, stack: contextlib.ExitStack) -> None:
+        """Start watching, with every change undone by ``stack``."""
+        if self.watch is None:  # every op, named by the shared rule
+            tracker = ForwardModules(model)
+            self.path = tracker.innermost
+            stack.enter_context(tracker)
+            stack.enter_context(self.tracer)
+        elif any(self.watch.segments):  # nothing to count when nothing is watched
+            stack.enter_context(module_events(self.module_event))
+            if self.watch.segments[0]:
+                self.tracer.on()
+                self.tracing = True
+            stack.callback(self.stop)
+
+    @contextlib.contextmanager
+    def quieted(self):
+        before, self.quiet = self.quiet, True
+        try:
+            yield
+        finally:
+            self.quiet = before
+
+    # -- watching only what the plan needs (NOTE [watch only what the plan rebuilds]) ---
+    def module_event(self, *args: Any) -> None:
+        """A module's forward starts or ends: the next segment of ops begins."""
+        if self.quiet:
+            return
+        if self.state.written:
+            self.mark_modified()
+        self.segment += 1
+        watch, segment = self.watch, self.segment
+        assert watch is not None
+        on = segment < len(watch.segments) and watch.segments[segment]
+        if segment < len(watch.starts):
+            self.op_index = watch.starts[segment]
+        if on != self.tracing:
+            self.tracer.on() if on else self.tracer.off()
+            self.tracing = on
+
+    def stop(self) -> None:
+        if self.tracing:
+            self.tracing = False
+            self.tracer.off()
+
+    def next_op(self, kind: str) -> int:
+        """The profile's index of the op the watched segment runs now, checked."""
+        index, watch = self.op_index, self.watch
+        self.op_index += 1
+        assert watch is not None
+        expected = watch.op_kinds.get(index)
+        if expected != kind:
+            got = f"op {index} is {expected}" if expected else f"has no op {index} there"
+            raise InputError(
+                f"the step ran {kind} where its profile {got}: the plan's profile is not of "
+                "this step (another batch, code path or kernels); profile it again with "
+                "mode='traced' (slackswap.plan(model, batch) does) or on this device"
+            )
+        return index
+
+    def next_pack(self) -> str | None:
+        """The id of what this save saves: the j-th save of the step saves what the
+        profile's j-th save did (None without a profile to say, or unnamed there)."""
+        if self.watch is None or self.quiet:
+            return None
+        j = self.packs_seen
+        self.packs_seen = j + 1
+        names = self.watch.pack_names
+        return names[j] if j < len(names) else None
+
+    # -- one watched op ----------------------------------------------------------------
+    def dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        if self.state.written:
+            self.mark_modified()
+        recorded, kind, random, mutable, written = op_info(func)
+        if not recorded or self.quiet or torch._C._current_graph_task_id() != -1:
+            return func(*args, **kwargs)
+        index = self.next_op(kind) if self.watch is not None else None
+        rng = generator = None
+        if random:
+            rng = rng_state(op_device(args))
+            generator = kwargs.get("generator")
+            if isinstance(generator, torch.Generator):
+                generator = GeneratorState(generator.device, generator.get_state())
+        if mutable:
+            self.before_write(func, written, args, kwargs)
+        out = func(*args, **kwargs)
+        if isinstance(generator, GeneratorState):
+            kwargs = {**kwargs, "generator": generator}
+        self.record(func, kind, mutable, written, args, kwargs, out, rng, index)
+        return out
+
+    def before_write(self, func: Any, written: frozenset, args: tuple, kwargs: dict) -> None:
+        """An op is about to change tensors in place. An outside tensor a recipe has read
+        is snapshotted first, so a rebuild reads what forward read; an activation written
+        without being an output of the op gets a step no replay can repeat. The saved
+        tensors over what it writes are looked at once it has (autograd bumps their
+        version after the kernel; see :meth:`mark_modified`)."""
+        state = self.state
+        for position, x in (*enumerate(args), *kwargs.items()):
+            if (position not in written or not isinstance(x, torch.Tensor)
+                    or x.layout != torch.strided):
+                continue
+            key = storage_key(x)
+            state.written.extend(state.packs.get(key, ()))
+            node = state.nodes.get(key)
+            if node is None:  # an outside storage: counted, and kept as it was if read
+                writes = state.outside_writes.get(key, 0)
+                if key in state.outside_read and (key, writes) not in state.snapshots:
+                    state.snapshots[key, writes] = copy_storage(x)
+                state.outside_writes[key] = writes + 1
+            elif not _returns_alias(func, position):
+                node.steps.append(unseen_step())
+
+    def mark_modified(self) -> None:
+        """Saved tensors the last op changed are marked, so backward fails as autograd
+        does when it reads one (its hooks switch that check off)."""
+        written = self.state.written
+        for ref in written:
+            packed = ref()
+            saved = packed.saved() if packed is not None else None
+            if saved is not None and saved._version != packed.version:
+                packed.modified = True
+        written.clear()
+
+    def record(self, func: Any, kind: str, mutable: bool, written: frozenset, args: tuple,
+               kwargs: dict, out: Any, rng: Any, index: int | None) -> None:
+        state = self.state
+        nodes, is_external = state.nodes, state.is_external
+        outside_read, outside_writes = state.outside_read, state.outside_writes
+        sparse = index is not None
+        strided = torch.strided
+
+        def ref(x: Any) -> Any:
+            if not isinstance(x, torch.Tensor):
+                return x  # constants stay as they are
+            if x.layout != strided:  # read again only as it is now
+                return Outside(x, x._version)
+            key = storage_key(x)
+            node = nodes.get(key)
+            if node is None and sparse and not is_external(key):
+                # made in a segment nobody watched: read back as it is now, from a
+                # saved handle, or not at all (then a rebuild needing it stops)
+                node = state.unwatched_node(x, key)
+            if node is not None:
+                return Ref(node, len(node.steps), geometry(x))
+            if not is_external(key):
+                state.mark_external(x)
+            outside_read.add(key)
+            return Outside(x, x._version, outside_writes.get(key, 0), state)
+
+        if written:  # a replay must not repeat its writes to buffers (BatchNorm's stats)
+            def mark(position: Any, x: Any) -> Any:
+                if position not in written or not isinstance(x, torch.Tensor):
+                    return map_args(ref, x)
+                if x.layout == strided and storage_key(x) in nodes:
+                    return ref(x)
+                return Scratch(x)
+            step_args = tuple(mark(i, a) for i, a in enumerate(args))
+            step_kwargs = {k: mark(k, v) for k, v in kwargs.items()}
+        else:
+            step_args = map_args(ref, args)
+            step_kwargs = {k: map_args(ref, v) for k, v in kwargs.items()} if kwargs else kwargs
+        grad = torch.is_grad_enabled()
+        tensors = op_tensors(out)
+        outputs: list[Node | None] = [None] * len(tensors)
+        names = self.watch.op_names[index] if sparse else None
+        for i, t in enumerate(tensors):
+            key = storage_key(t)
+            if is_external(key):
+                continue
+            node = nodes.get(key)
+            step = Step(func, step_args, step_kwargs, i, rng, outputs, grad)
+            if node is None and sparse and mutable:
+                # written in place here, made where nobody watched: no replay makes it
+                node = state.unwatched_node(t, key)
+            if node is None:
+                name = (names[i] if i < len(names) else None) if names is not None else (
+                    self.namer(self.path(), kind))
+                node = nodes[key] = Node(name, step, t)
+                outputs[i] = node
+                release = self.checkpoints.get(name)
+                if release is not None:  # autograd does not save it: the runtime keeps it
+                    self.values.hold_checkpoint(key, release, t)
+            elif mutable:
+                node.steps.append(step)
+
+
+_RETURNS_ALIAS: dict[tuple[Any, Any], bool] = {}
+
+
+def _returns_alias(func: Any, position: Any) -> bool:
+    """The op returns (an alias of) the argument it writes at ``position``, as in-place
+    and ``out=`` ops do: the write is then recorded as a step of the returned storage."""
+    known = _RETURNS_ALIAS.get((func, position))
+    if known is None:
+        known = _RETURNS_ALIAS[func, position] = _schema_returns_alias(func, position)
+    return known
+
+
+def _schema_returns_alias(func: Any, position: Any) -> bool:
+    arguments = func._schema.arguments
+    if isinstance(position, int):
+        argument = arguments[position] if position < len(arguments) else None
+    else:
+        argument = next((a for a in arguments if a.name == position), None)
+    if argument is None or argument.alias_info is None:
+        return False
+    sets = argument.alias_info.after_set
+    return any(r.alias_info is not None and r.alias_info.after_set & sets
+               for r in func._schema.returns)
+
+
+def copy_storage(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``t``'s whole storage, in a buffer of their own on its device."""
+    storage = t.untyped_storage()
+    copy = torch.empty(storage.nbytes(), dtype=torch.uint8, device=t.device)
+    copy.untyped_storage().copy_(storage)
+    return copy

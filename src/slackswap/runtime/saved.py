@@ -1,0 +1,365 @@
+"""The saved-tensor hooks: what autograd holds for each saved tensor under a plan, and
+how it comes back in backward (kept, reloaded from host memory, or rebuilt).
+
+NOTE [values, not storages]
+    A storage changed in place between two saves holds two values; the runtime keys what
+    it holds by (storage, how many recorded ops had written it), so each save gets back
+    the value it saved.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from slackswap.core.plan import MIN_PLANNED_BYTES
+from slackswap.errors import NESTED_BACKWARD, InputError, VerifyError
+from slackswap.runtime.copies import HostCopies
+from slackswap.runtime.recipes import Node, geometry, plain_strided, storage_key, view_of
+from slackswap.runtime.recording import Recorder, copy_storage
+from slackswap.runtime.replay import Replayer
+from slackswap.runtime.state import StepState
+from slackswap.runtime.stats import RuntimeStats
+from slackswap.runtime.watch import Watch
+
+__all__ = ["SavedValues"]
+
+Value = tuple[int, int]  # (storage key, its version): NOTE [values, not storages]
+
+
+class _Saved:
+    """A saved tensor the runtime leaves as autograd saved it (a parameter, the batch, a
+    small or unnamed activation): held with its version, since autograd's own check that
+    it has not changed in place before backward is off under saved-tensor hooks."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor, self.version = tensor, tensor._version
+
+    def unpack(self) -> torch.Tensor:
+        if self.tensor._version != self.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by "
+                f"an inplace operation: a tensor of shape {list(self.tensor.shape)} changed "
+                "after it was saved for backward (as autograd checks without slackswap)"
+            )
+        return self.tensor
+
+
+class _Packed:
+    """What autograd holds for a saved tensor the plan names: the tensor itself (kept), or
+    how to get it back. When autograd lets go of it, the runtime lets go of what it held
+    for it."""
+
+    __slots__ = ("owner", "decision", "vkey", "name", "node", "geometry", "device",
+                 "tensor", "saved", "version", "modified", "__weakref__")
+
+    def __init__(self, owner: SavedValues, decision: str, vkey: Value, name: str | None,
+                 node: Node | None, t: torch.Tensor, tensor: torch.Tensor | None) -> None:
+        self.owner, self.decision, self.vkey, self.name, self.node = (
+            owner, decision, vkey, name, node)
+        self.device = t.device
+        self.tensor = tensor  # kept activations only
+        self.geometry = geometry(t) if tensor is None else None
+        # autograd's own check, which its hooks switch off: the saved tensor must not
+        # change in place before backward reads it (a kept one shares its version counter)
+        self.saved = weakref.ref(t) if tensor is None else None
+        self.version = t._version
+        self.modified = False
+
+    def __del__(self) -> None:
+        self.owner.handle_gone(self.vkey, self.tensor is not None)
+
+    def check_version(self) -> None:
+        saved = self.saved() if self.tensor is None else self.tensor
+        if self.modified or (saved is not None and saved._version != self.version):
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by "
+                f"an inplace operation: '{self.name}' changed after it was saved for "
+                "backward (as autograd checks without slackswap)"
+            )
+
+    @property
+    def upto(self) -> int:
+        return self.vkey[1]
+
+
+class SavedValues:
+    """Pack and unpack for one ``slackswap.apply`` block, over all the steps it runs:
+    handles of an earlier step stay valid (they hold their own nodes), and what the
+    runtime holds for a value goes when autograd lets go of its last handle."""
+
+    def __init__(self, decisions: dict[str, str], verify: bool, watch: Watch | None,
+                 first_use: dict[str, int], prefetch: list[tuple[str, int]]) -> None:
+        self.decisions = decisions  # the plan's non-keep decisions
+        self.verify = verify
+        self.watch = watch
+        self.first_use = first_use  # saved activation -> backward op that first needs it
+        self.prefetch = prefetch  # reloads, in the order they are issued
+        self.stats = RuntimeStats()
+        self.copies = HostCopies()
+        self.replayer = Replayer(self)
+        self.in_forward = False  # the model's forward is running (unpack there is refused)
+        # across steps, by value; each lives as long as a packed handle for it does, so a
+        # second backward through a retained graph can reload or rebuild it again
+        self.host: dict[Value, torch.Tensor] = {}  # host copies
+        self.originals: dict[Value, torch.Tensor] = {}  # verify=True only
+        self.handles: dict[Value, int] = {}  # packed handles autograd holds
+        self.back: dict[Value, torch.Tensor] = {}  # rebuilt or reloaded, not yet unpacked
+        self.pending: dict[Value, int] = {}  # packed handles not yet unpacked
+        self.outstanding = 0  # moved handles not yet unpacked, all values together
+        # made by rebuilds for one backward op (NOTE [rebuild groups])
+        self.group: dict[Value, torch.Tensor] = {}
+        self.group_position: int | None = None
+        self.new_step(StepState({}), None)
+
+    def new_step(self, state: StepState, recorder: Recorder | None) -> None:
+        self.stats = RuntimeStats()
+        self.state, self.recorder = state, recorder
+        self.group, self.group_position = {}, None
+        # checkpoints held for rebuilds: storage -> (release position, tensor)
+        self.kept_checkpoints: dict[int, tuple[int, torch.Tensor]] = {}
+        self.offloaded: dict[str, Value] = {}  # activation id -> value, this step
+        self.next_prefetch = 0
+        self.held: dict[Any, int] = {}  # saved values resident on the device -> bytes
+        self.checked = False
+
+    # -- forward -----------------------------------------------------------------------
+    def pack(self, t: torch.Tensor) -> Any:
+        recorder, state = self.recorder, self.state
+        name = recorder.next_pack() if recorder is not None else None
+        if not plain_strided(t):  # kept as autograd saved it
+            return _Saved(t)
+        key = storage_key(t)
+        node = state.nodes.get(key)
+        nbytes = t.untyped_storage().nbytes()
+        # detached: a saved output holding its own grad_fn would make the graph a cycle
+        # that outlives a dropped step (the detached tensor shares the version counter)
+        if nbytes < MIN_PLANNED_BYTES:
+            return _Saved(state.kept(t, key, node))
+        if node is None:
+            if state.is_external(key):
+                return _Saved(t.detach())
+            if name is None:
+                return _Saved(state.kept(t, key, None))
+            if name in self.decisions:
+                node = self._saved_node(t, key, name, nbytes)
+        elif name is not None and node.name is None:
+            node.name = name
+        else:
+            name = node.name
+        decision = self.decisions.get(name, "keep")
+        vkey = (key, len(node.steps) if node is not None else 0)
+        if decision == "keep":
+            kept = state.kept(t, key, node)
+            self.hold(vkey, nbytes)
+            packed = _Packed(self, "keep", vkey, name, node, t, kept)
+        else:
+            assert node is not None
+            if decision == "recompute" and not node.replayable():
+                raise InputError(
+                    f"cannot recompute '{name}': {node.unreplayable()} is not known to "
+                    "replay bit for bit; keep or offload it (plans from slackswap.plan "
+                    "never recompute it)"
+                )
+            packed = _Packed(self, decision, vkey, name, node, t, None)
+            self.outstanding += 1
+            if self.verify and vkey not in self.originals:
+                with self._quiet():
+                    self.originals[vkey] = copy_storage(t)
+            if decision == "offload" and vkey not in self.host:
+                with self._quiet():
+                    self.host[vkey] = self.copies.offload(t)
+                self.offloaded[name] = vkey
+                self.stats.offloaded_bytes += self.host[vkey].numel()
+            state.packs.setdefault(key, []).append(weakref.ref(packed))
+        self.pending[vkey] = self.pending.get(vkey, 0) + 1
+        self.handles[vkey] = self.handles.get(vkey, 0) + 1
+        return packed
+
+    def _quiet(self) -> Any:
+        """The runtime's own ops in forward (host copies) are not the model's: no names,
+        no recipes (a recipe holding a storage would keep it alive)."""
+        assert self.recorder is not None
+        return self.recorder.quieted()
+
+    def _saved_node(self, t: torch.Tensor, key: int, name: str, nbytes: int) -> Node:
+        """Autograd saves, unwatched, the tensor the profile names ``name``, and the plan
+        moves it."""
+        assert self.watch is not None
+        planned = self.watch.bytes.get(name)
+        if planned is not None and planned != nbytes:
+            raise InputError(
+                f"the step saved {nbytes} bytes where its profile saved '{name}' "
+                f"({planned} bytes): the plan's profile is not of this step (another "
+                "batch, code path or kernels); profile it again with mode='traced' "
+                "(slackswap.plan(model, batch) does) or on this device"
+            )
+        node = self.state.unwatched_node(t, key)
+        node.name = name
+        return node
+
+    def hold_checkpoint(self, key: int, release: int, t: torch.Tensor) -> None:
+        """A tensor autograd does not save, kept for rebuilds until ``release``."""
+        self.kept_checkpoints[key] = (release, t)
+        self.hold((key, None), t.untyped_storage().nbytes())
+
+    def handle_gone(self, vkey: Value, kept: bool) -> None:
+        """Autograd freed a packed handle (its node ran, or the graph was dropped): once
+        none is left for the value, whatever the runtime holds for it goes."""
+        self.handles[vkey] -= 1
+        if self.handles[vkey] == 0:
+            del self.handles[vkey]
+            self.host.pop(vkey, None)
+            self.back.pop(vkey, None)
+            self.originals.pop(vkey, None)
+            self.release(vkey)
+            never = self.pending.pop(vkey, 0)  # never unpacked
+            if not kept and never:
+                self.outstanding -= never
+                if self.outstanding == 0:
+                    self.group = {}
+
+    # -- backward ----------------------------------------------------------------------
+    def unpack(self, packed: Any) -> torch.Tensor:
+        if type(packed) is _Saved:
+            return packed.unpack()
+        if self.in_forward:
+            raise InputError(NESTED_BACKWARD)
+        if not self.checked:
+            self._check_seen()
+        if self.state.written and self.recorder is not None:
+            self.recorder.mark_modified()
+        packed.check_version()
+        vkey = packed.vkey
+        position = self.first_use.get(packed.name)
+        if position is None or position != self.group_position:
+            # NOTE [rebuild groups]: what rebuilds make for one backward op (the profile
+            # op that first needs this tensor) serves all of that op's rebuilds, then goes,
+            # as in the simulator's schedule; without a profile, each unpack is a group.
+            self.group, self.group_position = {}, position
+            self.release_checkpoints(position)
+        self._prefetch_up_to(position, packed.device)
+        if packed.decision == "keep":
+            out = packed.tensor
+        else:
+            base = self.back.get(vkey)
+            if base is None:
+                if packed.decision == "offload":
+                    self.stats.late_reloads += 1  # not prefetched: backward waits for it
+                    base = self.reload(vkey, packed.name, packed.device, waited=True)
+                else:
+                    base = self.replayer.rebuild(packed.node, packed.upto)
+                self.bring_back(vkey, base)
+            base = self.copies.ready(base, self.stats)
+            out = view_of(base, packed.geometry)
+            if vkey in self.originals:
+                self._verify(packed, out)
+        remaining = self.pending.pop(vkey, 0) - 1
+        if remaining > 0:
+            self.pending[vkey] = remaining
+        # the last saved reference to it is back; below zero, a second backward through a
+        # retained graph (or a second read of ctx.saved_tensors) brought it back again
+        if remaining <= 0:
+            base = self.back.pop(vkey, None)
+            if base is not None:  # another rebuild for this same op may still read it
+                self.group[vkey] = base
+            self.release(vkey)
+        if remaining >= 0 and packed.decision != "keep":
+            self.outstanding -= 1
+            if self.outstanding == 0:  # backward is through: what rebuilds made goes
+                self.group = {}
+                self.release_checkpoints(None)
+        return out
+
+    def _verify(self, packed: _Packed, out: torch.Tensor) -> None:
+        original = view_of(self.originals[packed.vkey], packed.geometry)
+        if not _same_bits(original, out):
+            how = "reloaded from host memory" if packed.decision == "offload" else "rebuilt"
+            assert packed.node is not None
+            last = packed.node.steps[packed.upto - 1].func
+            raise VerifyError(
+                f"verify: '{packed.node.name}' {how} differs from the original (last "
+                f"written by {last}); keep it, and please report the model"
+            )
+        self.stats.verified += 1
+
+    def _check_seen(self) -> None:
+        self.checked = True
+        produced = {node.name for node in self.state.nodes.values()}
+        if self.watch is not None and self.recorder is not None:
+            # saved where nobody watched, small ones included
+            produced.update(self.watch.pack_names[:self.recorder.packs_seen])
+        missing = [n for n in self.decisions if n not in produced]
+        if missing:
+            raise InputError(
+                f"plan names '{missing[0]}' (and {len(missing) - 1} more) that this step did "
+                "not produce: it was made for another model, batch shape or kernels"
+            )
+
+    # -- what is resident, and reloads -------------------------------------------------
+    def hold(self, key: Any, nbytes: int) -> None:
+        if key not in self.held:
+            self.held[key] = nbytes
+            self.stats._hold(nbytes)
+
+    def release(self, key: Any) -> None:
+        nbytes = self.held.pop(key, None)
+        if nbytes is not None:
+            self.stats.resident_bytes -= nbytes
+
+    def bring_back(self, vkey: Value, base: torch.Tensor) -> None:
+        self.back[vkey] = base
+        self.hold(vkey, base.untyped_storage().nbytes())
+
+    def reload(self, vkey: Value, name: str | None, device: torch.device,
+               waited: bool = False) -> torch.Tensor:
+        host = self.host[vkey]
+        self.stats.reloaded_bytes += host.numel()
+        self.stats.reload_order.append(name or "")
+        if waited and device.type != "cuda":  # a synchronous copy backward waits for
+            self.stats.stalls += 1
+            with self.stats.stall_section(device):
+                return self.copies.reload(host, device)
+        return self.copies.reload(host, device)  # on CUDA, ``ready`` times any wait
+
+    def _prefetch_up_to(self, position: int | None, device: torch.device) -> None:
+        """Issue the reloads whose prefetch point is at or before ``position`` (the
+        profile op that needs the tensor being unpacked now), in plan order."""
+        if position is None:
+            return
+        while self.next_prefetch < len(self.prefetch):
+            name, point = self.prefetch[self.next_prefetch]
+            if point > position:
+                break
+            self.next_prefetch += 1
+            vkey = self.offloaded.get(name)
+            waiting = vkey is not None and self.pending.get(vkey, 0) > 0
+            if waiting and vkey in self.host and vkey not in self.back:
+                self.bring_back(vkey, self.reload(vkey, name, device))
+                self.stats.prefetched += 1
+
+    def release_checkpoints(self, position: int | None) -> None:
+        """Let go of the checkpoints no rebuild before ``position`` (None: any) reads."""
+        for key, (last, _) in list(self.kept_checkpoints.items()):
+            if position is None or last < position:
+                del self.kept_checkpoints[key]
+                self.release((key, None))
+
+
+_SAME_SIZE_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit (NaNs included), conjugate and negative bits included."""
+    if (a.is_conj(), a.is_neg(), a.shape, a.dtype) != (b.is_conj(), b.is_neg(), b.shape,
+                                                         b.dtype):
+        return False
+    a, b = a.resolve_conj().resolve_neg(), b.resolve_conj().resolve_neg()
+    if a.is_complex():
+        a, b = torch.view_as_real(a), torch.view_as_real(b)
+    ints = _SAME_SIZE_INTS[a.element_size()]
+    return torch.equal(a.view(ints), b.view(ints))

@@ -1,0 +1,75 @@
+"""What one forward pass under a plan leaves for its backward: the storages it made and
+how (nodes), which storages came from outside the step, and how forward changed those."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from slackswap.runtime.recipes import Node, Step, storage_key
+
+__all__ = ["StepState", "unseen_step"]
+
+
+def unseen_step() -> Step:
+    """A write the runtime saw but cannot replay (or a storage made where it did not
+    watch): a rebuild that needs it stops."""
+    return Step(None, (), {}, 0, None, [None])
+
+
+class StepState:
+    """One forward pass's record, kept by its recipes for as long as backward may replay
+    them (a second forward of the same block gets a state of its own)."""
+
+    __slots__ = ("nodes", "model_state", "state_keys", "external", "outside_read",
+                 "outside_writes", "snapshots", "kept_refs", "packs", "written",
+                 "__weakref__")
+
+    def __init__(self, model_state: dict[str, torch.Tensor]) -> None:
+        self.nodes: dict[int, Node] = {}  # storage -> how it was made, this step
+        # held through the step, so the model's storage keys stay its own without a weak
+        # reference each (parameters, buffers)
+        self.model_state = model_state
+        self.state_keys = {storage_key(t) for t in model_state.values()
+                           if t.layout == torch.strided}
+        # other storages from outside the step (the batch): never named
+        self.external: dict[int, StorageWeakRef] = {}
+        self.outside_read: set[int] = set()  # outside storages that recipes read
+        self.outside_writes: dict[int, int] = {}  # outside storage -> writes in forward
+        # outside storages as they were before forward changed them: (storage, writes)
+        self.snapshots: dict[tuple[int, int], torch.Tensor] = {}
+        self.kept_refs: dict[int, Any] = {}  # storage -> a kept tensor over it, unwatched
+        self.packs: dict[int, list[Any]] = {}  # storage -> its moved packed handles
+        self.written: list[Any] = []  # packed handles over storages just written
+
+    def is_external(self, key: int) -> bool:
+        if key in self.state_keys:
+            return True
+        ref = self.external.get(key)
+        return ref is not None and not ref.expired()
+
+    def mark_external(self, t: torch.Tensor) -> None:
+        # the weak reference keeps the storage's key from being reused while it is held
+        self.external[storage_key(t)] = StorageWeakRef(t.untyped_storage())
+
+    def kept(self, t: torch.Tensor, key: int, node: Node | None) -> torch.Tensor:
+        """``t`` detached, as autograd will hold it: a rebuild may read the storage
+        through it after ``t`` died (or through a node a watched op makes for it later)."""
+        kept = t.detach()
+        if node is not None:
+            node.kept.append(weakref.ref(kept))
+        else:
+            self.kept_refs[key] = weakref.ref(kept)
+        return kept
+
+    def unwatched_node(self, t: torch.Tensor, key: int) -> Node:
+        """A storage made where the runtime did not watch: its first step is one no
+        replay repeats, so it is read back as it is, or from a saved handle, never made."""
+        node = self.nodes[key] = Node(None, unseen_step(), t)
+        kept = self.kept_refs.get(key)
+        if kept is not None:
+            node.kept.append(kept)
+        return node
