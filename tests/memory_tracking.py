@@ -41,10 +41,10 @@ class ActivationMemory(MemTracker):
     def __enter__(self) -> ActivationMemory:
         original = self._original_offload = HostCopies.offload
 
-        def offload(copies: HostCopies, t: torch.Tensor) -> torch.Tensor:
+        def offload(copies: HostCopies, t: torch.Tensor, *args: Any) -> torch.Tensor:
             self._host_copy = True
             try:
-                return original(copies, t)
+                return original(copies, t, *args)
             finally:
                 self._host_copy = False
 

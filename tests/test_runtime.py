@@ -18,6 +18,8 @@ import slackswap
 from slackswap.core.plan import MIN_PLANNED_BYTES, Plan
 from slackswap.errors import InputError
 from slackswap.models import build_model
+from slackswap.runtime.copies import HostCopies
+from slackswap.runtime.stats import RuntimeStats
 
 NOT_PRESETS = ["gpt-neox-tiny", "distilbert-mlm-tiny"]
 MODELS = ["bert-large-tiny", "gpt2-xl-tiny", "llama-7b-tiny", *NOT_PRESETS]
@@ -316,10 +318,13 @@ def test_the_garbage_collector_is_restored() -> None:
         gc.enable()
 
 
-def test_gradient_accumulation() -> None:
+@pytest.mark.parametrize("decision", ["recompute", "offload"])
+def test_gradient_accumulation(decision: str) -> None:
+    """Two forwards, then two backwards: the second block neither rebuilds from nor
+    offloads into what the first still holds (its host buffers are not the pool's)."""
     profile, model, batch, names, _ = setup("gpt2-xl-tiny")
     plan = Plan(fingerprint=profile.fingerprint, strategy="x",
-                decisions={n: "recompute" for n in names})
+                decisions={n: decision for n in names})
 
     def two_micro_batches(with_plan: bool):
         torch.manual_seed(0)
@@ -337,6 +342,39 @@ def test_gradient_accumulation() -> None:
 
     plain, planned = two_micro_batches(False), two_micro_batches(True)
     assert all(torch.equal(plain[n], planned[n]) for n in plain)
+
+
+def test_host_buffers_are_reused_from_step_to_step() -> None:
+    """NOTE [buffers held by events]: a training loop opening a block per step with one
+    plan allocates host buffers in its first step only; the pool keeps no more than the
+    plan offloads."""
+    profile, model, batch, names, reference = setup("gpt2-xl-tiny")
+    plan = Plan(fingerprint=profile.fingerprint, strategy="x",
+                decisions={n: "offload" for n in names})
+    allocated = []
+    for _ in range(3):
+        result, runtime = planned_step(model, batch, plan, profile)
+        assert_identical(result, reference)
+        allocated.append(runtime.stats.host_buffers_allocated)
+    moved = [n for n in names if profile.by_name[n].bytes >= MIN_PLANNED_BYTES]
+    planned_bytes = sum(profile.by_name[n].bytes for n in moved)
+    assert runtime.stats.offloaded_bytes == planned_bytes
+    assert allocated == [len(moved), 0, 0]
+    assert runtime.values.copies.capacity == planned_bytes
+
+
+def test_the_host_pool_keeps_up_to_its_capacity() -> None:
+    copies, stats = HostCopies(capacity=3000), RuntimeStats()
+    a, b = copies.offload(torch.zeros(250), stats), copies.offload(torch.zeros(250), stats)
+    c = copies.offload(torch.zeros(500), stats)
+    assert stats.host_buffers_allocated == 3
+    for host in (a, b, c):  # 1000 + 1000 bytes kept; 2000 more would pass 3000
+        copies.give_back(host)
+    d = copies.offload(torch.full((250,), 7.0), stats)
+    assert stats.host_buffers_allocated == 3 and d.data_ptr() in (a.data_ptr(), b.data_ptr())
+    assert torch.equal(d.view(torch.float32), torch.full((250,), 7.0))
+    e = copies.offload(torch.ones(500), stats)  # c was let go
+    assert stats.host_buffers_allocated == 4 and e.data_ptr() != c.data_ptr()
 
 
 def test_two_forwards_in_one_block_are_refused() -> None:

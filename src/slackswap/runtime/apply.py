@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from slackswap.core.plan import Plan
+from slackswap.core.plan import MIN_PLANNED_BYTES, Plan
 from slackswap.core.profile import StepProfile
 from slackswap.errors import InputError
 from slackswap.profiling.step import (
@@ -27,6 +27,7 @@ from slackswap.profiling.step import (
     refusing_own_checkpoint_calls,
 )
 from slackswap.runtime.checks import prepare
+from slackswap.runtime.copies import copies_for
 from slackswap.runtime.recording import Recorder
 from slackswap.runtime.saved import SavedValues
 from slackswap.runtime.state import StepState
@@ -88,7 +89,14 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         self._watch = (watch_for(profile, plan)
                        if profile is not None and can_watch(profile, device) else None)
         self.decisions = {n: d for n, d in plan.decisions.items() if d != "keep"}
-        self.values = SavedValues(self.decisions, verify, self._watch, first_use, prefetch)
+        # NOTE [buffers held by events]: host buffers are reused from step to step, up
+        # to the bytes the plan offloads (when its profile says)
+        offloaded = None if profile is None else sum(
+            t.bytes for n, d in self.decisions.items()
+            if d == "offload" and (t := profile.by_name.get(n)) is not None
+            and t.bytes >= MIN_PLANNED_BYTES)
+        self.values = SavedValues(self.decisions, verify, self._watch, first_use, prefetch,
+                                  copies_for(plan, offloaded))
         self.state = self.values.state  # the last forward's record
         self._calls = 0
         self._exit: contextlib.ExitStack | None = None

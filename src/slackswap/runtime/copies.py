@@ -1,54 +1,118 @@
-"""Host copies of offloaded storages: pinned buffers and side streams on CUDA."""
+"""Host copies of offloaded storages: a pool of (pinned) host buffers, and on CUDA side
+streams whose copies' lifetimes are held by events.
+
+NOTE [buffers held by events]
+    ``record_stream`` marks a block as used by another stream until the allocator next
+    sees that stream's work done: blocks come back late and the caching allocator grows
+    (PyTorch's own offloading avoids it). Here every asynchronous copy records an event,
+    and what it reads or writes is held by the runtime until that event has completed:
+    the device tensor an offload reads, the device buffer a reload writes (unless the
+    compute stream has waited for it, which orders any reuse after the copy), and the
+    host buffer either one uses. Finished copies are let go of at the next copy.
+    Host buffers are pinned once and reused: a buffer nobody holds goes back to a pool,
+    keyed by size, that keeps up to the plan's offloaded bytes, so a training loop stops
+    pinning memory after its first step.
+"""
 
 from __future__ import annotations
 
+import weakref
+from collections import deque
 from typing import Any
 
 import torch
 
 from slackswap.runtime.stats import RuntimeStats
 
-__all__ = ["HostCopies"]
+__all__ = ["HostCopies", "copies_for"]
 
 
 class HostCopies:
     """Host copies. On CUDA: pinned buffers, offloads on a D2H stream and reloads on an
     H2D stream (a pair per device), the compute stream waiting on a reload's event only
-    when it needs the tensor; ``record_stream`` tells the caching allocator not to reuse
-    memory a copy still reads or writes. Elsewhere: plain synchronous copies into separate
-    buffers.
+    when it needs the tensor. Elsewhere: plain synchronous copies into separate buffers.
 
     A reload's buffer is allocated on the compute stream, so memory backward frees serves
     later compute-stream allocations too (one pool, as the simulator assumes); the H2D
     stream first waits for the compute work queued so far, which is the plan's prefetch
-    point: backward has reached it."""
+    point: backward has reached it.
 
-    def __init__(self) -> None:
+    ``capacity``: bytes of free host buffers the pool keeps for reuse (None: all)."""
+
+    def __init__(self, capacity: int | None = None) -> None:
+        self.capacity = capacity
+        self._free: dict[int, list[torch.Tensor]] = {}  # bytes -> free host buffers
+        self._free_bytes = 0
         self._streams: dict[torch.device, tuple[Any, Any]] = {}
-        self._events: dict[int, Any] = {}  # id of a reloaded tensor -> its copy's event
+        self._busy: dict[int, Any] = {}  # id of a host buffer -> its last copy's event
+        # copies in flight per stream, in issue order: [event, device tensor held, host
+        # buffer]; a reload's entry is found by the id of the tensor it makes until the
+        # compute stream waits for it
+        self._offloads: deque[list[Any]] = deque()
+        self._reloading: deque[list[Any]] = deque()
+        self._reloads: dict[int, list[Any]] = {}
 
+    # -- the pool ----------------------------------------------------------------------
+    def _take(self, nbytes: int, pinned: bool, stats: RuntimeStats) -> torch.Tensor:
+        free = self._free.get(nbytes)
+        if free:
+            host = free.pop()
+            self._free_bytes -= nbytes
+            event = self._busy.pop(id(host), None)
+            if event is not None:
+                event.synchronize()  # a copy from it may still be in flight: rare
+            return host
+        stats.host_buffers_allocated += 1
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+
+    def give_back(self, host: torch.Tensor) -> None:
+        """A host copy nobody needs any more: its buffer may serve the next offload."""
+        nbytes = host.numel()
+        if self.capacity is not None and self._free_bytes + nbytes > self.capacity:
+            self._busy.pop(id(host), None)
+            return  # past what the plan offloads: let it go
+        self._free.setdefault(nbytes, []).append(host)
+        self._free_bytes += nbytes
+
+    def poll(self) -> None:
+        """Let go of what finished copies held (each stream finishes in issue order)."""
+        for queue in (self._offloads, self._reloading):
+            while queue and queue[0][0].query():
+                event, held, host = queue.popleft()
+                if queue is self._reloading and held is not None:  # done, never waited for
+                    self._reloads.pop(id(held), None)
+                if self._busy.get(id(host)) is event:
+                    del self._busy[id(host)]
+
+    # -- copies ------------------------------------------------------------------------
     def _cuda_streams(self, device: torch.device) -> tuple[Any, Any]:
         if device not in self._streams:
             self._streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
         return self._streams[device]
 
-    def offload(self, t: torch.Tensor) -> torch.Tensor:
+    def offload(self, t: torch.Tensor, stats: RuntimeStats) -> torch.Tensor:
         storage = t.untyped_storage()
-        if t.device.type != "cuda":
-            host = torch.empty(storage.nbytes(), dtype=torch.uint8)
+        cuda = t.device.type == "cuda"
+        host = self._take(storage.nbytes(), cuda, stats)
+        if not cuda:
             host.untyped_storage().copy_(storage)
             return host
+        self.poll()
         d2h, _ = self._cuda_streams(t.device)
-        host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=True)
         d2h.wait_stream(torch.cuda.current_stream(t.device))  # t has been computed
         with torch.cuda.stream(d2h):
             host.untyped_storage().copy_(storage, non_blocking=True)
-        t.record_stream(d2h)  # its memory is not reused before the copy has read it
+            event = torch.cuda.Event()
+            event.record(d2h)
+        # t's memory is not reused, nor the buffer handed out again, before the copy
+        self._offloads.append([event, t.detach(), host])
+        self._busy[id(host)] = event
         return host
 
     def reload(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
         if device.type != "cuda":  # a buffer of its own, as a device copy would be
             return host.to(device, copy=True)
+        self.poll()
         d2h, h2d = self._cuda_streams(device)
         base = torch.empty(host.shape, dtype=host.dtype, device=device)
         h2d.wait_stream(torch.cuda.current_stream(device))  # base's memory is free
@@ -57,15 +121,18 @@ class HostCopies:
             base.copy_(host, non_blocking=True)
             event = torch.cuda.Event()
             event.record(h2d)
-        base.record_stream(h2d)
-        self._events[id(base)] = event
+        entry = [event, base, host]
+        self._reloading.append(entry)
+        self._reloads[id(base)] = entry
+        self._busy[id(host)] = event
         return base
 
     def ready(self, base: torch.Tensor, stats: RuntimeStats) -> torch.Tensor:
         """Make the compute stream wait for ``base``'s reload, if one is in flight; a
         copy not finished when asked is a stall, timed on the compute stream."""
-        event = self._events.pop(id(base), None)
-        if event is not None:
+        entry = self._reloads.pop(id(base), None)
+        if entry is not None:
+            event = entry[0]
             current = torch.cuda.current_stream(base.device)
             if event.query():
                 current.wait_event(event)
@@ -73,4 +140,29 @@ class HostCopies:
                 stats.stalls += 1
                 with stats.stall_section(base.device):
                     current.wait_event(event)
+            # the compute stream now runs after the copy: reusing the buffer's memory
+            # there is safe, so the runtime need not hold it any longer
+            entry[1] = None
         return base
+
+
+# id(owner) -> (weak reference to it, its copies): the pool outlives one ``apply`` block,
+# since a training loop opens one per step with the same plan
+_COPIES: dict[int, tuple[Any, HostCopies]] = {}
+
+
+def copies_for(owner: Any, capacity: int | None) -> HostCopies:
+    """The host copies (and pool) of ``owner`` (a plan), for as long as it lives."""
+    key = id(owner)
+    entry = _COPIES.get(key)
+    if entry is not None and entry[0]() is owner:
+        entry[1].capacity = capacity
+        return entry[1]
+
+    def forget(ref: Any) -> None:
+        if _COPIES.get(key, (None,))[0] is ref:
+            del _COPIES[key]
+
+    copies = HostCopies(capacity)
+    _COPIES[key] = (weakref.ref(owner, forget), copies)
+    return copies

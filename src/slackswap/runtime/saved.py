@@ -93,14 +93,15 @@ class SavedValues:
     runtime holds for a value goes when autograd lets go of its last handle."""
 
     def __init__(self, decisions: dict[str, str], verify: bool, watch: Watch | None,
-                 first_use: dict[str, int], prefetch: list[tuple[str, int]]) -> None:
+                 first_use: dict[str, int], prefetch: list[tuple[str, int]],
+                 copies: HostCopies) -> None:
         self.decisions = decisions  # the plan's non-keep decisions
         self.verify = verify
         self.watch = watch
         self.first_use = first_use  # saved activation -> backward op that first needs it
         self.prefetch = prefetch  # reloads, in the order they are issued
         self.stats = RuntimeStats()
-        self.copies = HostCopies()
+        self.copies = copies
         self.replayer = Replayer(self)
         self.in_forward = False  # the model's forward is running (unpack there is refused)
         # across steps, by value; each lives as long as a packed handle for it does, so a
@@ -130,6 +131,7 @@ class SavedValues:
     # -- forward -----------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> Any:
         recorder, state = self.recorder, self.state
+        self.copies.poll()
         name = recorder.next_pack() if recorder is not None else None
         if not plain_strided(t):  # kept as autograd saved it
             return _Saved(t)
@@ -172,7 +174,7 @@ class SavedValues:
                     self.originals[vkey] = copy_storage(t)
             if decision == "offload" and vkey not in self.host:
                 with self._quiet():
-                    self.host[vkey] = self.copies.offload(t)
+                    self.host[vkey] = self.copies.offload(t, self.stats)
                 self.offloaded[name] = vkey
                 self.stats.offloaded_bytes += self.host[vkey].numel()
             state.packs.setdefault(key, []).append(weakref.ref(packed))
@@ -213,7 +215,9 @@ class SavedValues:
         self.handles[vkey] -= 1
         if self.handles[vkey] == 0:
             del self.handles[vkey]
-            self.host.pop(vkey, None)
+            host = self.host.pop(vkey, None)
+            if host is not None:
+                self.copies.give_back(host)
             self.back.pop(vkey, None)
             self.originals.pop(vkey, None)
             self.release(vkey)
@@ -229,6 +233,7 @@ class SavedValues:
             return packed.unpack()
         if self.in_forward:
             raise InputError(NESTED_BACKWARD)
+        self.copies.poll()
         if not self.checked:
             self._check_seen()
         if self.state.written and self.recorder is not None:
