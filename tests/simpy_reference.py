@@ -4,6 +4,10 @@ It takes the same static :class:`~slackswap.sim.schedule.Schedule` (which kernel
 what each allocates and frees) and re-derives the timing: the compute stream, in-order
 D2H and H2D copy engines sharing the host link, memory waits and the prefetch headroom
 rule, as processes on SimPy's event queue instead of the engine's next-event loop.
+
+The host is a process too: it spends each item's host cost in turn and then issues it;
+an item waits for its issue, a reload for the issue of the first item at or past its
+prefetch point, an offload for the time its pack issued it (given, as the engine is).
 """
 
 from __future__ import annotations
@@ -50,9 +54,14 @@ class _Link:
         self.set(direction, False)
 
 
-def reference_run(sched: Schedule, link: HostLink, limit: float = math.inf) -> tuple[float, int]:
-    """Step time and peak memory; ``math.inf`` step time when the run cannot finish."""
+def reference_run(sched: Schedule, link: HostLink, limit: float = math.inf,
+                  host=None, starts: dict | None = None) -> tuple[float, int]:
+    """Step time and peak memory; ``math.inf`` step time when the run cannot finish.
+    ``host``: a :class:`~slackswap.sim.host.HostTimes` (its per-item ``cost`` and its
+    ``d2h_ready`` are used; issue times are re-derived here). ``starts``, when given, is
+    filled with the start time of every item and copy, by (stream, index)."""
     env = simpy.Environment()
+    starts = {} if starts is None else starts
     net = _Link(env, link)
     res = sched.residencies
     holds = [r.holds for r in res]
@@ -63,6 +72,7 @@ def reference_run(sched: Schedule, link: HostLink, limit: float = math.inf) -> t
     d2h_done = [env.event() for _ in sched.d2h]
     h2d_done = [env.event() for _ in sched.h2d]
     finished = {"t": math.inf}
+    issued = [env.event() for _ in sched.items]
 
     def notify(box: list) -> None:
         old, box[0] = box[0], env.event()
@@ -87,10 +97,19 @@ def reference_run(sched: Schedule, link: HostLink, limit: float = math.inf) -> t
         during.append(level)
         level -= sum(res[r].bytes for r in item.frees if res[r].source == "compute")
 
+    def issuing():
+        for k in range(len(sched.items)):
+            cost = host.cost[k] if host is not None else 0.0
+            if cost > 0:
+                yield env.timeout(cost)
+            issued[k].succeed()
+
     def compute():
         for k, item in enumerate(sched.items):
             state["current"], state["started"] = k, False
             notify(cursor_changed)
+            if not issued[k].triggered:
+                yield issued[k]
             for h in item.needs:
                 yield h2d_done[h]
             need = sum(res[r].bytes for r in item.allocs)
@@ -98,6 +117,7 @@ def reference_run(sched: Schedule, link: HostLink, limit: float = math.inf) -> t
                 yield mem_changed[0]
             for r in item.allocs:
                 alloc(res[r].bytes)
+            starts["compute", k] = env.now
             state["started"] = True
             notify(cursor_changed)
             yield env.timeout(item.duration)
@@ -111,6 +131,9 @@ def reference_run(sched: Schedule, link: HostLink, limit: float = math.inf) -> t
     def d2h():
         for i, copy in enumerate(sched.d2h):
             yield item_done[copy.after_item]
+            if host is not None and host.d2h_ready[i] > env.now:
+                yield env.timeout(host.d2h_ready[i] - env.now)
+            starts["d2h", i] = env.now
             yield env.process(net.transfer("d2h", copy.bytes))
             release(copy.residency)
             d2h_done[i].succeed()
@@ -118,6 +141,13 @@ def reference_run(sched: Schedule, link: HostLink, limit: float = math.inf) -> t
     def h2d():
         for i, copy in enumerate(sched.h2d):
             yield d2h_done[copy.d2h]
+            # the host issues the reload once it has issued the first item at or past the
+            # prefetch point (the last item when none is)
+            at = [k for k, item in enumerate(sched.items)
+                  if item.position >= copy.issue_position]
+            gate = issued[at[0] if at else len(sched.items) - 1]
+            if not gate.triggered:
+                yield gate
             while True:
                 k = state["current"]
                 position = sched.items[k].position if k < len(sched.items) else math.inf
@@ -130,9 +160,11 @@ def reference_run(sched: Schedule, link: HostLink, limit: float = math.inf) -> t
                     break
                 yield mem_changed[0] | cursor_changed[0]
             alloc(copy.bytes)
+            starts["h2d", i] = env.now
             yield env.process(net.transfer("h2d", copy.bytes))
             h2d_done[i].succeed()
 
+    env.process(issuing())
     env.process(compute())
     env.process(d2h())
     env.process(h2d())

@@ -113,10 +113,25 @@ def random_plan(rng: random.Random, profile: StepProfile, kinds=("keep", "offloa
                 prefetch=prefetch)
 
 
+NO_HOST = {"dispatch_s": 0.0, "pack_s": 0.0, "watch_s": 0.0, "replay_s": 0.0, "unpack_s": 0.0}
+
+
 def link_hardware(d2h: float, h2d: float, duplex_d2h: float, duplex_h2d: float,
-                  latency: float = 0.0):
-    """The reference preset with a different host link."""
+                  latency: float = 0.0, host: dict[str, float] | None = None):
+    """The reference preset with a different host link (and host costs, when given)."""
     data = load_hardware("a100-80gb").model_dump()
     data["host_link"].update(d2h_bandwidth=d2h, h2d_bandwidth=h2d, duplex_d2h_bandwidth=duplex_d2h,
                              duplex_h2d_bandwidth=duplex_h2d, latency_s=latency)
+    if host is not None:
+        data["host"].update(host)
     return Hardware.model_validate(data)
+
+
+def with_host(hw: Hardware | str = "a100-80gb", **costs: float) -> Hardware:
+    """``hw`` with its host costs replaced (the rest as they were)."""
+    data = load_hardware(hw).model_dump()
+    data["host"].update(costs)
+    return Hardware.model_validate(data)
+
+
+GPU_ONLY = with_host(**NO_HOST)  # the reference preset with a host that costs nothing

@@ -153,8 +153,19 @@ def test_core_does_not_import_torch() -> None:
     code = (
         "import sys, slackswap, slackswap.core.costmodel, slackswap.core.plan, "
         "slackswap.core.result, slackswap.core.jsonio, slackswap.core.units, "
-        "slackswap.sim, slackswap.sim.outputs\n"
+        "slackswap.sim, slackswap.sim.outputs, slackswap.sim.host, slackswap.planners, "
+        "slackswap.planners.bound, slackswap.runtime, slackswap.runtime.watch, "
+        "slackswap.runtime.checks\n"
+        "from slackswap.core.plan import Plan\n"
         "slackswap.load_hardware('a100-80gb')\n"
+        "plan = Plan(fingerprint=profile.fingerprint, strategy='x', decisions={'act:relu:0': "
+        "'recompute'})\n"
+        "r = slackswap.simulate(profile, plan)  # the host asks runtime.watch what it watches\n"
+        "assert r.run.host is not None and r.stall_s['host'] >= 0\n"
         "assert 'torch' not in sys.modules, 'core imported torch'"
     )
-    subprocess.run([sys.executable, "-c", code], check=True)
+    profile = small_profile().model_copy(update={"saves": [(0, 0), (3, 2)],
+                                                 "module_events": [0, 1, 2]})
+    setup = f"import json\nfrom slackswap.core.profile import StepProfile\n" \
+            f"profile = StepProfile.model_validate(json.loads({profile.model_dump_json()!r}))\n"
+    subprocess.run([sys.executable, "-c", setup + code], check=True)

@@ -30,7 +30,7 @@ def test_presets_shipped() -> None:
 def test_every_field_cites_a_source(name: str) -> None:
     hw = load_hardware(name)
     assert hw.name == name
-    for section in ("compute", "memory", "host_link"):
+    for section in ("compute", "memory", "host_link", "host"):
         for field in type(getattr(hw, section)).model_fields:
             source = hw.sources.get(f"{section}.{field}", "")
             assert len(source) > 20, f"{name}: {section}.{field} has no source"

@@ -6,7 +6,7 @@ import functools
 import random
 
 import pytest
-from stepgraphs import Op, T, build, link_hardware, random_step
+from stepgraphs import NO_HOST, Op, T, build, link_hardware, random_step
 
 import slackswap
 from slackswap.core.profile import StepProfile
@@ -33,7 +33,7 @@ def expensive_small_cheap_large() -> StepProfile:
     return build(ops, tensors)
 
 
-GB_PER_S = link_hardware(1e9, 1e9, 1e9, 1e9, 0.0)
+GB_PER_S = link_hardware(1e9, 1e9, 1e9, 1e9, 0.0, host=NO_HOST)  # tests/test_host.py: with
 BUDGET = "4500000"  # bytes: one of the two must go, and only B can leave in time
 
 

@@ -11,8 +11,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from simpy_reference import reference_run
-from stepgraphs import Op, T, build, link_hardware, random_plan, random_step
+from stepgraphs import (
+    GPU_ONLY,
+    NO_HOST,
+    Op,
+    T,
+    build,
+    link_hardware,
+    random_plan,
+    random_step,
+)
 
+from slackswap.core.hardware import load_hardware
 from slackswap.core.plan import Plan
 from slackswap.errors import InputError
 from slackswap.sim import simulate
@@ -27,12 +37,15 @@ def _case(seed: int, with_limit: bool):
     profile = random_step(rng, rng.randint(1, 14))
     plan = random_plan(rng, profile)
     d2h, h2d = rng.uniform(2e7, 5e8), rng.uniform(2e7, 5e8)
-    hw = link_hardware(d2h, h2d, d2h * rng.uniform(0.3, 1), h2d * rng.uniform(0.3, 1),
-                       rng.choice([0.0, 1e-6, 2e-5]))
+    link = (d2h, h2d, d2h * rng.uniform(0.3, 1), h2d * rng.uniform(0.3, 1),
+            rng.choice([0.0, 1e-6, 2e-5]))
     limit = None
     if with_limit:
         limit = int(profile.keep_all_peak * rng.uniform(0.3, 1.1))
-    return profile, plan, hw, limit
+    # no host, the preset's, or one that costs as much as the kernels (host-bound steps)
+    host = rng.choice([NO_HOST, None, {k: rng.choice([0.0, rng.uniform(0, 5e-4)])
+                                       for k in NO_HOST}])
+    return profile, plan, link_hardware(*link, host=host), limit
 
 
 def _simulate(profile, plan, hw, limit):
@@ -96,11 +109,24 @@ def test_invariants(seed: int, with_limit: bool) -> None:
     for h, copy in enumerate(sched.h2d):
         use = profile.tensors[copy.tensor].first_backward_use
         assert h2d_end[h] <= start_of_op[use]
-    # the step takes at least its compute time, which is at least the ideal
+    # nothing starts before the host has issued it
+    host = run.host
+    if host is not None:
+        for span in tl.spans:
+            ready = {"compute": host.issued, "d2h": host.d2h_ready, "h2d": host.h2d_ready}
+            assert span.start >= ready[span.stream][span.index]
+        assert result.busy_fraction["host"] <= 1 + 1e-12
+    else:
+        assert result.stall_s["host"] == 0.0
+    # the step takes at least its compute time, which is at least the kernels of keep-all;
+    # and at least the ideal (keep-all as eager PyTorch runs it)
     compute = sum(item.duration for item in sched.items)
     assert result.step_time_s >= compute * (1 - 1e-12)
-    assert compute >= result.ideal_step_time_s * (1 - 1e-12)
+    assert compute >= sched.ideal_time * (1 - 1e-12)
     assert 0 < result.retention <= 1 + 1e-12
+    # idle compute stream, by cause, is the step less the compute
+    idle = result.stall_s["reload"] + result.stall_s["memory"] + result.stall_s["host"]
+    assert idle == pytest.approx(result.step_time_s - compute, rel=1e-9, abs=1e-15)
 
 
 @settings(max_examples=60, deadline=None)
@@ -108,11 +134,22 @@ def test_invariants(seed: int, with_limit: bool) -> None:
 def test_keep_all_is_the_sum_of_op_times_and_the_analytic_peak(seed: int) -> None:
     rng = random.Random(seed)
     profile = random_step(rng, rng.randint(1, 14))
-    result = simulate(profile)
+    result = simulate(profile, None, GPU_ONLY)
     assert result.step_time_s == sum(op.time_s for op in profile.ops)
     assert result.retention == 1.0
     assert result.peak_bytes == independent_keep_all_peak(profile) == profile.keep_all_peak
-    assert result.stall_s == {"reload": 0.0, "memory": 0.0, "recompute": 0.0}
+    assert result.stall_s == {"reload": 0.0, "memory": 0.0, "host": 0.0, "recompute": 0.0}
+    # with eager dispatch: each op starts once issued (the host never waits), and the
+    # ideal is that step, so keep-all retains everything
+    eager = simulate(profile)
+    dispatch, issued, end = load_hardware("a100-80gb").host.dispatch_s, 0.0, 0.0
+    for op in profile.ops:
+        issued += dispatch
+        end = max(end, issued) + op.time_s
+    assert eager.step_time_s == end == eager.ideal_step_time_s
+    assert eager.retention == 1.0 and eager.peak_bytes == result.peak_bytes
+    assert eager.stall_s["host"] == pytest.approx(end - sum(op.time_s for op in profile.ops),
+                                                  rel=1e-9, abs=1e-15)
 
 
 @settings(max_examples=60, deadline=None)
@@ -121,7 +158,7 @@ def test_free_link_offload_equals_keep_all(seed: int) -> None:
     rng = random.Random(seed)
     profile = random_step(rng, rng.randint(1, 14))
     plan = random_plan(rng, profile, kinds=("keep", "offload"))
-    free = link_hardware(math.inf, math.inf, math.inf, math.inf, 0.0)
+    free = link_hardware(math.inf, math.inf, math.inf, math.inf, 0.0, host=NO_HOST)
     result = simulate(profile, plan, free)
     assert result.step_time_s == sum(op.time_s for op in profile.ops)
     # a reload stays a little past its last use, as the runtime holds it (NOTE [rebuild
@@ -150,13 +187,16 @@ def test_agrees_with_simpy_reference(seed: int) -> None:
     result = _simulate(profile, plan, hw, limit)
     if result is None:
         return
+    starts: dict = {}
     step, peak = reference_run(result.run.schedule, hw.host_link,
-                               math.inf if limit is None else limit)
+                               math.inf if limit is None else limit, result.run.host, starts)
     if not result.feasible:
         assert step == math.inf
         return
     assert result.step_time_s == pytest.approx(step, rel=1e-9, abs=1e-15)
     assert result.peak_bytes == peak
+    engine = {(s.stream, s.index): s.start for s in result.run.timeline.spans}
+    assert engine == pytest.approx(starts, rel=1e-9, abs=1e-15)
 
 
 # -- hand-computed cases ---------------------------------------------------------------
@@ -182,7 +222,7 @@ def test_offload_longer_than_the_compute_it_hides_under() -> None:
     profile = _chain(1e-3)
     plan = Plan(fingerprint=profile.fingerprint, strategy="hand",
                 decisions={"t0": "offload"})
-    hw = link_hardware(0.5e9, 0.5e9, 0.5e9, 0.5e9, 0.0)
+    hw = link_hardware(0.5e9, 0.5e9, 0.5e9, 0.5e9, 0.0, host=NO_HOST)
     r = simulate(profile, plan, hw)
     # f0 0-1, D2H 1-3, f1 1-2, reload 3-5 (after the offload lands), b0 5-6
     assert r.step_time_s == pytest.approx(6e-3, rel=1e-12)
@@ -197,7 +237,7 @@ def test_duplex_sharing_slows_a_reload() -> None:
     profile = _chain(3e-3, b_bytes=1_200_000)
     plan = Plan(fingerprint=profile.fingerprint, strategy="hand",
                 decisions={"t0": "offload", "t1": "offload"})
-    hw = link_hardware(0.5e9, 0.5e9, 0.4e9, 0.2e9, 0.0)
+    hw = link_hardware(0.5e9, 0.5e9, 0.4e9, 0.2e9, 0.0, host=NO_HOST)
     r = simulate(profile, plan, hw)
     spans = {(s.stream, s.index): (s.start, s.end) for s in r.run.timeline.spans}
     # D2H A 1-3; f1 1-4; D2H B 4-7 at 0.4 GB/s; reload A from 4: 0.6 MB by 7 at 0.2 GB/s,
@@ -219,7 +259,7 @@ def test_recompute_chain_rebuilds_dropped_inputs_first() -> None:
     profile = build(ops, tensors)
     plan = Plan(fingerprint=profile.fingerprint, strategy="hand",
                 decisions={"t2": "recompute"})
-    r = simulate(profile, plan)
+    r = simulate(profile, plan, GPU_ONLY)
     items = [(i.op, i.recompute) for i in r.run.schedule.items]
     assert items == [(0, False), (1, False), (2, False), (1, True), (2, True), (3, False)]
     assert r.recompute_s == pytest.approx(6 * ms)
@@ -298,7 +338,7 @@ def test_memory_limit_makes_ops_wait_or_is_infeasible() -> None:
     ops = [Op("forward", 1 * ms, [], [0]), Op("forward", 1 * ms, [], [1]),
            Op("backward", 1 * ms, [1], [2]), Op("backward", 1 * ms, [0, 2], [3])]
     profile = build(ops, tensors)
-    hw = link_hardware(0.5e9, 0.5e9, 0.5e9, 0.5e9, 0.0)
+    hw = link_hardware(0.5e9, 0.5e9, 0.5e9, 0.5e9, 0.0, host=NO_HOST)
     keep = simulate(profile, None, hw, memory_limit=1_500_000)
     assert not keep.feasible
     assert keep.infeasible_reason.startswith("op 1 (k1 in (top)) needs 976.56 KiB")
@@ -317,22 +357,27 @@ def test_memory_limit_makes_ops_wait_or_is_infeasible() -> None:
 
 
 def test_trace_schema(tmp_path) -> None:
-    profile, plan, hw, _ = _case(7, with_limit=False)
-    result = simulate(profile, plan, hw)
-    path = tmp_path / "trace.json"
-    write_trace(result, path)
-    trace = json.loads(path.read_text())
-    events = trace["traceEvents"]
-    names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
-    assert names == {"compute stream", "D2H copy engine", "H2D copy engine"}
-    for e in events:
-        assert e["ph"] in {"M", "X", "C"} and isinstance(e["pid"], int)
-        if e["ph"] == "X":
-            assert e["dur"] >= 0 and e["ts"] >= 0 and e["tid"] in (0, 1, 2)
-        if e["ph"] == "C":
-            assert e["args"]["bytes"] >= 0
-    spans = [e for e in events if e["ph"] == "X"]
-    assert len([e for e in spans if e["tid"] == 0]) == len(result.run.schedule.items)
+    profile, plan, _, _ = _case(7, with_limit=False)
+    for hw, host in ((GPU_ONLY, False), (load_hardware("a100-80gb"), True)):
+        result = simulate(profile, plan, hw)
+        path = tmp_path / "trace.json"
+        write_trace(result, path)
+        trace = json.loads(path.read_text())
+        events = trace["traceEvents"]
+        names = {e["args"]["name"] for e in events
+                 if e["ph"] == "M" and e["name"] == "thread_name"}
+        gpu = {"compute stream", "D2H copy engine", "H2D copy engine"}
+        assert names == (gpu | {"issuing thread"} if host else gpu)
+        for e in events:
+            assert e["ph"] in {"M", "X", "C"} and isinstance(e["pid"], int)
+            if e["ph"] == "X":
+                assert e["dur"] >= 0 and e["ts"] >= 0 and e["tid"] in (0, 1, 2)
+            if e["ph"] == "C":
+                assert e["args"]["bytes"] >= 0
+        spans = [e for e in events if e["ph"] == "X"]
+        items = len(result.run.schedule.items)
+        assert len([e for e in spans if e["pid"] == 0 and e["tid"] == 0]) == items
+        assert len([e for e in spans if e["pid"] == 1]) == (items if host else 0)
 
 
 def test_memory_plot(tmp_path) -> None:

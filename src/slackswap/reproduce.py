@@ -43,11 +43,17 @@ def _cache_dir() -> Path:
     return Path(root) / "profiles"
 
 
+def _without_host(hw: Hardware) -> dict[str, Any]:
+    """What of ``hw`` prices no op: its host costs and their sources."""
+    return {"host": True, "sources": {k for k in hw.sources if k.startswith("host.")}}
+
+
 def cached_profile(name: str, hw: Hardware) -> StepProfile:
     """The analytic profile of preset ``name`` on ``hw``, from the cache when it is there.
 
     The key is the model's fingerprint, the hardware preset's content and the SlackSwap
-    version, so a changed model, preset or profiler never reuses a stale profile.
+    version, so a changed model, preset or profiler never reuses a stale profile. The
+    host's costs are left out: they price no op (the simulator reads them from ``hw``).
     """
     from importlib.metadata import version
 
@@ -57,7 +63,8 @@ def cached_profile(name: str, hw: Hardware) -> StepProfile:
 
     model, batch = build_model(name)
     key = hashlib.sha256(
-        f"{fingerprint(model, batch)}|{hw.model_dump_json()}|{version('slackswap')}".encode()
+        f"{fingerprint(model, batch)}|{hw.model_dump_json(exclude=_without_host(hw))}|"
+        f"{version('slackswap')}".encode()
     ).hexdigest()[:24]
     path = _cache_dir() / f"{name}-{hw.name}-{key}.json"
     if path.exists():

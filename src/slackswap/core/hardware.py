@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import pydantic
 from pydantic import Field
@@ -21,9 +21,11 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
-__all__ = ["Hardware", "Compute", "Memory", "HostLink", "load_hardware", "hardware_presets"]
+__all__ = ["Hardware", "Compute", "Memory", "HostLink", "Host", "HOST_SOURCES", "load_hardware",
+           "hardware_presets"]
 
 Positive = Annotated[float, Field(gt=0)]
+Seconds = Annotated[float, Field(ge=0)]
 Fraction = Annotated[float, Field(gt=0, le=1)]
 # A step table: rows of [threshold, efficiency]; the row with the largest threshold <= size applies.
 StepTable = list[tuple[Annotated[float, Field(ge=0)], Fraction]]
@@ -68,6 +70,70 @@ class HostLink(_Strict):
     latency_s: Annotated[float, Field(ge=0)]
 
 
+# NOTE [host costs]
+#     What the host (CPU) spends issuing the step (the simulator's host, NOTE [host model]
+#     in ``slackswap.sim.host``). ``dispatch_s`` is eager PyTorch's own cost per op; a
+#     preset's [host] table sets it with a source. The runtime's own costs were measured
+#     once, on one machine, and live here only: the defaults below, with their sources
+#     in ``HOST_SOURCES``, which a hardware file takes for every field its [host] table
+#     leaves out (a file without [host] gets them all; ``dispatch_s`` defaults to the
+#     presets' value). Set a field to 0 to leave that cost out.
+_DISPATCH_S = 7e-6
+# The runtime's own costs, measured (sources below): change them here only.
+_KEEP_ALL_ADDED_S = 17e-6  # per forward op: the runtime with a keep-all plan, less eager
+_PACKS, _FORWARD_OPS = 68, 106  # gpt2-xl-tiny's step
+_PACK_S = _KEEP_ALL_ADDED_S * _FORWARD_OPS / _PACKS
+_WATCH_S = 21e-6
+_REPLAY_S = 15e-6
+_MACHINE = ("this project's 2-core CPU machine, 2026-11-30, one thread (a slow CPU: an upper "
+            "estimate for a GPU host)")
+_BENCH = ("benchmarks/runtime_overhead.py (gpt2-xl-tiny, traced, fp32, side by side with "
+          f"plain eager) on {_MACHINE}")
+HOST_SOURCES: dict[str, str] = {
+    "dispatch_s": (
+        "pytorch/pytorch issue #41383 (Large overhead (7 microseconds) for PyTorch "
+        "operation, 2020): 1e6 calls of 2*x on a one-element CPU tensor that requires grad "
+        "take 6.8 s, ~7 us per op of Python, autograd and dispatcher (a maintainer notes "
+        "scalar operands are slow: x*x without grad about 2 us); meta-pytorch/autoparallel "
+        "PR #146 (Use better cost model for compute, 2025): a launch overhead fitted on "
+        "H100 runs makes every operator cost at least 7 us; facebookresearch/"
+        "HolisticTraceAnalysis docs cuda_kernel_launch_stats.rst: the CPU side of a "
+        "launch is usually 5-20 us. 7 us taken, paid by forward and backward ops alike "
+        "(the C++ autograd engine's backward dispatch is cheaper: an upper estimate)."),
+    "pack_s": (
+        f"{_BENCH}: the runtime with a keep-all plan adds about {_KEEP_ALL_ADDED_S * 1e6:g} "
+        f"us per forward op, and that step packs {_PACKS} tensors in {_FORWARD_OPS} "
+        f"forward ops (its traced profile's saves), so {_PACK_S * 1e6:.1f} us per pack; "
+        "the whole keep-all cost is charged to the packs (it also holds the unpacks of "
+        "kept tensors and the per-step setup, not charged apart)."),
+    "watch_s": (
+        f"{_BENCH}: a watched forward op costs the runtime about {_WATCH_S * 1e6:g} us. "
+        f"An empty TorchDispatchMode alone, timed in a loop on {_MACHINE}, adds 9.6 us "
+        "per aten.mul on 4x64x64 fp32 tensors and 14.2 us per op of linear, gelu and sum "
+        "on tensors that require grad; the runtime's mode also records recipes."),
+    "replay_s": (
+        f"timed in a loop on {_MACHINE}: the runtime's replay of a recorded op as it "
+        "was at commit bf043cd (runtime/apply.py _replay: recipes.map_args over the "
+        "arguments, a recipes.view_of per activation argument, set_grad_enabled) against the op "
+        "called directly, aten.mul.Tensor on two 4x64x64 fp32 tensors, 20000 calls, "
+        f"median of 5 rounds: 21.4 us against 6.4 us, so {_REPLAY_S * 1e6:g} us added per "
+        "replayed op (RNG state and rebuild bookkeeping not included)."),
+    "unpack_s": (
+        "not measured apart: taken equal to pack_s (an unpack of a moved tensor looks up "
+        "its reload or rebuild group and returns it, work of the same order as a pack)."),
+}
+
+
+class Host(_Strict):
+    """Host seconds spent issuing the step (NOTE [host costs]); each is >= 0."""
+
+    dispatch_s: Seconds = _DISPATCH_S  # per op, any phase: eager dispatch and launch
+    pack_s: Seconds = _PACK_S  # per tensor autograd saves in forward, under a plan
+    watch_s: Seconds = _WATCH_S  # per forward op the runtime watches
+    replay_s: Seconds = _REPLAY_S  # per op replayed to recompute, on top of dispatch_s
+    unpack_s: Seconds = _PACK_S  # per moved saved tensor unpacked in backward
+
+
 class Hardware(_Strict):
     """One GPU and its host link, as the cost model and the simulator see it."""
 
@@ -78,7 +144,23 @@ class Hardware(_Strict):
     compute: Compute
     memory: Memory
     host_link: HostLink
+    host: Host = Host()
     sources: dict[str, str] = {}
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _host_sources(cls, data: Any) -> Any:
+        """Host costs a file leaves out take the defaults, and cite the defaults' sources."""
+        if not isinstance(data, dict):
+            return data
+        given = data.get("host") or {}
+        if not isinstance(given, dict):
+            return data
+        sources = dict(data.get("sources") or {})
+        for name, source in HOST_SOURCES.items():
+            if name not in given:
+                sources.setdefault(f"host.{name}", f"default (NOTE [host costs]): {source}")
+        return {**data, "sources": sources}
 
     def peak(self, dtype: str) -> float:
         """Dense peak FLOP/s for ``dtype`` (fp32 matmuls run without TF32, as PyTorch's default)."""

@@ -24,6 +24,7 @@ class SimResult(JsonFile, pydantic.BaseModel):
     infeasible_reason: str | None = None
     shortfall_bytes: int = 0  # when infeasible: what the blocked allocation lacked
     step_time_s: float
+    # keep-all, no limit, as plain eager PyTorch runs it (each op dispatched by the host)
     ideal_step_time_s: float
     retention: float  # throughput retained: ideal step time / step time (0 if infeasible)
     peak_bytes: int
@@ -32,11 +33,13 @@ class SimResult(JsonFile, pydantic.BaseModel):
     # weight gradients made in backward: model state, not in the activation peak
     gradient_bytes: int = 0
     memory_limit_bytes: int | None = None
-    stall_s: dict[str, float] = {}  # by cause: "reload", "memory", "recompute"
+    # compute stream idle by cause ("reload", "memory", "host": not yet issued by the
+    # host) and the time spent recomputing ("recompute")
+    stall_s: dict[str, float] = {}
     d2h_bytes: int = 0
     h2d_bytes: int = 0
     recompute_s: float = 0.0
-    busy_fraction: dict[str, float] = {}  # by stream: "compute", "d2h", "h2d"
+    busy_fraction: dict[str, float] = {}  # by stream: "compute", "d2h", "h2d", and "host"
 
     # The schedule and timeline behind this result (set by ``simulate``; not serialized).
     _run: Any = pydantic.PrivateAttr(default=None)

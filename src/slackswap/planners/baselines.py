@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from slackswap.planners.context import PlanContext
 from slackswap.planners.memory import evicted_at, pressure_points
-from slackswap.planners.recompute import choose_recompute, rebuild_cost
+from slackswap.planners.recompute import choose_recompute, kernel_cost, rebuild_cost
 from slackswap.planners.search import Attempt, fit_margin, smallest_fitting
 from slackswap.planners.slack import d2h_landing, offload_within_slack
 
@@ -113,7 +113,7 @@ def module_policy(ctx: PlanContext) -> Attempt | None:
     rules: dict[str, str] = {}
     for c in ctx.candidates:
         module = p.ops[c.producer].module.rsplit(".", 1)[-1].lower()
-        local = rebuild_cost(ctx, c) == c.recompute_s  # rebuilt from saved inputs alone
+        local = kernel_cost(ctx, c) == c.recompute_s  # rebuilt from saved inputs alone
         if c.kind in _RECOMPUTE_KINDS and any(key in module for key in _NORM_OR_ACT) and local:
             rules[c.name] = "recompute"
         elif (p.ops[c.producer].category == "attention_forward"

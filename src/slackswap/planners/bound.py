@@ -6,7 +6,8 @@ NOTE [why this is a bound]
     recomputed or offloaded, d_ik be 1 when the offloaded i is off the device while op k
     runs, and s_f, s_b the compute stream's idle time in forward and
     backward. Then every constraint below holds for those values, so the LP optimum is
-    at most the plan's overhead, and ideal / (ideal + optimum) is at least its retention:
+    at most the plan's overhead over the sum of op times T, and ideal / (T + optimum)
+    is at least its retention (ideal: the eager keep-all step, NOTE [bound and the host]):
 
     - memory, forward op k (where keep-all exceeds the budget B): memory there is the
       keep-all memory less what evicted activations past their last forward use have
@@ -29,6 +30,21 @@ NOTE [why this is a bound]
 
     Copy rates are the faster solo rates, and keep-all times are lower bounds on the
     plan's own times, so each relaxation only loosens the bound.
+
+NOTE [bound and the host]
+    An op k of the plan starts no later than t_k + idle, with t_k the sum of the op times
+    before it (the kernel-only keep-all time, as above), and no earlier than in the
+    eager keep-all step (a plan's forward is the same ops, each costing the host at
+    least its dispatch and waiting for more); so deadlines use t_k and production
+    times the eager step's. A plan under budget moves something, so the runtime runs
+    and packs every saved tensor: the ops with at least dispatch and those packs on the
+    host (watching, replays and unpacks left out) form a chain no plan beats, since
+    more host cost, inserted rebuilds or waits only delay it. Hence s_f is at least
+    that chain's idle time in forward, and the overhead at least its end less T (the
+    plan's point, with s_b raised by what its rebuilds take beyond sum r_i c_i, meets
+    every row, as s_b only loosens the others, at the plan's overhead). The host cost
+    of replays is not added to rebuilds: the host may issue them while the GPU is busy,
+    so only their kernel time is sure to lengthen the step.
 """
 
 from __future__ import annotations
@@ -39,6 +55,7 @@ from scipy.sparse import coo_matrix
 
 from slackswap.planners.context import PlanContext
 from slackswap.planners.memory import pressure_points
+from slackswap.sim.host import packs
 
 __all__ = ["retention_bound"]
 
@@ -66,7 +83,8 @@ def retention_bound(ctx: PlanContext, thresholds: int = 4, max_points: int = 12,
     n, kp = len(acts), len(pts)
     freed = [max([t.producer, *(c for c in t.forward_consumers if c < ctx.first_backward)])
              for t in acts]
-    produced = [ctx.op_end[t.producer] for t in acts]
+    produced = [ctx.op_end[t.producer] for t in acts]  # eager keep-all: no plan is earlier
+    starts = _kernel_starts(ctx)  # deadlines: no plan is later, but for its idle time
     cost = [p.ops[t.producer].time_s for t in acts]
     d2h = [link.latency_s + t.bytes / link.d2h_bandwidth for t in acts]
     h2d = [link.latency_s + t.bytes / link.h2d_bandwidth for t in acts]
@@ -146,7 +164,7 @@ def retention_bound(ctx: PlanContext, thresholds: int = 4, max_points: int = 12,
         # the op starts no later than its keep-all time plus idle time (and, in
         # backward, the recomputation inserted before it)
         late = [(SF, -1e3)] + ([(SB, -1e3)] + recompute if backward else [])
-        t_k = ctx.op_start[pt.op]
+        t_k = starts[pt.op]
         releases = sorted({produced[i] for i in members})
         picks = {releases[int(q * (len(releases) - 1) / max(thresholds - 1, 1))]
                  for q in range(thresholds)} if releases else set()
@@ -160,14 +178,20 @@ def retention_bound(ctx: PlanContext, thresholds: int = 4, max_points: int = 12,
             members = [i for i in range(n) if acts[i].first_backward_use <= j]
             row([(D + i * kp + last, h2d[i] * 1e3) for i in members]
                 + [(SF, -1e3), (SB, -1e3)] + recompute,
-                (ctx.op_start[j] - t_last) * 1e3)
-    r, c, v = zip(*rows, strict=True)
-    a = coo_matrix((v, (r, c)), shape=(len(rhs), cols)).tocsr()
+                (starts[j] - t_last) * 1e3)
     objective = np.zeros(cols)
     objective[R:R + n] = np.array(cost) * 1e3
     objective[SF] = objective[SB] = 1e3
     for u, col in chain.items():
         objective[Z + col] = p.ops[unsaved[u].producer].time_s * 1e3
+    kernels = sum(op.time_s for op in p.ops)
+    forward_idle, step = _least_host_chain(ctx)
+    if forward_idle > 0:  # s_f >= the chain's idle time in forward
+        row([(SF, -1e3)], -forward_idle * 1e3)
+    if step > kernels:  # the overhead >= the chain's end less the op times
+        row([(col, -v) for col, v in enumerate(objective) if v], -(step - kernels) * 1e3)
+    r, c, v = zip(*rows, strict=True)
+    a = coo_matrix((v, (r, c)), shape=(len(rhs), cols)).tocsr()
     bounds: list[tuple[float, float | None]] = [(0.0, 1.0)] * cols
     bounds[SF] = bounds[SB] = (0.0, None)  # idle time is unbounded
     res = linprog(objective, A_ub=a, b_ub=np.array(rhs), bounds=bounds, method="highs")
@@ -176,4 +200,31 @@ def retention_bound(ctx: PlanContext, thresholds: int = 4, max_points: int = 12,
     if res.status != 0:
         raise RuntimeError(f"bound LP did not solve: {res.message}")
     overhead = res.fun / 1e3
-    return ctx.ideal / (ctx.ideal + overhead)
+    return ctx.ideal / max(kernels + overhead, ctx.ideal)
+
+
+def _kernel_starts(ctx: PlanContext) -> list[float]:
+    """When each op starts in keep-all with no host: the sum of the op times before it."""
+    out, t = [], 0.0
+    for op in ctx.profile.ops:
+        out.append(t)
+        t += op.time_s
+    return out
+
+
+def _least_host_chain(ctx: PlanContext) -> tuple[float, float]:
+    """Idle time in forward and end of keep-all's ops, each issued by a host that pays
+    its dispatch and the packs before it (NOTE [bound and the host])."""
+    p, host = ctx.profile, ctx.hw.host
+    cost = [host.dispatch_s] * len(p.ops)
+    for _, before in packs(p):
+        cost[min(before, len(p.ops) - 1)] += host.pack_s
+    issued = end = forward = 0.0
+    for op, h in zip(p.ops, cost, strict=True):
+        issued += h
+        if op.index == ctx.first_backward:
+            forward = max(end, issued)  # when backward starts
+        end = max(end, issued) + op.time_s
+    if ctx.first_backward >= len(p.ops):
+        forward = end
+    return forward - sum(op.time_s for op in p.ops[: ctx.first_backward]), end

@@ -1,18 +1,25 @@
 """The discrete-event engine: one compute stream, a D2H and an H2D copy engine, a memory
-counter. Plain Python.
+counter, and the host's issue times (NOTE [host model] in :mod:`slackswap.sim.host`).
+Plain Python.
 
 A hand-written next-event loop rather than SimPy: a planner calls it thousands of times,
-and with only three in-order streams the state fits in a few variables. The tests check
-it against an independent SimPy model of the same semantics.
+and with only three in-order streams the state fits in a few variables. The host adds no
+stream: it never waits, so its issue times are prefix sums fixed before the loop, and
+each one is a time before which an item or copy may not start. The tests check the
+engine against an independent SimPy model of the same semantics.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from slackswap.core.hardware import HostLink
 from slackswap.sim.schedule import Copy, Schedule
+
+if TYPE_CHECKING:
+    from slackswap.sim.host import HostTimes
 
 __all__ = ["Blocked", "Span", "Timeline", "run_schedule"]
 
@@ -44,7 +51,9 @@ class Timeline:
     memory: list[tuple[float, int]] = field(default_factory=list)
     alloc_time: dict[int, float] = field(default_factory=dict)  # residency -> allocated at
     free_time: dict[int, float] = field(default_factory=dict)  # residency -> freed at
-    stall: dict[str, float] = field(default_factory=lambda: {"reload": 0.0, "memory": 0.0})
+    # idle compute stream by cause: a reload, memory, the host not having issued the item
+    stall: dict[str, float] = field(
+        default_factory=lambda: {"reload": 0.0, "memory": 0.0, "host": 0.0})
     end: float = 0.0
     peak: int = 0
     peak_time: float = 0.0
@@ -114,9 +123,14 @@ class _Headroom:
         return max(peak - now, 0)
 
 
-def run_schedule(sched: Schedule, link: HostLink, limit: float = math.inf) -> Timeline:
-    """Time ``sched`` on ``link`` under a memory ``limit`` (bytes of activation memory)."""
+def run_schedule(sched: Schedule, link: HostLink, limit: float = math.inf,
+                 host: HostTimes | None = None) -> Timeline:
+    """Time ``sched`` on ``link`` under a memory ``limit`` (bytes of activation memory);
+    with ``host``, no item or copy starts before the host has issued it."""
     items, res = sched.items, sched.residencies
+    issued = host.issued if host is not None else None
+    d2h_ready = host.d2h_ready if host is not None else None
+    h2d_ready = host.h2d_ready if host is not None else None
     headroom = _Headroom(sched) if limit < math.inf else None
     tl = Timeline()
     used = 0
@@ -161,6 +175,7 @@ def run_schedule(sched: Schedule, link: HostLink, limit: float = math.inf) -> Ti
 
     while True:
         # -- start what can start at ``now`` (compute has first claim on memory) ------------
+        t_host = math.inf  # the next issue time something waits for
         progress = True
         while progress:
             progress = False
@@ -168,9 +183,17 @@ def run_schedule(sched: Schedule, link: HostLink, limit: float = math.inf) -> Ti
                 item = items[nxt]
                 need = sum(res[r].bytes for r in item.allocs)
                 ready = all(h2d_done[h] for h in item.needs)
-                if ready and used + need <= limit:
+                waits_host = issued is not None and issued[nxt] > now
+                if ready and used + need <= limit and not waits_host:
                     if idle_since is not None:
-                        tl.stall[cause] += now - idle_since
+                        if issued is None:
+                            tl.stall[cause] += now - idle_since
+                        else:  # idle before the item was issued waited for the host
+                            to_host = min(issued[nxt], now) - idle_since
+                            if to_host > 0:
+                                tl.stall["host"] += to_host
+                            if now > max(issued[nxt], idle_since):
+                                tl.stall[cause] += now - max(issued[nxt], idle_since)
                         idle_since = None
                     for rid in item.allocs:
                         allocate(rid)
@@ -181,12 +204,20 @@ def run_schedule(sched: Schedule, link: HostLink, limit: float = math.inf) -> Ti
                 else:
                     if idle_since is None:
                         idle_since = now
-                    cause = "reload" if not ready else "memory"
+                    if not ready:
+                        cause = "reload"
+                    elif used + need > limit:
+                        cause = "memory"
+                    if waits_host:
+                        t_host = min(t_host, issued[nxt])  # type: ignore[index]
             if d2h.active is None and d2h.head < len(d2h.queue):
                 copy = d2h.queue[d2h.head]
                 if item_end[copy.after_item] <= now:
-                    start_copy(d2h)
-                    progress = True
+                    if d2h_ready is None or d2h_ready[d2h.head] <= now:
+                        start_copy(d2h)
+                        progress = True
+                    else:
+                        t_host = min(t_host, d2h_ready[d2h.head])
             if h2d.active is None and h2d.head < len(h2d.queue):
                 copy = h2d.queue[h2d.head]
                 current = running if running >= 0 else nxt
@@ -196,14 +227,17 @@ def run_schedule(sched: Schedule, link: HostLink, limit: float = math.inf) -> Ti
                     reserve = headroom.growth(current, copy.need_item, running >= 0)
                 if (cursor >= copy.issue_position and d2h_done[copy.d2h]
                         and used + copy.bytes + reserve <= limit):
-                    allocate(copy.residency)
-                    start_copy(h2d)
-                    progress = True
+                    if h2d_ready is None or h2d_ready[h2d.head] <= now:
+                        allocate(copy.residency)
+                        start_copy(h2d)
+                        progress = True
+                    else:
+                        t_host = min(t_host, h2d_ready[h2d.head])
         set_rates()
         # -- advance to the next event -------------------------------------------------------
         t_compute = run_end if running >= 0 else math.inf
         t_d2h, t_h2d = d2h.next_event(now), h2d.next_event(now)
-        t_next = min(t_compute, t_d2h, t_h2d)
+        t_next = min(t_compute, t_d2h, t_h2d, t_host)
         if t_next == math.inf:
             break
         done_d2h = d2h.moving(now) and t_d2h == t_next

@@ -12,7 +12,7 @@ from slackswap.core.jsonio import atomic_write_text
 from slackswap.core.result import SimResult
 from slackswap.errors import InputError
 
-__all__ = ["chrome_trace", "write_trace", "write_memory_plot"]
+__all__ = ["chrome_trace", "write_trace", "write_memory_plot", "HOST_PID"]
 
 _TIDS = {"compute": 0, "d2h": 1, "h2d": 2}
 _THREAD_NAMES = {"compute": "compute stream", "d2h": "D2H copy engine", "h2d": "H2D copy engine"}
@@ -24,15 +24,41 @@ def _run(result: SimResult) -> Any:
     return result.run
 
 
+HOST_PID = 1
+HOST_THREAD = "issuing thread"
+
+
+def _compute_name(profile: Any, item: Any) -> str:
+    kind = profile.ops[item.op].kind
+    return f"recompute {kind}" if item.recompute else kind
+
+
 def chrome_trace(result: SimResult) -> dict[str, Any]:
     """The step as ``torch.profiler``'s Chrome trace JSON: one process for the GPU, one
-    track per stream, a counter track for activation memory. Times in microseconds."""
+    track per stream, a counter track for activation memory; when the host costs anything,
+    a process "host (simulated)" with one span per item it issues, named as the item's
+    compute span. Times in microseconds."""
     run = _run(result)
     profile, sched, tl = run.profile, run.schedule, run.timeline
     events: list[dict[str, Any]] = [
         {"ph": "M", "name": "process_name", "pid": 0, "tid": 0,
          "args": {"name": f"GPU (simulated, {profile.hardware})"}},
     ]
+    host = getattr(run, "host", None)
+    if host is not None:
+        events += [
+            {"ph": "M", "name": "process_name", "pid": HOST_PID, "tid": 0,
+             "args": {"name": "host (simulated)"}},
+            {"ph": "M", "name": "thread_name", "pid": HOST_PID, "tid": 0,
+             "args": {"name": HOST_THREAD}},
+        ]
+        start = 0.0  # the host works without a gap: each item from the previous issue
+        for k, (item, issued) in enumerate(zip(sched.items, host.issued, strict=True)):
+            events.append({"ph": "X", "cat": "host", "name": _compute_name(profile, item),
+                           "pid": HOST_PID, "tid": 0, "ts": start * 1e6,
+                           "dur": (issued - start) * 1e6,
+                           "args": {"item": k, "op": item.op, "recompute": item.recompute}})
+            start = issued
     for stream, tid in _TIDS.items():
         events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": tid,
                        "args": {"name": _THREAD_NAMES[stream]}})
@@ -42,8 +68,8 @@ def chrome_trace(result: SimResult) -> dict[str, Any]:
         if span.stream == "compute":
             item = sched.items[span.index]
             op = profile.ops[item.op]
-            name = f"recompute {op.kind}" if item.recompute else op.kind
-            args = {"op": op.index, "module": op.module, "phase": op.phase,
+            name = _compute_name(profile, item)
+            args = {"item": span.index, "op": op.index, "module": op.module, "phase": op.phase,
                     "recompute": item.recompute}
         else:
             copy = (sched.d2h if span.stream == "d2h" else sched.h2d)[span.index]

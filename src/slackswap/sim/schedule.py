@@ -84,7 +84,7 @@ class Schedule:
     residencies: list[Residency]
     d2h: list[Copy]
     h2d: list[Copy]
-    ideal_time: float  # keep-all with no limit: the sum of op times
+    ideal_time: float  # keep-all with no limit and no host: the sum of op times
     first_backward: int  # op index where backward starts
 
 

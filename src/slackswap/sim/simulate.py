@@ -12,16 +12,20 @@ from slackswap.core.result import SimResult
 from slackswap.core.units import format_bytes, resolve_budget
 from slackswap.errors import InputError
 from slackswap.sim.engine import Blocked, Timeline, run_schedule
+from slackswap.sim.host import HostTimes, eager_step_time, host_times
 from slackswap.sim.schedule import Schedule, build_schedule, min_working_set
 
 __all__ = ["simulate", "SimRun"]
 
 
 class SimRun:
-    """The schedule and timeline behind a :class:`SimResult`, for traces and plots."""
+    """The schedule, host issue times (None when the host costs nothing) and timeline
+    behind a :class:`SimResult`, for traces and plots."""
 
-    def __init__(self, profile: StepProfile, schedule: Schedule, timeline: Timeline) -> None:
+    def __init__(self, profile: StepProfile, schedule: Schedule, timeline: Timeline,
+                 host: HostTimes | None = None) -> None:
         self.profile, self.schedule, self.timeline = profile, schedule, timeline
+        self.host = host
 
 
 def simulate(
@@ -34,7 +38,9 @@ def simulate(
 
     ``hardware`` defaults to the preset the profile was made for; ``memory_limit`` is
     bytes, a string such as ``"24GiB"``, or a fraction of the keep-all peak (``0.5``).
-    The result's ``run`` attribute holds the schedule and timeline.
+    The result's ``run`` attribute holds the schedule and timeline. The ideal step is
+    keep-all with no limit as plain eager PyTorch runs it: each op dispatched by the host
+    (``hardware.host.dispatch_s``), no runtime; retention is what the plan costs on top.
     """
     plan = plan or Plan.keep_all(profile)
     plan.check(profile)
@@ -50,12 +56,16 @@ def simulate(
                 f"({format_bytes(minimum)}) of activations at once"
             )
     schedule = build_schedule(profile, plan)
-    tl = run_schedule(schedule, hw.host_link, math.inf if limit is None else limit)
+    host = host_times(profile, plan, schedule, hw.host)
+    tl = run_schedule(schedule, hw.host_link, math.inf if limit is None else limit, host)
     feasible = tl.blocked is None
     step = tl.end
-    busy = {"compute": 0.0, "d2h": 0.0, "h2d": 0.0}
+    ideal = eager_step_time(profile, hw.host.dispatch_s)
+    busy = {"compute": 0.0, "d2h": 0.0, "h2d": 0.0, "host": 0.0}
     for span in tl.spans:
         busy[span.stream] += span.end - span.start
+    if host is not None:
+        busy["host"] = host.busy
     recompute = sum(i.duration for i in schedule.items if i.recompute)
     result = SimResult(
         fingerprint=profile.fingerprint,
@@ -66,8 +76,8 @@ def simulate(
         shortfall_bytes=0 if tl.blocked is None else int(
             tl.blocked.used + tl.blocked.need - tl.blocked.limit),
         step_time_s=step,
-        ideal_step_time_s=schedule.ideal_time,
-        retention=schedule.ideal_time / step if feasible and step > 0 else 0.0,
+        ideal_step_time_s=ideal,
+        retention=ideal / step if feasible and step > 0 else 0.0,
         peak_bytes=tl.peak,
         peak_time_s=tl.peak_time,
         keep_all_peak_bytes=peak_keep_all,
@@ -79,7 +89,7 @@ def simulate(
         recompute_s=recompute,
         busy_fraction={k: v / step if step > 0 else 0.0 for k, v in busy.items()},
     )
-    result._run = SimRun(profile, schedule, tl)
+    result._run = SimRun(profile, schedule, tl, host)
     return result
 
 

@@ -1,0 +1,170 @@
+"""The host thread that issues the step: what each compute item costs it, and when it is
+issued. Plain Python.
+
+NOTE [host model]
+    In eager PyTorch one host thread issues every kernel of the step, in compute-stream
+    order; item k costs it h_k seconds (dispatch, plus the runtime's own Python when a
+    plan is applied) and the GPU cannot start the item before it is issued. Nothing in
+    a training step makes the host wait for the GPU (the loss is not read, nothing is
+    synchronised before the step ends), so the host runs ahead without bound: item k is
+    issued at H_k = h_0 + ... + h_k, known before the engine runs, and the engine adds
+    start_k >= H_k. (A real launch queue holds about a thousand kernels and a blocking
+    call would make the host wait; neither is modelled.) An offload is issued when
+    autograd packs its tensor in forward; a reload when the host reaches the item at its
+    prefetch point. Within an item the host does, in order: the packs autograd makes
+    before it, the unpacks it reads, watching it, replaying it, then the dispatch that
+    issues it. With every cost zero nothing changes: the engine runs as with no host.
+
+NOTE [what the host pays]
+    Every item pays ``dispatch_s``. The runtime's costs are paid only when a plan that
+    moves something is applied (a keep-all step runs without ``slackswap.apply``):
+    ``pack_s`` per tensor autograd saves in forward (its pack hook sees every one),
+    ``watch_s`` per forward op the runtime watches (as ``runtime/watch.py`` decides,
+    assuming the runtime has a profile of the step on the target; a profile without
+    module events is watched whole), ``replay_s`` per recompute item, and ``unpack_s``
+    per moved saved tensor a backward op reads (approximating its unpacks).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from dataclasses import dataclass
+
+from slackswap.core.hardware import Host
+from slackswap.core.plan import MIN_PLANNED_BYTES, Plan
+from slackswap.core.profile import StepProfile
+from slackswap.sim.schedule import Schedule
+
+__all__ = ["HostTimes", "host_times", "issue_times", "chain_end", "eager_step_time", "packs"]
+
+
+@dataclass(frozen=True, slots=True)
+class HostTimes:
+    """When the host issues each item and copy of one schedule (seconds from step start)."""
+
+    cost: list[float]  # per compute item: host seconds spent on it
+    issued: list[float]  # per compute item: when the host has issued it
+    d2h_ready: list[float]  # per D2H copy: when its pack hook issued it
+    h2d_ready: list[float]  # per H2D copy: when the host reached its prefetch point
+
+    @property
+    def busy(self) -> float:
+        """Seconds the host spent issuing the step."""
+        return self.issued[-1] if self.issued else 0.0
+
+
+def issue_times(costs: list[float]) -> list[float]:
+    """Prefix sums: the host issues items one after another, never waiting."""
+    out, t = [], 0.0
+    for h in costs:
+        t += h
+        out.append(t)
+    return out
+
+
+def chain_end(durations: list[float], issued: list[float]) -> float:
+    """End of a compute stream that runs items in order, each once it is issued:
+    ``e_k = max(e_{k-1}, issued_k) + d_k`` (the engine with no memory limit or copies)."""
+    end = 0.0
+    for d, h in zip(durations, issued, strict=True):
+        end = (end if end >= h else h) + d
+    return end
+
+
+def eager_step_time(profile: StepProfile, dispatch_s: float) -> float:
+    """The ideal step: keep-all, no limit, no runtime, each op dispatched eagerly (the
+    keep-all schedule has one item per op, in order)."""
+    durations = [op.time_s for op in profile.ops]
+    if dispatch_s == 0:
+        return sum(durations)
+    return chain_end(durations, issue_times([dispatch_s] * len(durations)))
+
+
+def packs(profile: StepProfile) -> list[tuple[int, int]]:
+    """Forward packs as (tensor id or -1, op index the pack runs before).
+
+    ``StepProfile.saves`` counts the ops run before each pack: a pack runs after those
+    ops were issued and before the next one is, so it delays that op's issue. A profile
+    without ``saves`` (schema 2, hand-built) gets one pack per saved tensor, before the
+    op after the first forward op that makes or reads it.
+    """
+    if profile.saves:
+        return list(profile.saves)
+    first_bwd = next((op.index for op in profile.ops if op.phase == "backward"),
+                     len(profile.ops))
+    out = []
+    for t in profile.tensors:
+        uses = [u for u in (t.producer, *t.forward_consumers) if u is not None and u < first_bwd]
+        if t.saved and uses:
+            out.append((t.id, min(uses) + 1))
+    return sorted(out, key=lambda p: (p[1], p[0]))
+
+
+def _moved(profile: StepProfile, plan: Plan) -> set[int]:
+    """Saved activations the schedule offloads or recomputes (small ones are kept)."""
+    return {t.id for t in profile.saved_activations
+            if t.producer is not None and t.name is not None and t.bytes >= MIN_PLANNED_BYTES
+            and plan.decisions.get(t.name, "keep") != "keep"}
+
+
+def _watched(profile: StepProfile, plan: Plan) -> list[int]:
+    """Forward ops the runtime watches for ``plan`` (``runtime/watch.py`` decides)."""
+    forward = sum(op.phase == "forward" for op in profile.ops)
+    if not profile.module_events:
+        return list(range(forward))
+    # imported here: runtime.watch imports the schedule through runtime.checks
+    from slackswap.runtime.watch import watch_for
+
+    w = watch_for(profile, plan)
+    return [i for on, s, e in zip(w.segments, w.starts, w.ends, strict=True) if on
+            for i in range(s, e)]
+
+
+def host_times(profile: StepProfile, plan: Plan, sched: Schedule, host: Host
+               ) -> HostTimes | None:
+    """What the host pays per item of ``sched`` (NOTE [what the host pays]) and when it
+    issues items and copies; None when it pays nothing (the engine then has no host)."""
+    items = sched.items
+    if not items:
+        return None
+    cost = [host.dispatch_s] * len(items)
+    # items run in order of position (a rebuild runs at the op that needs it): the
+    # first item at or past an op is where the host reaches that op
+    positions = [item.position for item in items]
+    last = len(items) - 1
+
+    def reached(op: int) -> int:
+        return min(bisect_left(positions, op), last)
+
+    runtime = any(d != "keep" for d in plan.decisions.values())
+    pack_end: dict[int, tuple[int, float]] = {}  # tensor -> (item, host s into it) of 1st pack
+    if runtime:
+        packed = [0.0] * len(items)
+        for tid, before in packs(profile):
+            k = reached(before)
+            packed[k] += host.pack_s
+            if tid >= 0 and tid not in pack_end:
+                pack_end[tid] = (k, packed[k])
+        moved = _moved(profile, plan)
+        watched = set(_watched(profile, plan))
+        res = sched.residencies
+        for k, item in enumerate(items):
+            extra = packed[k]
+            if item.recompute:
+                extra += host.replay_s
+            elif item.position >= sched.first_backward:
+                unpacked = {res[r].tensor for r in item.reads} & moved
+                extra += host.unpack_s * len(unpacked)
+            elif item.op in watched:
+                extra += host.watch_s
+            cost[k] += extra
+    if not any(cost):
+        return None
+    issued = issue_times(cost)
+    d2h_ready = []
+    for copy in sched.d2h:
+        k, into = pack_end.get(copy.tensor, (copy.after_item + 1, 0.0))
+        before = issued[k - 1] if k > 0 else 0.0
+        d2h_ready.append(max(before + into, issued[copy.after_item]))
+    h2d_ready = [issued[reached(copy.issue_position)] for copy in sched.h2d]
+    return HostTimes(cost, issued, d2h_ready, h2d_ready)
