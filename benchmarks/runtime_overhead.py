@@ -15,9 +15,18 @@ machine's speed hits all of them alike, and the median step time of each is prin
 - a SlackSwap plan at 50% of the keep-all peak (or the smallest feasible budget).
 
 "added per fwd op" is (step - plain) / forward ops, in microseconds. Targets (issue 10):
-all-offload within 1.5x of save_on_cpu, all-recompute within 1.5x of block
-checkpointing, keep-all about 10 us per forward op or less. On a GPU the runtime's host
-time overlaps kernels already queued, so it matters when the step is launch-bound.
+all-offload within 1.5x of save_on_cpu (with pinned buffers, so it copies on a CPU too),
+all-recompute within 1.5x of block checkpointing, keep-all about 10 us per forward op or
+less. On a GPU the runtime's host time overlaps kernels already queued, so it matters
+when the step is launch-bound: the simulator's host model charges it per item, and the
+last lines print this machine's figures in the terms of a hardware file's [host] table
+(NOTE [host costs] in slackswap/core/hardware.py):
+
+- pack_s: (keep-all forward - plain forward) / tensors saved in forward;
+- unpack_s: (keep-all backward - plain backward) / tensors saved;
+- watch_s: (all-recompute forward - keep-all forward) / ops watched;
+- replay_s: (all-recompute backward - keep-all backward) / ops replayed, less the mean
+  time of a plain forward op (the replayed kernel itself): a rough split.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ import slackswap
 from slackswap.core.plan import MIN_PLANNED_BYTES, Plan
 from slackswap.models import MODEL_PRESETS, build_model, with_layers
 from slackswap.planners.api import smallest_feasible_budget
+from slackswap.runtime.watch import watch_for
 
 
 def _blocks_checkpointed(model: torch.nn.Module, blocks: list[str]) -> contextlib.ExitStack:
@@ -83,6 +93,8 @@ def main() -> None:
     budget = max(int(0.5 * profile.keep_all_peak), smallest_feasible_budget(profile))
     planned = slackswap.plan(profile, budget)
 
+    recompute_all = _all(profile, "recompute")
+
     def runtime(plan: Plan) -> Callable[[], contextlib.AbstractContextManager]:
         return lambda: slackswap.apply(model, plan, profile=profile)
 
@@ -92,25 +104,39 @@ def main() -> None:
         "save_on_cpu": lambda: torch.autograd.graph.save_on_cpu(pin_memory=True),
         "runtime, all-offload": runtime(_all(profile, "offload")),
         "checkpoint blocks": lambda: _blocks_checkpointed(model, profile.layers),
-        "runtime, all-recompute": runtime(_all(profile, "recompute")),
+        "runtime, all-recompute": runtime(recompute_all),
         f"runtime, {budget / profile.keep_all_peak:.0%} plan": runtime(planned),
     }
-    times: dict[str, list[float]] = {label: [] for label in configs}
+    def sync() -> None:
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+
+    times: dict[str, list[tuple[float, float]]] = {label: [] for label in configs}
+    replayed = 0
     for step in range(args.steps + 1):  # the first round is a warm-up
         for label, context in configs.items():
             torch.manual_seed(0)
-            if args.device == "cuda":
-                torch.cuda.synchronize()
+            sync()
             start = time.perf_counter()
-            with context():
+            with context() as runtime:
                 loss = model(**batch).loss
+            sync()
+            middle = time.perf_counter()
             loss.backward()
+            sync()
+            end = time.perf_counter()
             model.zero_grad(set_to_none=True)
-            if args.device == "cuda":
-                torch.cuda.synchronize()
             if step:
-                times[label].append(time.perf_counter() - start)
-    median = {label: sorted(ts)[len(ts) // 2] for label, ts in times.items()}
+                times[label].append((middle - start, end - middle))
+            if label == "runtime, all-recompute":
+                replayed = runtime.stats.recomputed_ops
+
+    def med(values: list[float]) -> float:
+        return sorted(values)[len(values) // 2]
+
+    forward = {label: med([f for f, _ in ts]) for label, ts in times.items()}
+    backward = {label: med([b for _, b in ts]) for label, ts in times.items()}
+    median = {label: med([f + b for f, b in ts]) for label, ts in times.items()}
     plain = median["plain"]
     print(f"model {name}: {forward_ops} forward ops, {args.device}, "
           f"{args.threads} thread(s), median of {args.steps} steps")
@@ -122,6 +148,19 @@ def main() -> None:
     recompute = median["runtime, all-recompute"] / median["checkpoint blocks"]
     print(f"all-offload / save_on_cpu          {offload:5.2f}x (target <= 1.5x)")
     print(f"all-recompute / checkpoint blocks  {recompute:5.2f}x (target <= 1.5x)")
+    saves = len(profile.saves)
+    watched = watch_for(profile, recompute_all).watched_ops
+    keep, rec = "runtime, keep-all", "runtime, all-recompute"
+    figures = {
+        "pack_s": (forward[keep] - forward["plain"]) / saves,
+        "unpack_s": (backward[keep] - backward["plain"]) / saves,
+        "watch_s": (forward[rec] - forward[keep]) / max(watched, 1),
+        "replay_s": ((backward[rec] - backward[keep]) / max(replayed, 1)
+                     - forward["plain"] / forward_ops),
+    }
+    print(f"[host] figures of this machine ({saves} saves, {watched} ops watched, "
+          f"{replayed} replayed per step):")
+    print("  " + ", ".join(f"{k} = {v * 1e6:.1f} us" for k, v in figures.items()))
 
 
 if __name__ == "__main__":

@@ -79,16 +79,14 @@ class HostLink(_Strict):
 #     leaves out (a file without [host] gets them all; ``dispatch_s`` defaults to the
 #     presets' value). Set a field to 0 to leave that cost out.
 _DISPATCH_S = 7e-6
-# The runtime's own costs, measured (sources below): change them here only.
-_KEEP_ALL_ADDED_S = 17e-6  # per forward op: the runtime with a keep-all plan, less eager
-_PACKS, _FORWARD_OPS = 68, 106  # gpt2-xl-tiny's step
-_PACK_S = _KEEP_ALL_ADDED_S * _FORWARD_OPS / _PACKS
-_WATCH_S = 21e-6
-_REPLAY_S = 15e-6
+# The runtime's own costs, measured (sources below): change them here only. Each is the
+# mean of two runs of the benchmark's "[host] figures" line, which says how it splits them.
+_PACK_S, _UNPACK_S, _WATCH_S, _REPLAY_S = 34e-6, 7e-6, 83e-6, 31e-6
 _MACHINE = ("this project's 2-core CPU machine, 2026-11-30, one thread (a slow CPU: an upper "
             "estimate for a GPU host)")
-_BENCH = ("benchmarks/runtime_overhead.py (gpt2-xl-tiny, traced, fp32, side by side with "
-          f"plain eager) on {_MACHINE}")
+_BENCH = ("`python benchmarks/runtime_overhead.py --steps 50` (gpt2-xl-tiny, traced, fp32, "
+          f"side by side with plain eager, 68 saves and 104 watched ops a step) on {_MACHINE}, "
+          "mean of two runs")
 HOST_SOURCES: dict[str, str] = {
     "dispatch_s": (
         "pytorch/pytorch issue #41383 (Large overhead (7 microseconds) for PyTorch "
@@ -101,26 +99,19 @@ HOST_SOURCES: dict[str, str] = {
         "launch is usually 5-20 us. 7 us taken, paid by forward and backward ops alike "
         "(the C++ autograd engine's backward dispatch is cheaper: an upper estimate)."),
     "pack_s": (
-        f"{_BENCH}: the runtime with a keep-all plan adds about {_KEEP_ALL_ADDED_S * 1e6:g} "
-        f"us per forward op, and that step packs {_PACKS} tensors in {_FORWARD_OPS} "
-        f"forward ops (its traced profile's saves), so {_PACK_S * 1e6:.1f} us per pack; "
-        "the whole keep-all cost is charged to the packs (it also holds the unpacks of "
-        "kept tensors and the per-step setup, not charged apart)."),
-    "watch_s": (
-        f"{_BENCH}: a watched forward op costs the runtime about {_WATCH_S * 1e6:g} us. "
-        f"An empty TorchDispatchMode alone, timed in a loop on {_MACHINE}, adds 9.6 us "
-        "per aten.mul on 4x64x64 fp32 tensors and 14.2 us per op of linear, gelu and sum "
-        "on tensors that require grad; the runtime's mode also records recipes."),
-    "replay_s": (
-        f"timed in a loop on {_MACHINE}: the runtime's replay of a recorded op as it "
-        "was at commit bf043cd (runtime/apply.py _replay: recipes.map_args over the "
-        "arguments, a recipes.view_of per activation argument, set_grad_enabled) against the op "
-        "called directly, aten.mul.Tensor on two 4x64x64 fp32 tensors, 20000 calls, "
-        f"median of 5 rounds: 21.4 us against 6.4 us, so {_REPLAY_S * 1e6:g} us added per "
-        "replayed op (RNG state and rebuild bookkeeping not included)."),
+        f"{_BENCH}: (keep-all forward - plain forward) / saves = 31.3 and 36.7 us; it "
+        "holds the block's per-step setup too, charged to the packs."),
     "unpack_s": (
-        "not measured apart: taken equal to pack_s (an unpack of a moved tensor looks up "
-        "its reload or rebuild group and returns it, work of the same order as a pack)."),
+        f"{_BENCH}: (keep-all backward - plain backward) / saves = 3.1 and 11.0 us "
+        "(unpacks of kept tensors; a moved tensor's unpack does more, not measured apart)."),
+    "watch_s": (
+        f"{_BENCH}: (all-recompute forward - keep-all forward) / watched ops = 76.3 and "
+        "88.8 us: the dispatch mode (an empty TorchDispatchMode adds about 15 us a "
+        "dispatch here), calling each op from Python, recording its recipe, and the "
+        "costlier packs of moved tensors."),
+    "replay_s": (
+        f"{_BENCH}: (all-recompute backward - keep-all backward) / replayed ops, less a "
+        "plain forward op's mean time (the replayed kernel) = 36.1 and 26.1 us."),
 }
 
 
@@ -131,7 +122,7 @@ class Host(_Strict):
     pack_s: Seconds = _PACK_S  # per tensor autograd saves in forward, under a plan
     watch_s: Seconds = _WATCH_S  # per forward op the runtime watches
     replay_s: Seconds = _REPLAY_S  # per op replayed to recompute, on top of dispatch_s
-    unpack_s: Seconds = _PACK_S  # per moved saved tensor unpacked in backward
+    unpack_s: Seconds = _UNPACK_S  # per moved saved tensor unpacked in backward
 
 
 class Hardware(_Strict):
