@@ -8,7 +8,10 @@ NOTE [buffers held by events]
     and what it reads or writes is held by the runtime until that event has completed:
     the device tensor an offload reads, the device buffer a reload writes (unless the
     compute stream has waited for it, which orders any reuse after the copy), and the
-    host buffer either one uses. Finished copies are let go of at the next copy.
+    host buffer either one uses. Finished copies are let go of at the next pack or
+    unpack. A storage written in place after it was offloaded (a second value of it is
+    saved later) is written only once the offload of the first value has read it: the
+    runtime watches every such write (NOTE [watch only what the plan rebuilds]).
     Host buffers are pinned once and reused: a buffer nobody holds goes back to a pool,
     keyed by size, that keeps up to the plan's offloaded bytes, so a training loop stops
     pinning memory after its first step.
@@ -22,6 +25,7 @@ from typing import Any
 
 import torch
 
+from slackswap.runtime.recipes import storage_key
 from slackswap.runtime.stats import RuntimeStats
 
 __all__ = ["HostCopies", "copies_for"]
@@ -49,6 +53,8 @@ class HostCopies:
         # buffer]; a reload's entry is found by the id of the tensor it makes until the
         # compute stream waits for it
         self._offloads: deque[list[Any]] = deque()
+        # storage an offload still reads -> (its event, device)
+        self._reading: dict[int, tuple[Any, torch.device]] = {}
         self._reloading: deque[list[Any]] = deque()
         self._reloads: dict[int, list[Any]] = {}
 
@@ -81,6 +87,9 @@ class HostCopies:
                 event, held, host = queue.popleft()
                 if queue is self._reloading and held is not None:  # done, never waited for
                     self._reloads.pop(id(held), None)
+                if queue is self._offloads and self._reading.get(
+                        storage_key(held), (None,))[0] is event:
+                    del self._reading[storage_key(held)]
                 if self._busy.get(id(host)) is event:
                     del self._busy[id(host)]
 
@@ -107,7 +116,15 @@ class HostCopies:
         # t's memory is not reused, nor the buffer handed out again, before the copy
         self._offloads.append([event, t.detach(), host])
         self._busy[id(host)] = event
+        self._reading[storage_key(t)] = (event, t.device)
         return host
+
+    def before_write(self, key: int) -> None:
+        """The compute stream is about to change a storage in place: if an offload still
+        reads it (its earlier value, saved before), the write waits for that copy."""
+        reading = self._reading.pop(key, None)
+        if reading is not None and not reading[0].query():
+            torch.cuda.current_stream(reading[1]).wait_event(reading[0])
 
     def reload(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
         if device.type != "cuda":  # a buffer of its own, as a device copy would be

@@ -180,13 +180,14 @@ class Recorder:
         without being an output of the op gets a step no replay can repeat. The saved
         tensors over what it writes are looked at once it has (autograd bumps their
         version after the kernel; see :meth:`mark_modified`)."""
-        state = self.state
+        state, copies = self.state, self.values.copies
         for position, x in (*enumerate(args), *kwargs.items()):
             if (position not in written or not isinstance(x, torch.Tensor)
                     or x.layout != torch.strided):
                 continue
             key = storage_key(x)
             state.written.extend(state.packs.get(key, ()))
+            copies.before_write(key)  # an offload of its earlier value may still read it
             node = state.nodes.get(key)
             if node is None:  # an outside storage: counted, and kept as it was if read
                 writes = state.outside_writes.get(key, 0)
