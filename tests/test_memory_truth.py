@@ -117,7 +117,11 @@ def test_planned(name: str, strategy: str, budget: float) -> None:
     try:
         plan = slackswap.plan(profile, budget, strategy=strategy)
     except InputError as e:  # the planner found none: nothing to measure
-        assert "fits no plan" in str(e)
+        # below every plan's reach, or (a baseline, not SlackSwap, which falls back on
+        # all-offload) out of this strategy's reach: recompute-only's knapsack leaves out
+        # the memory its rebuilds hold for a while, so near the floor it may find none
+        assert "fits no plan" in str(e) or (
+            strategy != "slackswap" and f"out of reach of '{strategy}'" in str(e))
         pytest.skip(f"{strategy} has no plan for {name} at {budget}: {e}")
     assert plan.budget_bytes == int(budget * profile.keep_all_peak)
     check(name, plan, plan.budget_bytes)

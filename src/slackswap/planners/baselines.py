@@ -5,7 +5,7 @@ from __future__ import annotations
 from slackswap.planners.context import PlanContext
 from slackswap.planners.memory import evicted_at, pressure_points
 from slackswap.planners.recompute import choose_recompute, kernel_cost, rebuild_cost
-from slackswap.planners.search import Attempt, fit_margin, smallest_fitting
+from slackswap.planners.search import Attempt, fit_margin, or_uniform, smallest_fitting
 from slackswap.planners.slack import d2h_landing, offload_within_slack
 
 __all__ = ["recompute_only", "checkpoint_blocks", "offload_only", "capuchin", "module_policy"]
@@ -21,7 +21,7 @@ def recompute_only(ctx: PlanContext) -> Attempt | None:
             return None
         return ctx.plan("recompute-only", {n: "recompute" for n in chosen})
 
-    return fit_margin(ctx, make)
+    return or_uniform(ctx, fit_margin(ctx, make), "recompute-only", ("recompute",))
 
 
 def _block_inputs(ctx: PlanContext, layer: int) -> list[str]:

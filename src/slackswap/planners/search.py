@@ -8,7 +8,7 @@ from slackswap.core.plan import Plan
 from slackswap.core.result import SimResult
 from slackswap.planners.context import PlanContext
 
-__all__ = ["Attempt", "fit_margin", "smallest_fitting"]
+__all__ = ["Attempt", "fit_margin", "smallest_fitting", "or_uniform"]
 
 Attempt = tuple[Plan, SimResult]
 
@@ -62,3 +62,18 @@ def smallest_fitting(ctx: PlanContext, make: Callable[[int], Plan], lo: int,
         plan = make(hi)
         found = (plan, ctx.check(plan))
     return found
+
+
+def or_uniform(ctx: PlanContext, attempt: Attempt | None, strategy: str,
+               decisions: tuple[str, ...]) -> Attempt | None:
+    """``attempt``, or when it does not fit, the best feasible plan that moves every
+    candidate the same way (``decisions`` says which ways the strategy allows): near the
+    smallest feasible budget a margin search can miss a plan these still find, and a
+    budget above their peak is never out of the strategy's reach."""
+    if attempt is not None and attempt[1].feasible:
+        return attempt
+    names = [c.name for c in ctx.candidates]
+    for decision in decisions:
+        plan = ctx.plan(strategy, {n: decision for n in names})
+        attempt = _better(attempt, (plan, ctx.check(plan)))
+    return attempt

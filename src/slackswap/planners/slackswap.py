@@ -26,7 +26,7 @@ from slackswap.planners.context import Candidate, PlanContext
 from slackswap.planners.memory import evicted_at, pressure_points
 from slackswap.planners.prefetch import with_prefetch_points
 from slackswap.planners.recompute import choose_recompute, rebuild_cost
-from slackswap.planners.search import Attempt, fit_margin
+from slackswap.planners.search import Attempt, fit_margin, or_uniform
 from slackswap.planners.slack import d2h_landing, offload_within_slack
 
 __all__ = ["slackswap", "SLACK_FRACTIONS"]
@@ -57,6 +57,7 @@ def slackswap(ctx: PlanContext) -> Attempt | None:
             best = attempt
         if best is not None and best[1].stall_s["reload"] == best[1].stall_s["memory"] == 0:
             break  # the copies hide entirely: spending less slack only adds recompute
+    best = or_uniform(ctx, best, "slackswap", ("offload", "recompute"))
     return with_prefetch_points(ctx, best) if best is not None else None
 
 
