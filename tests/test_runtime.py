@@ -843,3 +843,18 @@ def test_measured_peak_matches_the_simulated_peak() -> None:
         measured = measured_peak(plan)
         assert measured <= simulated * 1.01 + 4096, strategy
         assert measured < 0.7 * keep, strategy  # the memory really went
+
+
+def test_the_runtime_package_names_the_block_whatever_was_imported_first() -> None:
+    import importlib
+    import pkgutil
+
+    import slackswap.runtime as runtime
+
+    for module in pkgutil.iter_modules(runtime.__path__):
+        importlib.import_module(f"slackswap.runtime.{module.name}")
+    from slackswap.runtime import RuntimeStats as Stats
+    from slackswap.runtime import apply as block
+
+    assert block is slackswap.apply and isinstance(block, type)
+    assert Stats is RuntimeStats

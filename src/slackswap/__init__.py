@@ -36,7 +36,7 @@ def __getattr__(name: str):
 
         return profile
     if name == "apply":
-        from slackswap.runtime.apply import apply
+        from slackswap.runtime.block import apply
 
         return apply
     if name == "auto":

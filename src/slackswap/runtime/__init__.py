@@ -12,14 +12,12 @@ from typing import Any
 
 __all__ = ["RuntimeStats", "apply"]
 
-_HOMES = {"apply": "slackswap.runtime.apply", "RuntimeStats": "slackswap.runtime.stats"}
+_HOMES = {"apply": "slackswap.runtime.block", "RuntimeStats": "slackswap.runtime.stats"}
 
 
 def __getattr__(name: str) -> Any:
-    if name in _HOMES:
-        # NOTE: ``apply`` is also a submodule: importing it binds the module under that
-        # name here, so every name is bound again to what ``__all__`` promises
-        values = {n: getattr(importlib.import_module(m), n) for n, m in _HOMES.items()}
-        globals().update(values)
-        return values[name]
+    if name in _HOMES:  # (no submodule is named like them, so none hides them)
+        value = getattr(importlib.import_module(_HOMES[name]), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'slackswap.runtime' has no attribute {name!r}")

@@ -11,7 +11,7 @@ from slackswap.core.plan import Plan
 from slackswap.planners import plan
 from slackswap.profiling import profile
 from slackswap.profiling.step import fingerprint
-from slackswap.runtime.apply import apply
+from slackswap.runtime.block import apply
 
 __all__ = ["plan_model", "AutoPlan"]
 

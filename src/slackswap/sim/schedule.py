@@ -21,7 +21,7 @@ NOTE [gone tensors]
     A saved tensor is gone after the last backward op that reads it (``end``): kept,
     reloaded or rebuilt, no copy of it outlives that op but in the runtime's rebuild group.
 
-NOTE [rebuild groups] (as in the runtime, ``slackswap.runtime.apply``)
+NOTE [rebuild groups] (as in the runtime, ``slackswap.runtime.saved``)
     The runtime holds what rebuilds make for one backward op, and the reloaded or rebuilt
     saved tensors backward unpacks for the last time, until backward unpacks a tensor
     whose first backward use is another op. The schedule holds them as long

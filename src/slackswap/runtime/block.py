@@ -1,4 +1,5 @@
-"""``slackswap.apply``: keep, offload or recompute each saved activation of a real step.
+"""The ``slackswap.apply`` block: keep, offload or recompute each saved activation of a
+real step.
 
 The block owns the step's hooks and checks; the work is split by seam:
 :mod:`~slackswap.runtime.recording` watches forward (NOTE [one owner of the hooks]),
