@@ -59,6 +59,11 @@ class HostCopies:
         self._reloads: dict[int, list[Any]] = {}
 
     # -- the pool ----------------------------------------------------------------------
+    @property
+    def pooled_bytes(self) -> int:
+        """Bytes of free host buffers kept for the next offloads."""
+        return self._free_bytes
+
     def _take(self, nbytes: int, pinned: bool, stats: RuntimeStats) -> torch.Tensor:
         free = self._free.get(nbytes)
         if free:
