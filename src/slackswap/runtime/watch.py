@@ -111,6 +111,11 @@ def _watch_for(profile: StepProfile, plan: Plan) -> Watch:
     starts = [0, *(min(e, forward) for e in profile.module_events)]
     ends = [*starts[1:], forward]
     segments = [any(i in watched for i in range(s, e)) for s, e in zip(starts, ends, strict=True)]
+    # a segment that runs no op keeps the mode as it was: it is switched only where
+    # watching changes (an op the profile does not have there is then seen, and refused)
+    for k in range(1, len(segments)):
+        if starts[k] == ends[k]:
+            segments[k] = segments[k - 1]
     op_names = {i: [tensors[t].name for t in ops[i].outputs]
                 for on, s, e in zip(segments, starts, ends, strict=True) if on for i in range(s, e)}
     return Watch(
