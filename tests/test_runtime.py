@@ -325,22 +325,31 @@ def test_gradient_accumulation(decision: str) -> None:
     plan = Plan(fingerprint=profile.fingerprint, strategy="x",
                 decisions={n: decision for n in names})
 
+    allocated = []  # host buffers allocated per accumulated step
+
     def two_micro_batches(with_plan: bool):
         torch.manual_seed(0)
         model.zero_grad(set_to_none=True)
-        losses = []
+        losses, runtimes = [], []
         for _ in range(2):
             if with_plan:
-                with slackswap.apply(model, plan):
+                runtimes.append(slackswap.apply(model, plan, profile=profile))
+                with runtimes[-1]:
                     losses.append(model(**batch).loss)
             else:
                 losses.append(model(**batch).loss)
         for loss in losses:  # both forwards first, then both backwards
             loss.backward()
+        allocated.append(sum(r.stats.host_buffers_allocated for r in runtimes))
         return {n: p.grad.clone() for n, p in model.named_parameters()}
 
-    plain, planned = two_micro_batches(False), two_micro_batches(True)
-    assert all(torch.equal(plain[n], planned[n]) for n in plain)
+    plain = two_micro_batches(False)
+    for _ in range(2):
+        planned = two_micro_batches(True)
+        assert all(torch.equal(plain[n], planned[n]) for n in plain)
+    # the pool keeps what both micro-batches held at once: the next step allocates none
+    assert allocated[1:] == ([2 * sum(profile.by_name[n].bytes >= MIN_PLANNED_BYTES
+                                      for n in names), 0] if decision == "offload" else [0, 0])
 
 
 def test_host_buffers_are_reused_from_step_to_step() -> None:

@@ -41,12 +41,16 @@ class HostCopies:
     stream first waits for the compute work queued so far, which is the plan's prefetch
     point: backward has reached it.
 
-    ``capacity``: bytes of free host buffers the pool keeps for reuse (None: all)."""
+    ``capacity``: bytes of free host buffers the pool keeps for reuse (None: all); never
+    less than the most bytes of host copies held at once so far (micro-batches whose
+    backwards come after all their forwards hold several steps' copies)."""
 
     def __init__(self, capacity: int | None = None) -> None:
         self.capacity = capacity
         self._free: dict[int, list[torch.Tensor]] = {}  # bytes -> free host buffers
         self._free_bytes = 0
+        self._out_bytes = 0  # bytes of host copies handed out and not given back
+        self._most_out = 0
         self._streams: dict[torch.device, tuple[Any, Any]] = {}
         self._busy: dict[int, Any] = {}  # id of a host buffer -> its last copy's event
         # copies in flight per stream, in issue order: [event, device tensor held, host
@@ -65,6 +69,8 @@ class HostCopies:
         return self._free_bytes
 
     def _take(self, nbytes: int, pinned: bool, stats: RuntimeStats) -> torch.Tensor:
+        self._out_bytes += nbytes
+        self._most_out = max(self._most_out, self._out_bytes)
         free = self._free.get(nbytes)
         if free:
             host = free.pop()
@@ -79,7 +85,9 @@ class HostCopies:
     def give_back(self, host: torch.Tensor) -> None:
         """A host copy nobody needs any more: its buffer may serve the next offload."""
         nbytes = host.numel()
-        if self.capacity is not None and self._free_bytes + nbytes > self.capacity:
+        self._out_bytes -= nbytes
+        limit = None if self.capacity is None else max(self.capacity, self._most_out)
+        if limit is not None and self._free_bytes + nbytes > limit:
             self._busy.pop(id(host), None)
             return  # past what the plan offloads: let it go
         self._free.setdefault(nbytes, []).append(host)
