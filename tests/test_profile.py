@@ -190,3 +190,17 @@ def test_loss_fn_for_models_without_loss() -> None:
     model, x = no_loss()
     p = slackswap.profile(model, x, loss_fn=lambda out: out["logits"].sum())
     assert p.summary()["backward_flops"] > 0
+
+
+@pytest.mark.parametrize("mode", ["traced", "measured"])
+def test_a_batch_that_requires_grad_is_left_as_it_was(mode: str) -> None:
+    """Profiling runs the step on new leaves over the batch's storage: the caller's
+    tensor gets no gradient and no hook (a hook left on it broke a later
+    ``torch.autograd.grad`` through it, as a gradient penalty takes)."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    x = torch.randn(4, 8, requires_grad=True)
+    slackswap.profile(model, x, loss_fn=lambda out: out.sum(), mode=mode)
+    assert x.grad is None
+    (grad,) = torch.autograd.grad(model(x).sum(), x, create_graph=True)
+    grad.square().sum().backward()
+    assert x.grad is not None

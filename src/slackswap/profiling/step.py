@@ -63,7 +63,7 @@ def profile(
         used_kernels = kernels or hw.kernels
     elif mode in ("measured", "traced"):
         with _leaves_no_trace(model):
-            rec, device = _trace_measured(model, batch, loss_fn, name,
+            rec, device = _trace_measured(model, _own_leaves(batch), loss_fn, name,
                                           warmup if mode == "measured" else 0)
         used_kernels = "cuda" if device.startswith("cuda") else "native"
         if mode == "traced":
@@ -397,6 +397,24 @@ def _leaves_no_trace(model: torch.nn.Module) -> Iterator[None]:
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
+
+
+def _own_leaves(batch: Batch) -> Batch:
+    """The batch with each tensor that requires grad replaced by a new leaf over the same
+    storage: the profiled step's gradients and ``ModTracker``'s gradient hooks land on
+    those, not on the caller's tensors (a hook left on a leaf breaks a later
+    ``torch.autograd.grad`` through it)."""
+    def own(v: Any) -> Any:
+        if isinstance(v, torch.Tensor) and v.requires_grad:
+            return v.detach().requires_grad_()
+        return v
+
+    if isinstance(batch, Mapping):
+        return {k: own(v) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(own(v) for v in batch) if type(batch) in (tuple, list) else [
+            own(v) for v in batch]
+    return own(batch)
 
 
 def _trace_measured(
