@@ -57,6 +57,16 @@ def test_keep_all_when_the_budget_allows() -> None:
     assert plan.budget_bytes == profile.keep_all_peak
 
 
+def test_a_budget_slackswap_fits_is_not_called_out_of_every_plans_reach() -> None:
+    """A baseline that cannot fit a budget (checkpoint-blocks, with no blocks) says so,
+    and that SlackSwap fits it, rather than naming a floor a hybrid plan goes below."""
+    profile = expensive_small_cheap_large()
+    assert slackswap.plan(profile, 0.85, GB_PER_S).strategy == "slackswap"
+    with pytest.raises(InputError, match="out of reach of 'checkpoint-blocks'; the "
+                                         "'slackswap' strategy fits it"):
+        slackswap.plan(profile, 0.85, GB_PER_S, strategy="checkpoint-blocks")
+
+
 def test_budget_below_every_plan_names_the_smallest() -> None:
     profile = expensive_small_cheap_large()
     with pytest.raises(InputError, match=r"smallest feasible budget for this profile is"):

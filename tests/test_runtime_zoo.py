@@ -230,8 +230,8 @@ def mixed(name: str) -> Plan:
 
 
 def strategy_plan(name: str, strategy: str, budget: float | int) -> Plan:
-    """The strategy's plan; where the budget is out of reach of small models, at the
-    smallest budget any plan reaches; skipped where the strategy has none even there."""
+    """The strategy's plan; where the budget is out of reach of small models, at a budget
+    a plan is known to reach; skipped where the strategy has none even there."""
     profile = case(name).profile
     try:
         return slackswap.plan(profile, budget, strategy=strategy)

@@ -32,8 +32,9 @@ STRATEGIES: dict[str, Callable[[PlanContext], Attempt | None]] = {
 
 
 def smallest_feasible_budget(profile: StepProfile, hardware: Hardware | None = None) -> int:
-    """The lowest peak any plan reaches: every planable activation recomputed, or every
-    one offloaded, whichever is lower, and never below one op's working set."""
+    """A budget a plan is known to reach: the lower peak of recomputing every planable
+    activation or offloading every one, never below one op's working set. (A hybrid plan,
+    SlackSwap's, may reach lower.)"""
     hw = hardware or load_hardware(profile.hardware)
     ctx = PlanContext(profile, hw, profile.keep_all_peak)
     names = [c.name for c in ctx.candidates]
@@ -82,6 +83,11 @@ def plan(
     attempt = plan_with_result(profile, budget, hw, strategy)
     if attempt is None or not attempt[1].feasible:
         need = resolve_budget(budget, profile.keep_all_peak)
+        if strategy != "slackswap":
+            hybrid = plan_with_result(profile, budget, hw)
+            if hybrid is not None and hybrid[1].feasible:
+                raise InputError(f"budget {format_bytes(need)} is out of reach of "
+                                 f"'{strategy}'; the 'slackswap' strategy fits it")
         floor = smallest_feasible_budget(profile, hw)
         reason = "fits no plan" if need < floor else f"is out of reach of '{strategy}'"
         raise InputError(
