@@ -35,7 +35,8 @@ MODELS: dict[str, Callable[[], Any]] = {**zoo.MODELS, **edge_cases.MODELS}
 REFUSED = {"grad_in_forward": "backward inside its forward pass"}
 NAMES = [name for name in MODELS if name not in REFUSED]
 # models whose step draws random numbers (dropout, drop path, noise): a seed changes the loss
-RANDOM = ["lstm", "gru", "cnn_bn_inplace", "vit", "unet", "t5", "bart", "multihead_attention",
+RANDOM = ["lstm", "gru", "cnn_bn_inplace", "vit", "unet", "t5", "bart", "mixtral",
+          "multihead_attention",
           "custom_function", "targets_loss_fn", "random_in_function"]
 BUDGETS = [0.7, 0.5, 0.3]
 SEED = 0

@@ -407,6 +407,24 @@ def targets_loss_fn() -> Case:
     return _Classifier().train(), torch.randn(64, 32), lambda out: F.cross_entropy(out, targets)
 
 
+def mixtral() -> Case:
+    """MixtralForCausalLM from a tiny config: a sparse mixture of experts (top-2 routing by
+    topk, tokens sorted to their experts, grouped matmuls), attention dropout on."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.MixtralConfig(
+        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=32, attention_dropout=0.1,
+        use_cache=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(config).train()
+    ids = torch.randint(0, 100, (2, 16))
+    return model, {"input_ids": ids, "labels": ids}, None
+
+
 MODELS: dict[str, Callable[[], Case]] = {
     "lstm": lstm,
     "gru": gru,
@@ -416,6 +434,7 @@ MODELS: dict[str, Callable[[], Case]] = {
     "unet": unet,
     "t5": t5,
     "bart": bart,
+    "mixtral": mixtral,
     "multihead_attention": multihead_attention,
     "custom_function": custom_function,
     "targets_loss_fn": targets_loss_fn,
