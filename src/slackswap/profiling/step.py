@@ -411,9 +411,8 @@ def _own_leaves(batch: Batch) -> Batch:
 
     if isinstance(batch, Mapping):
         return {k: own(v) for k, v in batch.items()}
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(own(v) for v in batch) if type(batch) in (tuple, list) else [
-            own(v) for v in batch]
+    if isinstance(batch, (tuple, list)):  # called as model(*batch): a tuple serves
+        return tuple(own(v) for v in batch)
     return own(batch)
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from slackswap.core.plan import MIN_PLANNED_BYTES, Plan
+from slackswap.core.plan import Plan
 from slackswap.core.profile import StepProfile
 from slackswap.errors import InputError
 from slackswap.profiling.step import (
@@ -77,10 +77,12 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         first_use: dict[str, int] = {}
         self._checkpoints: dict[str, int] = {}  # unsaved tensors kept -> release position
         prefetch = sorted(plan.prefetch.items(), key=lambda kv: (kv[1], kv[0]))
+        offloaded = None  # without a profile, the host-buffer pool keeps what it held
         if profile is not None:
             ready = prepare(profile, plan)
             first_use, self._checkpoints = ready.first_use, ready.checkpoints
             prefetch = ready.prefetch  # on a tie, in the simulator's order
+            offloaded = ready.offloaded_bytes
         self.model = model
         self.verify = verify
         # NOTE [watch only what the plan rebuilds]; without a profile that can guide it,
@@ -90,12 +92,7 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         self._watch = (watch_for(profile, plan)
                        if profile is not None and can_watch(profile, device) else None)
         self.decisions = {n: d for n, d in plan.decisions.items() if d != "keep"}
-        # NOTE [buffers held by events]: host buffers are reused from step to step, up
-        # to the bytes the plan offloads (when its profile says)
-        offloaded = None if profile is None else sum(
-            t.bytes for n, d in self.decisions.items()
-            if d == "offload" and (t := profile.by_name.get(n)) is not None
-            and t.bytes >= MIN_PLANNED_BYTES)
+        # NOTE [buffers held by events]: host buffers are reused from step to step
         self.values = SavedValues(self.decisions, verify, self._watch, first_use, prefetch,
                                   copies_for(plan, offloaded))
         self.state = self.values.state  # the last forward's record

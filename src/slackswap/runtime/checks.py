@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from slackswap.core.plan import Plan
+from slackswap.core.plan import MIN_PLANNED_BYTES, Plan
 from slackswap.core.profile import StepProfile
 from slackswap.errors import InputError
 from slackswap.sim.schedule import build_schedule
@@ -24,6 +24,7 @@ class Prepared:
     first_use: dict[str, int]  # saved activation -> the backward op that first needs it
     checkpoints: dict[str, int]  # unsaved tensor kept -> release position
     prefetch: list[tuple[str, int]]  # reloads in the order the simulator issues them
+    offloaded_bytes: int  # what the plan offloads: the host-buffer pool keeps as much
 
 
 # id(plan) -> (plan, profile, its decisions and prefetch points, what was worked out), by
@@ -63,6 +64,10 @@ def prepare(profile: StepProfile, plan: Plan) -> Prepared:
                        if t.first_backward_use is not None},
             checkpoints=checkpoint_releases(profile, plan),
             prefetch=order,
+            offloaded_bytes=sum(
+                t.bytes for n, d in plan.decisions.items()
+                if d == "offload" and (t := profile.by_name.get(n)) is not None
+                and t.bytes >= MIN_PLANNED_BYTES),
         )
     return prepared(profile, plan, make)
 

@@ -8,6 +8,7 @@ need no grad, so no graph is built and nothing is packed.
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -52,22 +53,18 @@ class Replayer:
             return alive
         if self.active:  # an input of the rebuild in progress: timed with it
             return self._replay(node, upto)
-        values = self.values
-        # The recorded ops already carry autocast's casts: replay them as they ran.
-        with no_autocast(), values.stats.recompute_section(node.device):
+        values, recorder = self.values, self.values.recorder
+        # The recorded ops already carry autocast's casts: replay them as they ran. The
+        # block may still be open: its recorder must not take them for the model's.
+        with (no_autocast(), values.stats.recompute_section(node.device),
+              recorder.quieted() if recorder is not None else contextlib.nullcontext()):
             self.active = True
             grad = torch.is_grad_enabled()
-            recorder = values.recorder
-            quiet = recorder.quiet if recorder is not None else False
-            if recorder is not None:  # the block may still be open: these are not its ops
-                recorder.quiet = True
             try:
                 return self._replay(node, upto)
             finally:
                 self.active = False
                 torch._C._set_grad_enabled(grad)
-                if recorder is not None:
-                    recorder.quiet = quiet
 
     def _replay(self, node: Node, upto: int) -> torch.Tensor:
         current: torch.Tensor | None = None
