@@ -140,10 +140,11 @@ def main() -> None:
     plain = median["plain"]
     print(f"model {name}: {forward_ops} forward ops, {args.device}, "
           f"{args.threads} thread(s), median of {args.steps} steps")
-    print(f"{'':26s}{'step ms':>10s}{'added us/fwd op':>17s}")
+    print(f"{'':26s}{'fwd ms':>8s}{'bwd ms':>8s}{'step ms':>9s}{'added us/fwd op':>17s}")
     for label, seconds in median.items():
         added = (seconds - plain) / forward_ops * 1e6
-        print(f"{label:26s}{seconds * 1e3:10.2f}{added:17.1f}")
+        print(f"{label:26s}{forward[label] * 1e3:8.2f}{backward[label] * 1e3:8.2f}"
+              f"{seconds * 1e3:9.2f}{added:17.1f}")
     offload = median["runtime, all-offload"] / median["save_on_cpu"]
     recompute = median["runtime, all-recompute"] / median["checkpoint blocks"]
     print(f"all-offload / save_on_cpu          {offload:5.2f}x (target <= 1.5x)")

@@ -411,6 +411,26 @@ def test_a_compiled_model_runs_eagerly_under_the_plan() -> None:
     assert_identical(custom_step(model, x, plan, net=compiled), custom_step(model, x))
 
 
+@pytest.mark.filterwarnings("ignore")  # torch.compile's own deprecation and hook notes
+def test_a_block_compiled_inside_the_model_runs_eagerly_under_the_plan() -> None:
+    """A submodule whose forward is compiled runs under the runtime's dispatch mode: Dynamo
+    skips it (and never compiles the runtime's own code, NOTE [dynamo off in dispatch]),
+    so gradients equal eager training's."""
+    from factories import TinyMLP, WithMSE
+
+    torch.manual_seed(0)
+    model, x = WithMSE(TinyMLP(64, 3)), torch.randn(4, 8, 64)
+    profile = slackswap.profile(model, x, kernels="native")
+    names = [t.name for t in profile.saved_activations if t.producer is not None]
+    plan = Plan(fingerprint=profile.fingerprint, strategy="x",
+                decisions={n: ("offload", "recompute")[i % 2] for i, n in enumerate(names)})
+    reference = custom_step(model, x)
+    torch._dynamo.reset()
+    model.model.blocks[1].compile()
+    assert_identical(custom_step(model, x, plan), reference)
+    assert_identical(custom_step(model, x), reference)  # compiled outside the block
+
+
 def test_a_distributed_data_parallel_model(tmp_path) -> None:
     """DDP's wrapper names the model inside; its gradient hooks run as without the plan."""
     import torch.distributed as dist

@@ -20,9 +20,9 @@ from slackswap.profiling.naming import (
 )
 
 __all__ = ["Ref", "Step", "Node", "GeneratorState", "Scratch", "Outside", "Geometry",
-           "map_args", "op_tensors", "storage_key", "geometry", "view_of", "no_autocast",
-           "rng_state", "set_rng_state", "written_arguments", "op_device", "plain_strided",
-           "view_or_base", "op_info", "OpInfo"]
+           "map_args", "op_tensors", "storage_key", "detached", "geometry", "view_of",
+           "no_autocast", "rng_state", "set_rng_state", "written_arguments", "op_device",
+           "plain_strided", "view_or_base", "op_info", "OpInfo"]
 
 
 @dataclass(slots=True)
@@ -48,8 +48,9 @@ class Ref:
 
 
 def geometry(t: torch.Tensor) -> Geometry:
-    return Geometry(tuple(t.size()), tuple(t.stride()), t.storage_offset(), t.dtype,
-                    t.is_conj(), t.is_neg())
+    # torch.Size is an immutable tuple already, and stride() returns a new tuple
+    return Geometry(t.size(), t.stride(), t.storage_offset(), t.dtype, t.is_conj(),
+                    t.is_neg())
 
 
 @dataclass(slots=True)
@@ -81,16 +82,17 @@ class Node:
 
     __slots__ = ("name", "key", "device", "steps", "ref", "kept", "storage", "__weakref__")
 
-    def __init__(self, name: str, step: Step, tensor: torch.Tensor) -> None:
+    def __init__(self, name: str | None, step: Step, tensor: torch.Tensor) -> None:
         self.name = name
-        self.key = storage_key(tensor)
+        storage = tensor.untyped_storage()
+        self.key = storage._cdata  # storage_key(tensor)
         self.device = tensor.device
         self.steps = [step]
         self.ref = weakref.ref(tensor)
         self.kept: list[Any] = []  # weak references to saved, kept tensors over the storage
         # NOTE: a weak reference to the StorageImpl keeps its address from being reused,
         # so storage keys stay unique while this node lives.
-        self.storage = StorageWeakRef(tensor.untyped_storage())
+        self.storage = StorageWeakRef(storage)
 
     def replayable(self) -> bool:
         """Every op that wrote the storage can be replayed exactly (its own steps)."""
@@ -142,6 +144,17 @@ def op_tensors(out: Any) -> list[torch.Tensor]:
 
 def storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
+
+
+_UNSEEN = torch._C._DisableTorchDispatch
+
+
+def detached(t: torch.Tensor) -> torch.Tensor:
+    """``t.detach()`` for the runtime's own use (it shares ``t``'s version counter), out
+    of sight of dispatch modes: the recorder's own mode would pay a whole watched call
+    for an alias it has no use for. Plain tensors only (no subclass dispatches)."""
+    with _UNSEEN():
+        return t.detach()
 
 
 def view_of(base: torch.Tensor, g: Geometry) -> torch.Tensor:

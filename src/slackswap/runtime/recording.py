@@ -16,6 +16,7 @@ import contextlib
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch._C._dynamo.eval_frame import set_eval_frame as _set_eval_frame
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from slackswap.errors import InputError
@@ -49,8 +50,21 @@ class _Tracer(TorchDispatchMode):
         super().__init__()
         self.recorder = recorder
 
+    # NOTE [dynamo off in dispatch]: torch wraps a mode's ``__torch_dispatch__`` in
+    # ``torch._dynamo.disable`` so that a compiled function running under the mode never
+    # compiles the mode's own Python. That wrapper costs about 5 us per op, a tenth of
+    # what watching an op costs; the two calls below do the same (no frame evaluation
+    # callback while the runtime's code runs, the caller's put back after).
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return self.recorder.dispatch(func, args, kwargs or {})
+        prior = _set_eval_frame(None)
+        try:
+            return self.recorder.dispatch(func, args, kwargs or {})
+        finally:
+            _set_eval_frame(prior)
 
     def on(self) -> None:
         self.__enter__()
@@ -210,18 +224,20 @@ class Recorder:
 
     def record(self, func: Any, kind: str, mutable: bool, written: frozenset, args: tuple,
                kwargs: dict, out: Any, rng: Any, index: int | None) -> None:
+        # the hottest path of a watched forward: attribute lookups hoisted, storages read
+        # once per tensor
         state = self.state
         nodes, is_external = state.nodes, state.is_external
         outside_read, outside_writes = state.outside_read, state.outside_writes
         sparse = index is not None
-        strided = torch.strided
+        strided, tensor_type = torch.strided, torch.Tensor
 
         def ref(x: Any) -> Any:
-            if not isinstance(x, torch.Tensor):
+            if not isinstance(x, tensor_type):
                 return x  # constants stay as they are
             if x.layout != strided:  # read again only as it is now
                 return Outside(x, x._version)
-            key = storage_key(x)
+            key = x.untyped_storage()._cdata  # storage_key(x)
             node = nodes.get(key)
             if node is None and sparse and not is_external(key):
                 # made in a segment nobody watched: read back as it is now, from a
@@ -251,24 +267,24 @@ class Recorder:
         outputs: list[Node | None] = [None] * len(tensors)
         names = self.watch.op_names[index] if sparse else None
         for i, t in enumerate(tensors):
-            key = storage_key(t)
+            key = t.untyped_storage()._cdata  # storage_key(t)
             if is_external(key):
                 continue
             node = nodes.get(key)
-            step = Step(func, step_args, step_kwargs, i, rng, outputs, grad)
             if node is None and sparse and mutable:
                 # written in place here, made where nobody watched: no replay makes it
                 node = state.unwatched_node(t, key)
             if node is None:
                 name = (names[i] if i < len(names) else None) if names is not None else (
                     self.namer(self.path(), kind))
-                node = nodes[key] = Node(name, step, t)
+                node = nodes[key] = Node(
+                    name, Step(func, step_args, step_kwargs, i, rng, outputs, grad), t)
                 outputs[i] = node
                 release = self.checkpoints.get(name)
                 if release is not None:  # autograd does not save it: the runtime keeps it
                     self.values.hold_checkpoint(key, release, t)
             elif mutable:
-                node.steps.append(step)
+                node.steps.append(Step(func, step_args, step_kwargs, i, rng, outputs, grad))
 
 
 _RETURNS_ALIAS: dict[tuple[Any, Any], bool] = {}

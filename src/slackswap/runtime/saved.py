@@ -17,7 +17,13 @@ import torch
 from slackswap.core.plan import MIN_PLANNED_BYTES
 from slackswap.errors import NESTED_BACKWARD, InputError, VerifyError
 from slackswap.runtime.copies import HostCopies
-from slackswap.runtime.recipes import Node, geometry, plain_strided, storage_key, view_of
+from slackswap.runtime.recipes import (
+    Node,
+    detached,
+    geometry,
+    plain_strided,
+    view_of,
+)
 from slackswap.runtime.recording import Recorder, copy_storage
 from slackswap.runtime.replay import Replayer
 from slackswap.runtime.state import StepState
@@ -135,16 +141,16 @@ class SavedValues:
         name = recorder.next_pack() if recorder is not None else None
         if not plain_strided(t):  # kept as autograd saved it
             return _Saved(t)
-        key = storage_key(t)
+        storage = t.untyped_storage()
+        key, nbytes = storage._cdata, storage.nbytes()  # storage_key(t), its bytes
         node = state.nodes.get(key)
-        nbytes = t.untyped_storage().nbytes()
         # detached: a saved output holding its own grad_fn would make the graph a cycle
         # that outlives a dropped step (the detached tensor shares the version counter)
         if nbytes < MIN_PLANNED_BYTES:
             return _Saved(state.kept(t, key, node))
         if node is None:
             if state.is_external(key):
-                return _Saved(t.detach())
+                return _Saved(detached(t))
             if name is None:
                 return _Saved(state.kept(t, key, None))
             if name in self.decisions:
