@@ -32,9 +32,16 @@ _ATTENTION_KERNELS = frozenset({
 })
 
 
+# Not the model's computation: profiler ranges, and the collectives and copy-in/copy-out
+# ops of DDP and FSDP2 (issued by the wrappers, never saved for backward or replayed).
+_NOT_RECORDED_NAMESPACES = frozenset({"prim", "profiler", "c10d", "_c10d_functional",
+                                      "_c10d_functional_autograd", "fsdp"})
+
+
 def is_recorded(func: Any) -> bool:
-    """Kernels, not metadata: views, detaches, aliases and prims are resolved to bases."""
-    return not (func.namespace == "prim" or func.is_view
+    """Kernels, not metadata: views, detaches, aliases and prims are resolved to bases;
+    profiler ranges and collectives are not the model's ops."""
+    return not (func.namespace in _NOT_RECORDED_NAMESPACES or func.is_view
                 or func.__name__.startswith(("detach", "alias")))
 
 

@@ -22,10 +22,17 @@ from slackswap.errors import InputError, ProfileError, SlackSwapError
 from slackswap.profiling.kernels import TargetKernels
 from slackswap.profiling.naming import ActivationNamer, module_events, module_path
 from slackswap.profiling.recorder import StepRecorder
+from slackswap.profiling.sharding import (
+    fsdp_hooks_off,
+    fsdp_module_class,
+    local_bytes,
+    unsharded,
+    unsharded_state,
+)
 
 __all__ = ["batch_fingerprint", "batch_tensors", "default_device", "eager_module", "fingerprint",
            "model_fingerprint", "model_state", "profile", "refuse_own_checkpointing",
-           "refusing_own_checkpoint_calls", "transformer_blocks"]
+           "refusing_own_checkpoint_calls", "transformer_blocks", "wrappers", "gathered"]
 
 Batch = Mapping[str, Any] | tuple | list | torch.Tensor
 
@@ -56,13 +63,16 @@ def profile(
     model = eager_module(model)
     name = name or type(model).__name__
     refuse_own_checkpointing(model)
+    # what a plan is valid for: the model as it is held (sharded, if it is)
+    held_fingerprint, state_bytes = _AS_HELD.get(id(model)) or _as_held(model)
     if mode == "analytic":
         rec, device = _trace_analytic(model, batch, loss_fn, name, kernels or hw.kernels)
         for op in rec.ops:
             op.time_s = op_time(op, hw)
         used_kernels = kernels or hw.kernels
     elif mode in ("measured", "traced"):
-        with _leaves_no_trace(model):
+        # NOTE [FSDP2's hooks are not the step]: a sharded model runs as its unsharded self
+        with unsharded(model), _leaves_no_trace(model):
             rec, device = _trace_measured(model, _own_leaves(batch), loss_fn, name,
                                           warmup if mode == "measured" else 0)
         used_kernels = "cuda" if device.startswith("cuda") else "native"
@@ -75,14 +85,13 @@ def profile(
     _name_activations(rec)
     return StepProfile(
         model=name,
-        fingerprint=fingerprint(model, batch),
+        fingerprint=held_fingerprint + batch_fingerprint(t for _, t in batch_tensors(batch)),
         hardware=hw.name,
         mode=mode,
         kernels=used_kernels,
         device=device,
         layers=transformer_blocks(model),
-        model_state_bytes=sum(t.untyped_storage().nbytes()
-                              for t in model_state(model).values()),
+        model_state_bytes=state_bytes,
         ops=rec.ops,
         tensors=rec.tensors,
         saves=rec.saves,
@@ -90,17 +99,51 @@ def profile(
     )
 
 
-def eager_module(model: torch.nn.Module) -> torch.nn.Module:
+_AS_HELD: dict[int, tuple[str, int]] = {}  # model -> what _as_held said before gathering
+
+
+def _as_held(model: torch.nn.Module) -> tuple[str, int]:
+    """The model's fingerprint and the model-state bytes this rank holds (its shards)."""
+    return model_fingerprint(model), sum(local_bytes(t) for t in model_state(model).values())
+
+
+@contextlib.contextmanager
+def gathered(model: torch.nn.Module) -> Iterator[None]:
+    """:func:`~slackswap.profiling.sharding.unsharded`, with profiles made inside it still
+    describing the model as it is held: sharded (a ``MixedPrecisionPolicy`` gathers
+    parameters in another dtype than it keeps them in)."""
+    model = eager_module(model)
+    _AS_HELD[id(model)] = _as_held(model)
+    try:
+        with unsharded(model):
+            yield
+    finally:
+        _AS_HELD.pop(id(model), None)
+
+
+def wrappers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The wrapper modules around :func:`eager_module` (DDP's), outermost first: their
+    calls are not the model's, so they split no segment of its ops."""
+    found = []
+    while (inner := eager_module(model, depth=1)) is not model:
+        found.append(model)
+        model = inner
+    return found
+
+
+def eager_module(model: torch.nn.Module, depth: int | None = None) -> torch.nn.Module:
     """The model inside the wrappers training adds: ``torch.compile`` (a step under the
     runtime's dispatch mode runs eagerly) and (Distributed)DataParallel. Profiles and
     plans name the inner model's modules, whichever of them is passed."""
-    while True:
+    while depth is None or depth > 0:
+        depth = None if depth is None else depth - 1
         if isinstance(model, (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)):
             model = model.module
         elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
             model = model._orig_mod
         else:
             return model
+    return model
 
 
 _MARK = "gradient_checkpointing"
@@ -162,7 +205,7 @@ def model_fingerprint(model: torch.nn.Module,
     model = eager_module(model)
     modules = list(model.named_modules()) if modules is None else modules
     state = model_state(model, modules) if state is None else state
-    key = (tuple((n, type(m)) for n, m in modules),
+    key = (tuple((n, module_class(m)) for n, m in modules),
            tuple((n, t.shape, t.dtype, t.requires_grad) for n, t in state.items()),
            model.training)
     # the runtime checks the model every step: hash what it is only when it changed
@@ -181,6 +224,17 @@ def model_fingerprint(model: torch.nn.Module,
 
 
 _FINGERPRINTS: dict[tuple, str] = {}
+
+
+def module_class(module: torch.nn.Module) -> type:
+    """The module's own class: FSDP2's ``fully_shard`` swaps it for a subclass made on the
+    fly (``FSDPLinear`` for ``Linear``) and keeps the module's path, so a plan made before
+    sharding stays valid after."""
+    cls = type(module)
+    fsdp = fsdp_module_class()
+    if fsdp is not None and len(cls.__bases__) == 2 and cls.__bases__[0] is fsdp:
+        return cls.__bases__[1]
+    return cls
 
 
 def batch_fingerprint(tensors: Iterable[torch.Tensor]) -> str:
@@ -330,7 +384,14 @@ def _trace_analytic(
     fakes = [t for t in state.values() if isinstance(t, FakeTensor)]
     fake_mode = fakes[0].fake_mode if fakes else FakeTensorMode()
     if not fakes:  # a real model: trace it with fake copies of its weights
-        state = {k: fake_mode.from_tensor(t) for k, t in state.items()}
+        def whole(shape: tuple, dtype: torch.dtype, device: torch.device,
+                  grad: bool) -> torch.Tensor:
+            with fake_mode:
+                return torch.empty(shape, dtype=dtype, device=device, requires_grad=grad)
+
+        # a model sharded with FSDP2 is traced as its unsharded self
+        state = {k: t if isinstance(t, FakeTensor) else fake_mode.from_tensor(t)
+                 for k, t in unsharded_state(state, whole).items()}
     elif len(fakes) != len(state):
         raise ProfileError(f"model '{name}' mixes fake and real parameters; build it one way")
     fake_batch = _map_batch(
@@ -350,7 +411,7 @@ def _trace_analytic(
     # a loss_fn may close over real tensors (the targets): they join the trace as fakes
     allowed, fake_mode.allow_non_fake_inputs = fake_mode.allow_non_fake_inputs, True
     try:
-        with fake_mode:
+        with fake_mode, fsdp_hooks_off(model):
             _run_step(call, loss_fn, name, recorder, tracker, extra, state.values())
     finally:
         fake_mode.allow_non_fake_inputs = allowed

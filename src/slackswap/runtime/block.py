@@ -18,6 +18,7 @@ import torch
 from slackswap.core.plan import Plan
 from slackswap.core.profile import StepProfile
 from slackswap.errors import InputError
+from slackswap.profiling.sharding import fsdp_hooks_apart, rank_prefix
 from slackswap.profiling.step import (
     batch_fingerprint,
     batch_tensors,
@@ -26,6 +27,7 @@ from slackswap.profiling.step import (
     model_state,
     refuse_own_checkpointing,
     refusing_own_checkpoint_calls,
+    wrappers,
 )
 from slackswap.runtime.checks import prepare
 from slackswap.runtime.copies import copies_for
@@ -64,6 +66,8 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
     def __init__(self, model: torch.nn.Module, plan: Plan,
                  profile: StepProfile | None = None, batch: Any = None,
                  verify: bool = False) -> None:
+        # calls of the wrappers split no segment of the model's ops
+        self._wrappers = frozenset(id(w) for w in wrappers(model))
         model = eager_module(model)  # inside torch.compile's or DDP's wrapper
         profile = profile if profile is not None else plan._profile
         self._fingerprint, self._profile = plan.fingerprint, profile
@@ -118,7 +122,8 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         # What earlier steps packed stays valid: their handles hold their own nodes, and
         # host copies and rebuilt storages go as they are unpacked.
         self.state = StepState(self._state)
-        recorder = Recorder(self.state, self._watch, self._checkpoints, self.values)
+        recorder = Recorder(self.state, self._watch, self._checkpoints, self.values,
+                            self._wrappers)
         self.values.new_step(self.state, recorder)
         self.values.in_forward = False
         self._calls = 0
@@ -132,6 +137,9 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
                 self._forward_done, always_call=True).remove)
             stack.enter_context(refusing_own_checkpoint_calls())
             recorder.enter(self.model, stack)
+            # NOTE [FSDP2's hooks are not the step]
+            stack.enter_context(fsdp_hooks_apart(self.model, recorder.quieted,
+                                                 self.state.gathered))
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(
                 self.values.pack, self.values.unpack))
             # NOTE [no cyclic GC in forward]: the runtime keeps a small record per forward
@@ -157,8 +165,9 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         refuse_own_checkpointing(model, modules)
         if model_fingerprint(model, modules, self._state) != self._fingerprint[:32]:
             raise InputError(
-                "plan was made for a different model (its modules, parameter shapes, "
-                "which parameters train, or train/eval mode differ); re-plan for this model"
+                f"{rank_prefix()}plan was made for a different model (its modules, "
+                "parameter shapes, which parameters train, or train/eval mode differ); "
+                "re-plan for this model"
             )
 
     def _check_call(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
@@ -187,8 +196,10 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
             for key, t in named.items():
                 planned = shapes.get(f"input:{key}")
                 if isinstance(t, torch.Tensor) and planned not in (None, list(t.shape)):
-                    raise InputError(f"plan was made for batch '{key}' of shape {planned}, "
-                                     f"not {list(t.shape)}; re-plan for this shape")
+                    raise InputError(f"{rank_prefix()}plan was made for batch '{key}' of "
+                                     f"shape {planned}, not {list(t.shape)}; re-plan for "
+                                     "this shape")
         got = [list(t.shape) for t in tensors]
-        raise InputError(f"plan was made for a batch of other shapes than {got}; "
+        raise InputError(f"{rank_prefix()}plan was made for a batch of other shapes "
+                         f"than {got}; "
                          "re-plan for this batch")

@@ -8,9 +8,10 @@ from typing import Any
 import torch
 
 from slackswap.core.plan import Plan
+from slackswap.errors import InputError, SlackSwapError
 from slackswap.planners import plan
 from slackswap.profiling import profile
-from slackswap.profiling.step import fingerprint
+from slackswap.profiling.step import fingerprint, gathered
 from slackswap.runtime.block import apply
 
 __all__ = ["plan_model", "AutoPlan"]
@@ -23,21 +24,62 @@ def plan_model(
     hardware: str | None = None,
     strategy: str = "slackswap",
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    group: Any = None,
 ) -> Plan:
     """A plan whose activation ids match what ``model`` runs on its own device.
 
     On CUDA the step is measured (real kernels, real times); elsewhere one real step is
     traced (so data-dependent branches, such as a mask checked for padding, take the
-    path training takes) and priced on ``hardware`` (default ``a100-80gb``). The plan keeps
-    the profile in memory, so ``slackswap.apply(model, plan)`` reloads at its prefetch
-    points; a plan read back from a file needs ``profile=`` for that.
+    path training takes) and priced on ``hardware`` (default ``a100-80gb``). A model
+    sharded with FSDP2's ``fully_shard`` is profiled as its unsharded self: every rank
+    must call this, since its parameters are gathered whole for the profiled step. The
+    plan keeps the profile in memory, so ``slackswap.apply(model, plan)`` reloads at its
+    prefetch points; a plan read back from a file needs ``profile=`` for that.
+
+    ``group``: a ``torch.distributed`` process group (``torch.distributed.group.WORLD``
+    for all ranks). Its first rank profiles and plans, every rank receives that plan
+    (measured profiles differ from rank to rank, and all ranks must run the same plan:
+    a rebuild may gather FSDP2 parameters, a collective), and each checks it against its
+    own model and batch. Every rank of the group must call it.
     """
+    if group is not None:
+        return _broadcast_plan(model, batch, group,
+                               lambda: plan_model(model, batch, budget, hardware, strategy,
+                                                  loss_fn))
     params = list(model.parameters())
     on_cuda = bool(params) and params[0].device.type == "cuda"
     step = profile(model, batch, hardware or "a100-80gb",
                    mode="measured" if on_cuda else "traced", loss_fn=loss_fn)
     result = plan(step, budget, hardware, strategy)
     result._profile = step  # so that apply checks it and prefetches without being told
+    return result
+
+
+def _broadcast_plan(model: torch.nn.Module, batch: Any, group: Any,
+                    make: Callable[[], Plan]) -> Plan:
+    dist = torch.distributed
+    src = dist.get_global_rank(group, 0)
+    made: list[Any] = [None, None]
+    # every rank gathers a sharded model whole (a collective); the first one profiles it
+    with gathered(model):
+        if dist.get_rank() == src:
+            # an error on the planning rank reaches the others as a message, not a hang
+            try:
+                result = make()
+                made = [result, result._profile]
+            except SlackSwapError as e:
+                made = [None, f"rank {src} could not plan: {e}"]
+    dist.broadcast_object_list(made, src=src, group=group)
+    result, step = made
+    if result is None:
+        raise InputError(step)
+    result._profile = step
+    if fingerprint(model, batch) != result.fingerprint:
+        raise InputError(
+            f"rank {dist.get_rank()}: the plan from rank {src} was made for another model "
+            "or batch shapes than this rank's; every rank must hold the same model and "
+            "batch shapes (pad the batch, or plan on each rank without group=)"
+        )
     return result
 
 

@@ -85,8 +85,9 @@ class Recorder:
     in-place writes that matter to what the plan saved."""
 
     def __init__(self, state: StepState, watch: Watch | None, checkpoints: dict[str, int],
-                 values: SavedValues) -> None:
+                 values: SavedValues, wrappers: frozenset[int] = frozenset()) -> None:
         self.state, self.watch, self.values = state, watch, values
+        self.wrappers = wrappers  # ids of the modules wrapping the model (DDP's)
         self.checkpoints = checkpoints  # unsaved tensors kept -> release position
         self.quiet = False  # the runtime's own ops (host copies, replays) are not the model's
         self.tracer = _Tracer(self)
@@ -122,7 +123,7 @@ class Recorder:
     # -- watching only what the plan needs (NOTE [watch only what the plan rebuilds]) ---
     def module_event(self, *args: Any) -> None:
         """A module's forward starts or ends: the next segment of ops begins."""
-        if self.quiet:
+        if self.quiet or (self.wrappers and id(args[0]) in self.wrappers):
             return
         if self.state.written:
             self.mark_modified()

@@ -15,6 +15,7 @@ import torch
 
 from slackswap.errors import InputError
 from slackswap.profiling.naming import is_replayable
+from slackswap.profiling.sharding import gather_again
 from slackswap.runtime.recipes import (
     GeneratorState,
     Node,
@@ -115,6 +116,21 @@ class Replayer:
         state = x.step
         writes = state.outside_writes.get(storage_key(t), 0) if state is not None else 0
         if t._version == x.version and writes == x.writes:
+            if t.untyped_storage().nbytes() == 0 and t.numel():
+                # NOTE [rebuilds across FSDP2 units]: a rebuild in a later unit's backward
+                # (its input, made by this unit) reads what FSDP2 freed after forward
+                unit = state.units.get(storage_key(t)) if state is not None else None
+                unit = unit() if unit is not None else None
+                if unit is not None:
+                    gather_again(unit)
+            if t.untyped_storage().nbytes() == 0 and t.numel():
+                raise InputError(
+                    f"cannot rebuild '{node.name}' now: a parameter it reads (shape "
+                    f"{list(t.shape)}) is not gathered; FSDP2 frees a unit's parameters "
+                    "after forward (reshard_after_forward=True) and gathers them again "
+                    "in that unit's backward; keep or offload that activation, or shard "
+                    "with reshard_after_forward=False"
+                )
             return t.detach()
         if state is not None:
             snapshot = state.snapshots.get((storage_key(t), x.writes))

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from slackswap.runtime.recipes import Node, Step, storage_key
+from slackswap.runtime.recipes import Node, Step, detached, storage_key
 
 __all__ = ["StepState", "unseen_step"]
 
@@ -26,7 +26,7 @@ class StepState:
 
     __slots__ = ("nodes", "model_state", "state_keys", "external", "outside_read",
                  "outside_writes", "snapshots", "kept_refs", "packs", "written",
-                 "__weakref__")
+                 "units", "__weakref__")
 
     def __init__(self, model_state: dict[str, torch.Tensor]) -> None:
         self.nodes: dict[int, Node] = {}  # storage -> how it was made, this step
@@ -44,6 +44,7 @@ class StepState:
         self.kept_refs: dict[int, Any] = {}  # storage -> a kept tensor over it, unwatched
         self.packs: dict[int, list[Any]] = {}  # storage -> its moved packed handles
         self.written: list[Any] = []  # packed handles over storages just written
+        self.units: dict[int, Any] = {}  # gathered parameter's storage -> its FSDP2 unit
 
     def is_external(self, key: int) -> bool:
         if key in self.state_keys:
@@ -55,10 +56,16 @@ class StepState:
         # the weak reference keeps the storage's key from being reused while it is held
         self.external[storage_key(t)] = StorageWeakRef(t.untyped_storage())
 
+    def gathered(self, p: torch.Tensor, unit: torch.nn.Module) -> None:
+        """A parameter FSDP2 gathered for ``unit``: from outside the step, and gathered
+        again should a rebuild read it after FSDP2 freed it."""
+        self.mark_external(p)
+        self.units[storage_key(p)] = weakref.ref(unit)
+
     def kept(self, t: torch.Tensor, key: int, node: Node | None) -> torch.Tensor:
         """``t`` detached, as autograd will hold it: a rebuild may read the storage
         through it after ``t`` died (or through a node a watched op makes for it later)."""
-        kept = t.detach()
+        kept = detached(t)
         if node is not None:
             node.kept.append(weakref.ref(kept))
         else:
