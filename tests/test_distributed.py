@@ -186,3 +186,31 @@ def test_the_readme_example_runs_as_written(flag: list[str]) -> None:
         capture_output=True, text=True, timeout=240, cwd=root)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "step 1: loss" in run.stdout
+
+
+def _profiles(rank: int, world: int, path: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank,
+                            world_size=world)
+    try:
+        model, batch = _model("gpt2-xl-tiny")
+        net = _wrap(copy.deepcopy(model), "fsdp2")
+        shards = sum(p.to_local().untyped_storage().nbytes() for p in net.parameters())
+        for mode in ("analytic", "traced"):  # analytic: no collective, no real weights
+            kwargs = {"kernels": "native"} if mode == "analytic" else {}
+            whole = slackswap.profile(model, batch, mode=mode, **kwargs)
+            sharded = slackswap.profile(net, batch, mode=mode, **kwargs)
+            assert sharded.fingerprint == whole.fingerprint, mode
+            assert ([(t.name, t.bytes) for t in sharded.saved_activations]
+                    == [(t.name, t.bytes) for t in whole.saved_activations]), mode
+            assert [o.name for o in sharded.ops] == [o.name for o in whole.ops], mode
+            assert sharded.keep_all_peak == whole.keep_all_peak, mode
+            # model state is this rank's: its shards of the parameters, and the buffers
+            buffers = sum(b.untyped_storage().nbytes() for b in model.buffers())
+            assert sharded.model_state_bytes == shards + buffers, mode
+        assert all(type(p).__name__ == "DTensor" for p in net.parameters())  # sharded again
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_sharded_model_is_profiled_as_its_unsharded_self() -> None:
+    _spawn(_profiles, 2)

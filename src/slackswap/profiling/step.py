@@ -61,7 +61,7 @@ def profile(
     """
     hw = load_hardware(hardware)
     model = eager_module(model)
-    name = name or type(model).__name__
+    name = name or module_class(model).__name__
     refuse_own_checkpointing(model)
     # what a plan is valid for: the model as it is held (sharded, if it is)
     held_fingerprint, state_bytes = _AS_HELD.get(id(model)) or _as_held(model)
@@ -374,7 +374,7 @@ def _is_causal_lm(model: torch.nn.Module) -> bool:
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     except ImportError:  # pragma: no cover - transformers is a dependency
         return False
-    return type(model).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    return module_class(model).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
 
 
 def _trace_analytic(
