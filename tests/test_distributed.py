@@ -166,11 +166,15 @@ def _mismatch(rank: int, world: int, path: str) -> None:
         else:
             with pytest.raises(InputError, match="^rank 1: the plan from rank 0 was made"):
                 slackswap.plan(net, batch, group=dist.group.WORLD)
+        # the planning rank's error reaches every rank, none is left waiting
+        with pytest.raises(InputError, match="^rank 0 could not plan: budget .* fits no plan"):
+            slackswap.plan(net, batch, budget=1024, group=dist.group.WORLD)
     finally:
         dist.destroy_process_group()
 
 
 def test_a_rank_refuses_a_plan_for_another_batch_and_says_which() -> None:
+    """Each rank checks the plan it is sent; a rank that cannot plan tells the others."""
     _spawn(_mismatch, 2)
 
 
