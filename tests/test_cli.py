@@ -125,6 +125,23 @@ def test_simulate_errors(tmp_path) -> None:
     assert code == 1 and "INFEASIBLE" in stdout and "short by" in stdout
 
 
+def test_gpus_of_a_node(tmp_path) -> None:
+    """``--gpus N`` plans and simulates one of N ranks of a node preset; a one-GPU preset
+    is refused in one line."""
+    prof, plan = tmp_path / "p.json", tmp_path / "plan.json"
+    run("profile", "gpt2-xl-tiny", "--hardware", "dgx-a100", "-o", str(prof), "--summary")
+    code, stdout, _ = run("plan", str(prof), "--budget", "0.8", "--gpus", "8", "-o", str(plan))
+    assert code == 0, stdout
+    code, stdout, _ = run("simulate", str(prof), "--plan", str(plan), "--gpus", "8", "--json")
+    assert code == 0 and json.loads(stdout)["feasible"]
+    for command in (("simulate", str(prof)), ("plan", str(prof), "--budget", "0.5")):
+        code, _, stderr = run(*command, "--hardware", "a100-80gb", "--gpus", "8")
+        assert code == 2 and "describes one GPU, not a node" in stderr
+        assert len(stderr.strip().splitlines()) == 1
+    code, _, stderr = run("simulate", str(prof), "--gpus", "0")
+    assert code == 2 and "--gpus" in stderr
+
+
 def test_plan_command(tmp_path) -> None:
     prof, out = tmp_path / "p.json", tmp_path / "plan.json"
     run("profile", "gpt2-xl-tiny", "-o", str(prof), "--summary")

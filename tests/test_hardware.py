@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from slackswap.core.costmodel import op_time, step_efficiency
-from slackswap.core.hardware import hardware_presets, load_hardware
+from slackswap.core.hardware import hardware_presets, load_hardware, on_node
 from slackswap.core.profile import OpRecord
 from slackswap.errors import InputError
 
@@ -19,7 +19,8 @@ if sys.version_info >= (3, 11):
 else:
     import tomli as tomllib
 
-PRESETS = ["a100-80gb", "a100-40gb", "h100-pcie", "h200", "gh200"]
+PRESETS = ["a100-80gb", "a100-40gb", "h100-pcie", "h200", "gh200", "dgx-a100", "dgx-h200"]
+NODES = {"dgx-a100": "a100-80gb", "dgx-h200": "h200"}  # node preset -> its GPU's preset
 
 
 def test_presets_shipped() -> None:
@@ -30,7 +31,9 @@ def test_presets_shipped() -> None:
 def test_every_field_cites_a_source(name: str) -> None:
     hw = load_hardware(name)
     assert hw.name == name
-    for section in ("compute", "memory", "host_link", "host"):
+    for section in ("compute", "memory", "host_link", "host", "node"):
+        if getattr(hw, section) is None:  # a GPU preset has no node
+            continue
         for field in type(getattr(hw, section)).model_fields:
             source = hw.sources.get(f"{section}.{field}", "")
             assert len(source) > 20, f"{name}: {section}.{field} has no source"
@@ -143,3 +146,99 @@ def test_step_efficiency() -> None:
     table = [(0, 0.1), (10, 0.5), (100, 0.9)]
     assert [step_efficiency(table, s) for s in (0, 9, 10, 99, 100, 1e9)] == [
         0.1, 0.1, 0.5, 0.5, 0.9, 0.9]
+
+
+# -- the node (NOTE [the node]) ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(NODES))
+def test_a_node_preset_is_its_gpu_and_the_server_around_it(name: str) -> None:
+    node, gpu = load_hardware(name), load_hardware(NODES[name])
+    for section in ("compute", "memory", "host_link", "host"):
+        assert getattr(node, section) == getattr(gpu, section), section
+    assert gpu.sources.items() <= node.sources.items()  # the GPU's sources come along
+    assert node.node is not None and node.node.gpus == 8 and gpu.node is None
+    assert on_node(node, 1) is node
+
+
+@pytest.mark.parametrize("gpus", [1, 2, 3, 4, 5, 8])
+def test_ranks_share_the_links_and_the_host_memory_bandwidth(gpus: int) -> None:
+    """dgx-a100: 4 PCIe switches of 2 GPUs each, 409.6 GB/s of DRAM; ranks are spread
+    over the switches, so the busiest carries ceil(gpus / 4)."""
+    one = load_hardware("dgx-a100")
+    hw, link = on_node(one, gpus), one.host_link
+    sharing = -(-gpus // 4)
+    dram = 409.6e9 / gpus
+    assert hw.ranks == gpus
+    assert hw.host_link.d2h_bandwidth == pytest.approx(min(24.8e9 / sharing, dram))
+    assert hw.host_link.h2d_bandwidth == pytest.approx(min(24.8e9 / sharing, dram))
+    duplex = hw.host_link.duplex_d2h_bandwidth + hw.host_link.duplex_h2d_bandwidth
+    assert duplex == pytest.approx(min(36e9 / sharing, dram))
+    assert hw.host_link.duplex_d2h_bandwidth / hw.host_link.duplex_h2d_bandwidth == (
+        pytest.approx(link.duplex_d2h_bandwidth / link.duplex_h2d_bandwidth))
+    assert hw.compute == one.compute and hw.memory == one.memory
+    assert load_hardware(hw.name) == hw  # a profile made on it names it so
+
+
+def test_dram_caps_a_rank_whose_link_is_its_own() -> None:
+    """dgx-h200: a PCIe 5.0 link per GPU, 563.2 GB/s of DRAM for 8: 70.4 GB/s each,
+    below the 76.6 GB/s both directions of one link carry at once."""
+    hw = on_node(load_hardware("dgx-h200"), 8)
+    assert hw.host_link.d2h_bandwidth == 52.8e9  # one direction fits the share
+    assert (hw.host_link.duplex_d2h_bandwidth + hw.host_link.duplex_h2d_bandwidth
+            == pytest.approx(563.2e9 / 8))
+
+
+def test_gpus_need_a_node() -> None:
+    with pytest.raises(InputError, match="describes one GPU, not a node.*dgx-a100"):
+        on_node(load_hardware("a100-80gb"), 8)
+    with pytest.raises(InputError, match="dgx-a100 has 8 GPUs, not 9"):
+        on_node(load_hardware("dgx-a100"), 9)
+
+
+def _llama_on_a_node():
+    from slackswap.models import build_model, with_layers
+    from slackswap.profiling import profile
+
+    name = with_layers("llama-7b", 4)
+    model, batch = build_model(name)
+    return profile(model, batch, load_hardware("dgx-a100"), name=name)
+
+
+def test_a_plan_for_one_gpu_stalls_on_a_full_node_and_one_for_the_node_does_not() -> None:
+    """Eight ranks offloading at once get half a PCIe switch each: a plan made for one
+    GPU leans on a link that is not there; planned for the node, it is not."""
+    from slackswap.planners import plan_with_result
+    from slackswap.sim import simulate
+
+    prof = _llama_on_a_node()
+    one, node = load_hardware("dgx-a100"), on_node(load_hardware("dgx-a100"), 8)
+    for_one, alone = plan_with_result(prof, 0.7, one)
+    on_node_result = simulate(prof, for_one, node, 0.7)
+    for_node, planned = plan_with_result(prof, 0.7, node)
+    def stalled(r):  # waiting on copies, not recomputing
+        return sum(v for k, v in r.stall_s.items() if k != "recompute")
+
+    assert alone.retention > 0.95 and planned.retention > 0.95
+    assert on_node_result.retention < planned.retention - 0.1
+    assert stalled(on_node_result) > 10 * stalled(planned)
+
+
+def test_the_host_memory_of_the_node_bounds_what_its_ranks_pin(tmp_path) -> None:
+    from slackswap.planners import plan_with_result
+    from slackswap.sim import simulate
+
+    prof = _llama_on_a_node()
+    plan, result = plan_with_result(prof, 0.5, on_node(load_hardware("dgx-a100"), 8))
+    pinned = result.d2h_bytes
+    assert pinned > 0
+    text = (Path(load_hardware.__code__.co_filename).parent.parent / "hardware" / "presets"
+            / "dgx-a100.toml").read_text()
+    small = tmp_path / "small.toml"  # host memory for 7 ranks' pinned bytes, not 8
+    small.write_text(text.replace("host_memory_bytes = 2199023255552",
+                                  f"host_memory_bytes = {7 * pinned}"))
+    node = on_node(load_hardware(small), 8)
+    refused = simulate(prof, plan, node, 0.5)
+    assert not refused.feasible and refused.retention == 0
+    assert refused.infeasible_reason.startswith("host memory: 8 ranks pin")
+    assert simulate(prof, plan, on_node(load_hardware(small), 7), 0.5).feasible

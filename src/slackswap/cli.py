@@ -13,7 +13,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from slackswap.core.hardware import hardware_presets, load_hardware
+from slackswap.core.hardware import hardware_presets, load_hardware, on_node
 from slackswap.core.jsonio import dump_model
 from slackswap.core.profile import StepProfile
 from slackswap.core.units import format_bytes
@@ -46,6 +46,13 @@ def _progress(message: str) -> Iterator[Callable[[str], None]]:
             yield lambda text: status.update(f"{message}: {text}")
     else:
         yield lambda text: None
+
+
+def _gpus_option(fn: Callable[..., Any]) -> Callable[..., Any]:
+    return click.option(
+        "--gpus", type=click.IntRange(min=1), default=1, show_default=True,
+        help="GPUs of a node preset (dgx-a100, dgx-h200) running the step in lockstep: "
+             "they share host links and host memory.")(fn)
 
 
 @click.group()
@@ -100,10 +107,11 @@ def profile(model: str, hardware: str, batch: int | None, seq: int | None, attn:
 @click.option("--trace", type=click.Path(dir_okay=False), help="Write a Perfetto trace JSON.")
 @click.option("--plot", type=click.Path(dir_okay=False), help="Write a memory plot PNG.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
+@_gpus_option
 @_user_errors
 def simulate(profile_path: str, plan_path: str | None, hardware: str | None,
              memory_limit: str | None, trace: str | None, plot: str | None,
-             as_json: bool) -> None:
+             as_json: bool, gpus: int) -> None:
     """Simulate one training step of a profile under a plan."""
     from slackswap.core.jsonio import load_model
     from slackswap.core.plan import Plan
@@ -112,6 +120,7 @@ def simulate(profile_path: str, plan_path: str | None, hardware: str | None,
 
     prof = load_model(StepProfile, profile_path)
     plan = load_model(Plan, plan_path) if plan_path else None
+    hardware = on_node(load_hardware(hardware or prof.hardware), gpus)
     result = run_simulation(prof, plan, hardware, memory_limit)
     if trace:
         write_trace(result, trace)
@@ -163,9 +172,10 @@ def _print_result(prof: StepProfile, result: Any, trace: str | None, plot: str |
 @click.option("--hardware", help="Hardware preset or .toml file; default: the profile's "
               "(a100-80gb for a model).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the plan JSON.")
+@_gpus_option
 @_user_errors
 def plan_command(source: str, budget: str, strategy: str, hardware: str | None,
-                 output: str | None) -> None:
+                 output: str | None, gpus: int) -> None:
     """Plan keep / offload / recompute for every saved activation under a budget."""
     from slackswap.core.jsonio import load_model
     from slackswap.planners import plan_with_result
@@ -181,10 +191,11 @@ def plan_command(source: str, budget: str, strategy: str, hardware: str | None,
             net, example = load_workload(source)
             prof = run_profile(net, example, load_hardware(hardware or "a100-80gb"),
                                name=source)
+    node = on_node(load_hardware(hardware or prof.hardware), gpus)
     with _progress(f"planning with {strategy}"):
-        attempt = plan_with_result(prof, budget, hardware, strategy)
+        attempt = plan_with_result(prof, budget, node, strategy)
         if attempt is None or not attempt[1].feasible:
-            make_plan(prof, budget, hardware, strategy)  # raises, naming the smallest budget
+            make_plan(prof, budget, node, strategy)  # raises, naming the smallest budget
         chosen, result = attempt
     if output:
         dump_model(chosen, output)
@@ -201,9 +212,10 @@ def plan_command(source: str, budget: str, strategy: str, hardware: str | None,
               type=click.Path(file_okay=False), help="Results folder.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False),
               help="Also write the results JSON here.")
+@_gpus_option
 @_user_errors
 def reproduce(budget: float, hardware: str, workloads: str, out: str,
-              json_path: str | None) -> None:
+              json_path: str | None, gpus: int) -> None:
     """Reproduce the paper's table: every strategy on the reference workloads."""
     from slackswap.core.jsonio import atomic_write_text
     from slackswap.models import MODEL_PRESETS
@@ -213,7 +225,7 @@ def reproduce(budget: float, hardware: str, workloads: str, out: str,
     if unknown := [n for n in names if n not in MODEL_PRESETS]:
         raise InputError(f"unknown workload '{unknown[0]}'; presets: {', '.join(MODEL_PRESETS)}")
     with _progress("reproducing") as update:
-        results = run(out, budget, hardware, names, progress=update)
+        results = run(out, budget, hardware, names, progress=update, gpus=gpus)
     if json_path:
         atomic_write_text(json_path, json.dumps(results, indent=2))
     _print_reproduce(results, out)
@@ -301,6 +313,10 @@ def _print_reproduce(results: dict[str, Any], out_dir: str) -> None:
         cells = [f"{e['retention']:.1%}" if e["feasible"] else "infeasible" for e in entries]
         table.add_row(f"[bold]{s}[/bold]" if s == "slackswap" else s, *cells)
     table.add_row("bound", *(f"{w['bound_retention']:.1%}" for w in workloads))
+    if results.get("gpus", 1) > 1:
+        table.add_row("slackswap, planned for 1 GPU", *(
+            f"{w['single_gpu_plan']['retention']:.1%}" if w["single_gpu_plan"]["feasible"]
+            else "infeasible" for w in workloads))
     out.print(table)
     out.print("* the paper's own simulation (A100, PCIe 4.0, 50% budget)")
     out.print(f"results written to {out_dir}/ (results.json, report.md, plots, traces)")

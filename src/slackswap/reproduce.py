@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from slackswap.core.hardware import Hardware, load_hardware
+from slackswap.core.hardware import Hardware, load_hardware, on_node
 from slackswap.core.jsonio import atomic_write_text, dump_model, load_model
 from slackswap.core.profile import StepProfile
 from slackswap.core.units import format_bytes
@@ -103,18 +103,24 @@ def reproduce(
     workloads: tuple[str, ...] = WORKLOADS,
     sweep: tuple[float, ...] = SWEEP,
     progress: Progress = lambda message: None,
+    gpus: int = 1,
 ) -> dict[str, Any]:
-    """Run the comparison and write the results folder; returns the results JSON."""
+    """Run the comparison and write the results folder; returns the results JSON.
+
+    ``gpus`` > 1: every plan is made for, and simulated on, one of that many GPUs of the
+    node ``hardware`` describes, all running the step in lockstep (NOTE [the node]); each
+    workload also shows the SlackSwap plan made for one GPU, simulated on that node."""
     if not 0 < budget <= 1:
         raise InputError(f"--budget {budget} must be a fraction in (0, 1]")
-    hw = load_hardware(hardware)
+    single = load_hardware(hardware)
+    hw = on_node(single, gpus)
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"hardware": hw.name, "budget_fraction": budget,
-                               "workloads": []}
+                               "gpus": gpus, "workloads": []}
     for name in workloads:
         progress(f"{name}: profiling")
-        prof = cached_profile(name, hw)
+        prof = cached_profile(name, single)
         progress(f"{name}: planning at {budget:.0%}")
         ctx = PlanContext(prof, hw, int(budget * prof.keep_all_peak))
         entry: dict[str, Any] = {
@@ -127,6 +133,9 @@ def reproduce(
             if strategy == "slackswap" and attempt is not None:
                 write_trace(attempt[1], folder / f"{name}-slackswap-trace.json")
                 dump_model(attempt[0], folder / f"{name}-slackswap-plan.json")
+        if gpus > 1:
+            progress(f"{name}: the plan for one GPU, on {gpus}")
+            entry["single_gpu_plan"] = _single_gpu_plan(prof, single, hw, budget)
         start = time.perf_counter()
         entry["bound_retention"] = retention_bound(ctx)
         entry["bound_time_s"] = time.perf_counter() - start
@@ -136,6 +145,21 @@ def reproduce(
     atomic_write_text(folder / "results.json", json.dumps(results, indent=2))
     atomic_write_text(folder / "report.md", report(results))
     return results
+
+
+def _single_gpu_plan(prof: StepProfile, single: Hardware, node: Hardware,
+                     budget: float) -> dict[str, Any]:
+    """The SlackSwap plan made for one GPU, simulated on the node's ranks."""
+    from slackswap.sim import simulate
+
+    ctx = PlanContext(prof, single, int(budget * prof.keep_all_peak))
+    attempt = STRATEGIES["slackswap"](ctx) if ctx.reachable else None
+    if attempt is None:
+        return {"retention": 0.0, "feasible": False, "reason": "no plan for one GPU"}
+    result = simulate(prof, attempt[0], node, ctx.budget)
+    return {"retention": result.retention, "feasible": result.feasible,
+            "reason": result.infeasible_reason,
+            "stall_s": sum(v for k, v in result.stall_s.items() if k != "recompute")}
 
 
 def _sweep(prof: StepProfile, hw: Hardware, budgets: tuple[float, ...], name: str,
@@ -200,6 +224,15 @@ def report(results: dict[str, Any]) -> str:
         lines.append(f"| {w['name']} | {paper} | **{_pct(st['slackswap'])}** | "
                      f"{w['bound_retention']:.1%} | " + " | ".join(cells) + " |")
     lines += ["", "Infeasible: the strategy found no plan that fits the budget.", ""]
+    if results.get("gpus", 1) > 1:
+        lines += [f"On {results['gpus']} GPUs of the node running in lockstep, the SlackSwap "
+                  "plan made for one GPU, simulated on the node:", ""]
+        for w in results["workloads"]:
+            one = w["single_gpu_plan"]
+            lines.append(f"- {w['name']}: {_pct(one)}"
+                         + (f" ({one['reason']})" if one.get("reason") else "")
+                         + f", against {_pct(w['strategies']['slackswap'])} planned for it")
+        lines.append("")
     for w in results["workloads"]:
         lines += [
             f"## {w['name']}", "",

@@ -21,8 +21,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
-__all__ = ["Hardware", "Compute", "Memory", "HostLink", "Host", "HOST_SOURCES", "load_hardware",
-           "hardware_presets"]
+__all__ = ["Hardware", "Compute", "Memory", "HostLink", "Host", "Node", "HOST_SOURCES",
+           "load_hardware", "hardware_presets", "on_node"]
 
 Positive = Annotated[float, Field(gt=0)]
 Seconds = Annotated[float, Field(ge=0)]
@@ -125,8 +125,35 @@ class Host(_Strict):
     unpack_s: Seconds = _UNPACK_S  # per moved saved tensor unpacked in backward
 
 
+class Node(_Strict):
+    """The server a GPU sits in, as far as offloading shares it (NOTE [the node])."""
+
+    gpus: Annotated[int, Field(ge=1)]
+    gpus_per_link: Annotated[int, Field(ge=1)]  # GPUs behind one uplink to the CPUs
+    host_memory_bytes: Positive  # installed host memory, all sockets
+    host_memory_bandwidth: Positive  # DRAM bandwidth, all sockets, bytes/s
+
+    @pydantic.model_validator(mode="after")
+    def _links(self) -> Node:
+        if self.gpus % self.gpus_per_link:
+            raise ValueError("gpus must be a multiple of gpus_per_link")
+        return self
+
+
+# NOTE [the node]
+#     Data-parallel ranks (DDP, FSDP2) run one plan in lockstep, so their offloads and
+#     reloads happen at once: GPUs behind one PCIe switch share its uplink, and all of
+#     them share the host's DRAM bandwidth and memory. :func:`on_node` turns a node
+#     preset into the hardware one of ``n`` such ranks sees: each link rate divided among
+#     the ranks on that uplink (ranks spread over the uplinks evenly) and capped at its
+#     share of DRAM bandwidth; ``ranks`` records ``n``, so the simulator checks that the
+#     host memory every rank pins (its offloaded bytes) fits the node's memory.
+
+
 class Hardware(_Strict):
-    """One GPU and its host link, as the cost model and the simulator see it."""
+    """One GPU and its host link, as the cost model and the simulator see it; ``node``,
+    when given, the server it sits in, and ``ranks`` how many of its GPUs run the step
+    in lockstep (see :func:`on_node`)."""
 
     schema_version: int = 1
     name: str
@@ -136,6 +163,8 @@ class Hardware(_Strict):
     memory: Memory
     host_link: HostLink
     host: Host = Host()
+    node: Node | None = None
+    ranks: Annotated[int, Field(ge=1)] = 1
     sources: dict[str, str] = {}
 
     @pydantic.model_validator(mode="before")
@@ -169,6 +198,12 @@ def _parse(text: str, source: str) -> Hardware:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise InputError(f"{source}: not valid TOML ({e})") from None
+    base = data.pop("base", None)
+    if base is not None:  # a node preset: a GPU preset's fields, and its own on top
+        parent = load_hardware(base).model_dump(exclude={"name", "description", "node",
+                                                         "ranks"})
+        data = {**parent, **data,
+                "sources": {**parent["sources"], **data.get("sources", {})}}
     try:
         return Hardware.model_validate(data)
     except pydantic.ValidationError as e:
@@ -178,7 +213,8 @@ def _parse(text: str, source: str) -> Hardware:
 
 
 def load_hardware(spec: str | Path | Hardware) -> Hardware:
-    """A preset by name (see :func:`hardware_presets`) or a TOML file by path."""
+    """A preset by name (see :func:`hardware_presets`), ``NODE/N`` for one of N ranks of
+    a node preset (:func:`on_node`), or a TOML file by path."""
     if isinstance(spec, Hardware):
         return spec
     path = Path(spec)
@@ -188,9 +224,43 @@ def load_hardware(spec: str | Path | Hardware) -> Hardware:
         except OSError as e:
             raise InputError(f"cannot read hardware file {path}: {e.strerror}") from None
     names = hardware_presets()
+    node, _, gpus = str(spec).rpartition("/")
+    if node in names and gpus.isdigit():  # "dgx-a100/8", as on_node names a node's rank
+        return on_node(load_hardware(node), int(gpus))
     if str(spec) not in names:
         raise InputError(
             f"unknown hardware '{spec}'; presets: {', '.join(names)} (or a path to a .toml file)"
         )
     folder = resources.files("slackswap") / "hardware" / "presets"
     return _parse((folder / f"{spec}.toml").read_text(encoding="utf-8"), f"preset {spec}")
+
+
+def on_node(hw: Hardware, gpus: int) -> Hardware:
+    """``hw`` as one of ``gpus`` ranks of its node running one plan in lockstep (NOTE [the
+    node]); ``gpus=1`` is ``hw`` itself."""
+    if gpus == 1:
+        return hw
+    node = hw.node
+    if node is None:
+        nodes = [n for n in hardware_presets() if load_hardware(n).node is not None]
+        raise InputError(
+            f"hardware '{hw.name}' describes one GPU, not a node: for {gpus} GPUs use a "
+            f"node preset ({', '.join(nodes)}) or add a [node] table to a hardware file"
+        )
+    if not 1 <= gpus <= node.gpus:
+        raise InputError(f"{hw.name} has {node.gpus} GPUs, not {gpus}")
+    links = node.gpus // node.gpus_per_link
+    per_link = -(-gpus // links)  # ranks on the busiest uplink
+    dram = node.host_memory_bandwidth / gpus  # each rank's share, both directions
+    link = hw.host_link
+    duplex = min(1 / per_link,
+                 dram / (link.duplex_d2h_bandwidth + link.duplex_h2d_bandwidth))
+    shared = link.model_copy(update={
+        "d2h_bandwidth": min(link.d2h_bandwidth / per_link, dram),
+        "h2d_bandwidth": min(link.h2d_bandwidth / per_link, dram),
+        "duplex_d2h_bandwidth": link.duplex_d2h_bandwidth * duplex,
+        "duplex_h2d_bandwidth": link.duplex_h2d_bandwidth * duplex,
+    })
+    return hw.model_copy(update={
+        "name": f"{hw.name}/{gpus}", "ranks": gpus, "host_link": shared,
+        "description": f"{hw.description}, {gpus} of its GPUs running in lockstep"})

@@ -59,6 +59,14 @@ def simulate(
     host = host_times(profile, plan, schedule, hw.host)
     tl = run_schedule(schedule, hw.host_link, math.inf if limit is None else limit, host)
     feasible = tl.blocked is None
+    reason = None if feasible else _describe(profile, schedule, tl.blocked)
+    pinned = sum(c.bytes for c in schedule.d2h)  # host memory a rank pins for its copies
+    if feasible and hw.node is not None and pinned * hw.ranks > hw.node.host_memory_bytes:
+        # NOTE [the node]: every rank pins its offloads in the one host memory
+        feasible = False
+        reason = (f"host memory: {hw.ranks} ranks pin {format_bytes(pinned)} each, "
+                  f"{format_bytes(pinned * hw.ranks)} in all, more than the node's "
+                  f"{format_bytes(hw.node.host_memory_bytes)}")
     step = tl.end
     ideal = eager_step_time(profile, hw.host.dispatch_s)
     busy = {"compute": 0.0, "d2h": 0.0, "h2d": 0.0, "host": 0.0}
@@ -71,8 +79,7 @@ def simulate(
         fingerprint=profile.fingerprint,
         strategy=plan.strategy,
         feasible=feasible,
-        infeasible_reason=None if tl.blocked is None else _describe(profile, schedule,
-                                                                       tl.blocked),
+        infeasible_reason=reason,
         shortfall_bytes=0 if tl.blocked is None else int(
             tl.blocked.used + tl.blocked.need - tl.blocked.limit),
         step_time_s=step,
@@ -84,7 +91,7 @@ def simulate(
         gradient_bytes=profile.gradient_bytes,
         memory_limit_bytes=limit,
         stall_s={**tl.stall, "recompute": recompute},
-        d2h_bytes=sum(c.bytes for c in schedule.d2h),
+        d2h_bytes=pinned,
         h2d_bytes=sum(c.bytes for c in schedule.h2d),
         recompute_s=recompute,
         busy_fraction={k: v / step if step > 0 else 0.0 for k, v in busy.items()},
