@@ -3,6 +3,7 @@ same distributed training without SlackSwap, and all ranks run one plan."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import os
@@ -64,8 +65,33 @@ def _wrap(model: torch.nn.Module, wrapper: str) -> torch.nn.Module:
     return fully_shard(model, mp_policy=policy)
 
 
-def _train(net: torch.nn.Module, batch: dict, plan: Plan | None) -> tuple[list, list]:
-    """Losses and full gradients of ``STEPS`` SGD steps, dropout seeded per step and rank."""
+@contextlib.contextmanager
+def _all_gathers() -> Any:
+    """Counts FSDP2's all-gathers while it is open (one per unit gathered)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group
+
+    count, gather = [0], group.foreach_all_gather
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        return gather(*args, **kwargs)
+
+    group.foreach_all_gather = counted
+    try:
+        yield count
+    finally:
+        group.foreach_all_gather = gather
+
+
+def _train(net: torch.nn.Module, batch: dict, plan: Plan | None) -> tuple[list, list, int]:
+    """Losses and full gradients of ``STEPS`` SGD steps, dropout seeded per step and rank,
+    and how many all-gathers FSDP2 made."""
+    with _all_gathers() as gathers:
+        losses, grads = _steps(net, batch, plan)
+    return losses, grads, gathers[0]
+
+
+def _steps(net: torch.nn.Module, batch: dict, plan: Plan | None) -> tuple[list, list]:
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
     losses, grads = [], []
     for step in range(STEPS):
@@ -101,8 +127,11 @@ def _check(rank: int, wrapper: str, name: str) -> None:
     planned = slackswap.plan(net, batch, budget=budget, group=dist.group.WORLD)
     for plan in (planned, _uniform(planned, "recompute"), _uniform(planned, "offload")):
         net = _wrap(copy.deepcopy(model), wrapper)
-        losses, grads = _train(net, batch, plan)
+        losses, grads, gathers = _train(net, batch, plan)
         where = f"rank {rank}, {wrapper}, {name}, {plan.strategy}"
+        # a rebuild that gathers a unit FSDP2 freed does that unit's own backward gather
+        # early: no all-gather is added (NOTE [rebuilds across FSDP2 units])
+        assert gathers == reference[2], where
         assert all(torch.equal(a, b) for a, b in zip(losses, reference[0], strict=True)), where
         for got, want in zip(grads, reference[1], strict=True):
             assert got.keys() == want.keys(), where

@@ -154,8 +154,10 @@ def local_bytes(t: torch.Tensor) -> int:
 #     earlier: the input of a later unit, saved there and rebuilt from this unit's ops,
 #     is unpacked in the later unit's backward. The rebuild then gathers the unit again
 #     (FSDP2's own ``unshard``; the unit's backward finds it gathered and frees it after,
-#     as usual). Values are those forward read, bit for bit; it costs one more all-gather,
-#     which the simulator does not charge yet.
+#     as usual). Values are those forward read, bit for bit. No collective is added: it is
+#     the unit's own backward all-gather, issued earlier (tests count them). What it costs
+#     is the unit's parameters held from the rebuild on, which the simulator, planning
+#     activation memory only, does not count.
 def gather_again(unit: torch.nn.Module) -> None:
     """All-gather ``unit``'s parameters again, as its backward would (NOTE [rebuilds
     across FSDP2 units]): every rank runs the same plan, so every rank calls this at the
