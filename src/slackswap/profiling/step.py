@@ -58,6 +58,10 @@ def profile(
     model runs there, data-dependent branches included) and prices each op on
     ``hardware`` as ``analytic`` does.
     The loss is ``output.loss`` when the model returns one, otherwise ``loss_fn(output)``.
+    A model sharded with FSDP2's ``fully_shard`` is profiled as its unsharded self: in
+    ``measured`` and ``traced`` modes its parameters are gathered whole for the step (a
+    collective: every rank must call this), in ``analytic`` mode full-shape fakes stand
+    in for them; the fingerprint and model-state bytes are those of the model as held.
     """
     hw = load_hardware(hardware)
     model = eager_module(model)

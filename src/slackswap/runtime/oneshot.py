@@ -7,8 +7,9 @@ from typing import Any
 
 import torch
 
+from slackswap.core.hardware import Hardware
 from slackswap.core.plan import Plan
-from slackswap.errors import InputError, SlackSwapError
+from slackswap.errors import InputError
 from slackswap.planners import plan
 from slackswap.profiling import profile
 from slackswap.profiling.step import fingerprint, gathered
@@ -21,7 +22,7 @@ def plan_model(
     model: torch.nn.Module,
     batch: Any,
     budget: str | int | float = 0.5,
-    hardware: str | None = None,
+    hardware: str | Hardware | None = None,
     strategy: str = "slackswap",
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     group: Any = None,
@@ -60,6 +61,7 @@ def _broadcast_plan(model: torch.nn.Module, batch: Any, group: Any,
     dist = torch.distributed
     src = dist.get_global_rank(group, 0)
     made: list[Any] = [None, None]
+    failed: Exception | None = None
     # every rank gathers a sharded model whole (a collective); the first one profiles it
     with gathered(model):
         if dist.get_rank() == src:
@@ -67,9 +69,12 @@ def _broadcast_plan(model: torch.nn.Module, batch: Any, group: Any,
             try:
                 result = make()
                 made = [result, result._profile]
-            except SlackSwapError as e:
+            except Exception as e:  # noqa: BLE001 - re-raised below, after the others know
+                failed = e
                 made = [None, f"rank {src} could not plan: {e}"]
     dist.broadcast_object_list(made, src=src, group=group)
+    if failed is not None:
+        raise failed
     result, step = made
     if result is None:
         raise InputError(step)
