@@ -1,5 +1,7 @@
 """Across processes (gloo, CPU): FSDP2 and DDP training under plans is bit-identical to the
-same distributed training without SlackSwap, and all ranks run one plan."""
+same distributed training without SlackSwap, and all ranks run one plan. Models: three
+tiny presets, a GPT-NeoX that is not one, and a batch-norm CNN (each convolution its own
+FSDP2 unit)."""
 
 from __future__ import annotations
 
@@ -45,10 +47,19 @@ def _neox() -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     return model, {"input_ids": ids, "labels": ids.clone()}
 
 
-def _model(name: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+def _model(name: str) -> tuple[torch.nn.Module, Any]:
     if name == "gpt-neox-tiny":
         return _neox()
+    if name == "bn-cnn":  # not a transformer: batch norm (running statistics), in-place ReLU
+        from cnn_models import small_cnn
+
+        return small_cnn()
     return build_model(name, dtype="fp32", fake=False)
+
+
+def _loss(net: torch.nn.Module, batch: Any) -> torch.Tensor:
+    out = net(**batch) if isinstance(batch, dict) else net(*batch)
+    return out["loss"] if isinstance(out, dict) else out.loss
 
 
 def _wrap(model: torch.nn.Module, wrapper: str) -> torch.nn.Module:
@@ -59,10 +70,14 @@ def _wrap(model: torch.nn.Module, wrapper: str) -> torch.nn.Module:
     policy = MixedPrecisionPolicy()
     if wrapper == "fsdp2-bf16":  # gathered and run in bf16, gradients reduced in fp32
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    # fsdp2-kept: a unit's parameters stay gathered from its forward to its backward
+    kept = wrapper != "fsdp2-kept"
     modules = dict(model.named_modules())
-    for path in transformer_blocks(model):
-        fully_shard(modules[path], mp_policy=policy)
-    return fully_shard(model, mp_policy=policy)
+    units = [modules[path] for path in transformer_blocks(model)] or [
+        m for m in model.modules() if isinstance(m, torch.nn.Conv2d)]  # a CNN's layers
+    for unit in units:
+        fully_shard(unit, mp_policy=policy, reshard_after_forward=kept)
+    return fully_shard(model, mp_policy=policy, reshard_after_forward=kept)
 
 
 @contextlib.contextmanager
@@ -97,7 +112,7 @@ def _steps(net: torch.nn.Module, batch: dict, plan: Plan | None) -> tuple[list, 
     for step in range(STEPS):
         torch.manual_seed(100 * step + dist.get_rank())
         with slackswap.apply(net, plan, verify=True) if plan else torch.enable_grad():
-            loss = net(**batch).loss
+            loss = _loss(net, batch)
         loss.backward()
         losses.append(loss.detach().clone())
         grads.append({n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor")
@@ -171,7 +186,7 @@ def _spawn(fn: Any, world: int, *args: Any, limit_s: float = 240) -> None:
 @pytest.mark.parametrize("wrapper", ["fsdp2", "ddp"])
 def test_two_ranks_train_bit_identically_under_plans(wrapper: str) -> None:
     _spawn(_run, 2, wrapper, ["gpt2-xl-tiny", "bert-large-tiny", "llama-7b-tiny",
-                              "gpt-neox-tiny"])
+                              "gpt-neox-tiny", "bn-cnn"])
 
 
 def test_four_ranks_train_bit_identically_under_fsdp2() -> None:
@@ -180,6 +195,11 @@ def test_four_ranks_train_bit_identically_under_fsdp2() -> None:
 
 def test_two_ranks_under_fsdp2_mixed_precision() -> None:
     _spawn(_run, 2, "fsdp2-bf16", ["gpt2-xl-tiny", "gpt-neox-tiny"])
+
+
+def test_two_ranks_under_fsdp2_that_keeps_units_gathered_until_backward() -> None:
+    """``reshard_after_forward=False``: no rebuild finds a unit freed."""
+    _spawn(_run, 2, "fsdp2-kept", ["gpt2-xl-tiny", "bn-cnn"])
 
 
 def _mismatch(rank: int, world: int, path: str) -> None:
