@@ -8,11 +8,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
-import os
 import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -154,13 +154,19 @@ def _check(rank: int, wrapper: str, name: str) -> None:
                 assert torch.equal(got[key], want[key]), f"{where}: {key}"
 
 
-def _run(rank: int, world: int, path: str, wrapper: str, names: list[str]) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank,
+def _run(rank: int, wrapper: str, names: list[str]) -> None:
+    for name in names:
+        _check(rank, wrapper, name)  # its wrapped models are gone when it returns
+
+
+def _rank(rank: int, world: int, folder: str, fn: Any, *args: Any) -> None:
+    """One rank: ``fn(rank, *args)`` in a gloo group, then a mark that it passed."""
+    dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank,
                             world_size=world)
     torch.set_num_threads(1)
     try:
-        for name in names:
-            _check(rank, wrapper, name)  # its wrapped models are gone when it returns
+        fn(rank, *args)
+        Path(folder, f"passed-{rank}").touch()
     finally:
         # NOTE: a DDP reducer freed after the group is destroyed drops the group's last
         # reference while holding the GIL; gloo's worker thread may then wait on the GIL
@@ -170,13 +176,24 @@ def _run(rank: int, world: int, path: str, wrapper: str, names: list[str]) -> No
 
 
 def _spawn(fn: Any, world: int, *args: Any, limit_s: float = 240) -> None:
-    """``fn(rank, world, rendezvous file, *args)`` in ``world`` processes; a rank that
-    raises fails the test, and so does a hang (after ``limit_s``)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        context = mp.spawn(fn, args=(world, os.path.join(tmp, "rendezvous"), *args),
-                           nprocs=world, join=False)
+    """``fn(rank, *args)`` in ``world`` processes; a rank that raises fails the test, and
+    so does a hang (after ``limit_s``). Ranks that all passed their checks but hang while
+    exiting (PyTorch's gloo teardown, see ``_rank``) are stopped with a warning."""
+    with tempfile.TemporaryDirectory() as folder:
+        context = mp.spawn(_rank, args=(world, folder, fn, *args), nprocs=world,
+                           join=False)
         deadline = time.monotonic() + limit_s
+        passed_at = None
         while not context.join(timeout=5):
+            passed = all(Path(folder, f"passed-{r}").exists() for r in range(world))
+            if passed and passed_at is None:
+                passed_at = time.monotonic()
+            if passed_at is not None and time.monotonic() > passed_at + 30:
+                for process in context.processes:
+                    process.kill()
+                warnings.warn("every rank passed, but one hung while exiting; stopped it",
+                              stacklevel=2)
+                return
             if time.monotonic() > deadline:
                 for process in context.processes:
                     process.kill()
@@ -202,25 +219,20 @@ def test_two_ranks_under_fsdp2_that_keeps_units_gathered_until_backward() -> Non
     _spawn(_run, 2, "fsdp2-kept", ["gpt2-xl-tiny", "bn-cnn"])
 
 
-def _mismatch(rank: int, world: int, path: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank,
-                            world_size=world)
-    try:
-        model, batch = _model("gpt2-xl-tiny")
-        if rank == 1:  # this rank's batch has another shape
-            batch = {k: v[:, :16] for k, v in batch.items()}
-        net = _wrap(model, "fsdp2")
-        if rank == 0:  # rank 0 planned for its own batch: nothing to refuse
+def _mismatch(rank: int) -> None:
+    model, batch = _model("gpt2-xl-tiny")
+    if rank == 1:  # this rank's batch has another shape
+        batch = {k: v[:, :16] for k, v in batch.items()}
+    net = _wrap(model, "fsdp2")
+    if rank == 0:  # rank 0 planned for its own batch: nothing to refuse
+        slackswap.plan(net, batch, group=dist.group.WORLD)
+    else:
+        with pytest.raises(InputError, match="^rank 1: the plan from rank 0 was made"):
             slackswap.plan(net, batch, group=dist.group.WORLD)
-        else:
-            with pytest.raises(InputError, match="^rank 1: the plan from rank 0 was made"):
-                slackswap.plan(net, batch, group=dist.group.WORLD)
-        # the planning rank's error reaches every rank, none is left waiting
-        prefix = "" if rank == 0 else "rank 0 could not plan: "
-        with pytest.raises(InputError, match=f"^{prefix}budget .* fits no plan"):
-            slackswap.plan(net, batch, budget=1024, group=dist.group.WORLD)
-    finally:
-        dist.destroy_process_group()
+    # the planning rank's error reaches every rank, none is left waiting
+    prefix = "" if rank == 0 else "rank 0 could not plan: "
+    with pytest.raises(InputError, match=f"^{prefix}budget .* fits no plan"):
+        slackswap.plan(net, batch, budget=1024, group=dist.group.WORLD)
 
 
 def test_a_rank_refuses_a_plan_for_another_batch_and_says_which() -> None:
@@ -242,28 +254,23 @@ def test_the_readme_example_runs_as_written(flag: list[str]) -> None:
     assert "step 1: loss" in run.stdout
 
 
-def _profiles(rank: int, world: int, path: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank,
-                            world_size=world)
-    try:
-        model, batch = _model("gpt2-xl-tiny")
-        net = _wrap(copy.deepcopy(model), "fsdp2")
-        shards = sum(p.to_local().untyped_storage().nbytes() for p in net.parameters())
-        for mode in ("analytic", "traced"):  # analytic: no collective, no real weights
-            kwargs = {"kernels": "native"} if mode == "analytic" else {}
-            whole = slackswap.profile(model, batch, mode=mode, **kwargs)
-            sharded = slackswap.profile(net, batch, mode=mode, **kwargs)
-            assert sharded.fingerprint == whole.fingerprint, mode
-            assert ([(t.name, t.bytes) for t in sharded.saved_activations]
-                    == [(t.name, t.bytes) for t in whole.saved_activations]), mode
-            assert [o.name for o in sharded.ops] == [o.name for o in whole.ops], mode
-            assert sharded.keep_all_peak == whole.keep_all_peak, mode
-            # model state is this rank's: its shards of the parameters, and the buffers
-            buffers = sum(b.untyped_storage().nbytes() for b in model.buffers())
-            assert sharded.model_state_bytes == shards + buffers, mode
-        assert all(type(p).__name__ == "DTensor" for p in net.parameters())  # sharded again
-    finally:
-        dist.destroy_process_group()
+def _profiles(rank: int) -> None:
+    model, batch = _model("gpt2-xl-tiny")
+    net = _wrap(copy.deepcopy(model), "fsdp2")
+    shards = sum(p.to_local().untyped_storage().nbytes() for p in net.parameters())
+    for mode in ("analytic", "traced"):  # analytic: no collective, no real weights
+        kwargs = {"kernels": "native"} if mode == "analytic" else {}
+        whole = slackswap.profile(model, batch, mode=mode, **kwargs)
+        sharded = slackswap.profile(net, batch, mode=mode, **kwargs)
+        assert sharded.fingerprint == whole.fingerprint, mode
+        assert ([(t.name, t.bytes) for t in sharded.saved_activations]
+                == [(t.name, t.bytes) for t in whole.saved_activations]), mode
+        assert [o.name for o in sharded.ops] == [o.name for o in whole.ops], mode
+        assert sharded.keep_all_peak == whole.keep_all_peak, mode
+        # model state is this rank's: its shards of the parameters, and the buffers
+        buffers = sum(b.untyped_storage().nbytes() for b in model.buffers())
+        assert sharded.model_state_bytes == shards + buffers, mode
+    assert all(type(p).__name__ == "DTensor" for p in net.parameters())  # sharded again
 
 
 def test_a_sharded_model_is_profiled_as_its_unsharded_self() -> None:
