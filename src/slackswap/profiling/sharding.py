@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["rank_prefix", "fsdp_module_class", "fsdp_units", "unsharded", "fsdp_hooks_apart",
-           "fsdp_hooks_off", "unsharded_state", "local_bytes", "gather_again"]
+__all__ = ["rank_prefix", "fsdp_module_class", "module_class", "fsdp_units", "unsharded",
+           "fsdp_hooks_apart", "fsdp_hooks_off", "unsharded_state", "local_bytes",
+           "gather_again"]
 
 _FSDP = "torch.distributed.fsdp."
 
@@ -43,6 +44,17 @@ def fsdp_module_class() -> type | None:
     from torch.distributed.fsdp import FSDPModule
 
     return FSDPModule
+
+
+def module_class(module: torch.nn.Module) -> type:
+    """The module's own class: FSDP2's ``fully_shard`` swaps it for a subclass made on the
+    fly (``FSDPLinear`` for ``Linear``) and keeps the module's path, so a plan made before
+    sharding stays valid after."""
+    cls = type(module)
+    fsdp = fsdp_module_class()
+    if fsdp is not None and len(cls.__bases__) == 2 and cls.__bases__[0] is fsdp:
+        return cls.__bases__[1]
+    return cls
 
 
 @contextlib.contextmanager

@@ -24,8 +24,8 @@ from slackswap.profiling.naming import ActivationNamer, module_events, module_pa
 from slackswap.profiling.recorder import StepRecorder
 from slackswap.profiling.sharding import (
     fsdp_hooks_off,
-    fsdp_module_class,
     local_bytes,
+    module_class,
     unsharded,
     unsharded_state,
 )
@@ -129,25 +129,27 @@ def wrappers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The wrapper modules around :func:`eager_module` (DDP's), outermost first: their
     calls are not the model's, so they split no segment of its ops."""
     found = []
-    while (inner := eager_module(model, depth=1)) is not model:
+    while (inner := _unwrapped(model)) is not None:
         found.append(model)
         model = inner
     return found
 
 
-def eager_module(model: torch.nn.Module, depth: int | None = None) -> torch.nn.Module:
+def eager_module(model: torch.nn.Module) -> torch.nn.Module:
     """The model inside the wrappers training adds: ``torch.compile`` (a step under the
     runtime's dispatch mode runs eagerly) and (Distributed)DataParallel. Profiles and
     plans name the inner model's modules, whichever of them is passed."""
-    while depth is None or depth > 0:
-        depth = None if depth is None else depth - 1
-        if isinstance(model, (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)):
-            model = model.module
-        elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
-            model = model._orig_mod
-        else:
-            return model
+    while (inner := _unwrapped(model)) is not None:
+        model = inner
     return model
+
+
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The module one wrapper wraps, or None when ``model`` is no wrapper."""
+    if isinstance(model, (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)):
+        return model.module
+    inner = getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, torch.nn.Module) else None
 
 
 _MARK = "gradient_checkpointing"
@@ -228,17 +230,6 @@ def model_fingerprint(model: torch.nn.Module,
 
 
 _FINGERPRINTS: dict[tuple, str] = {}
-
-
-def module_class(module: torch.nn.Module) -> type:
-    """The module's own class: FSDP2's ``fully_shard`` swaps it for a subclass made on the
-    fly (``FSDPLinear`` for ``Linear``) and keeps the module's path, so a plan made before
-    sharding stays valid after."""
-    cls = type(module)
-    fsdp = fsdp_module_class()
-    if fsdp is not None and len(cls.__bases__) == 2 and cls.__bases__[0] is fsdp:
-        return cls.__bases__[1]
-    return cls
 
 
 def batch_fingerprint(tensors: Iterable[torch.Tensor]) -> str:

@@ -116,21 +116,8 @@ class Replayer:
         state = x.step
         writes = state.outside_writes.get(storage_key(t), 0) if state is not None else 0
         if t._version == x.version and writes == x.writes:
-            if t.untyped_storage().nbytes() == 0 and t.numel():
-                # NOTE [rebuilds across FSDP2 units]: a rebuild in a later unit's backward
-                # (its input, made by this unit) reads what FSDP2 freed after forward
-                unit = state.units.get(storage_key(t)) if state is not None else None
-                unit = unit() if unit is not None else None
-                if unit is not None:
-                    gather_again(unit)
-            if t.untyped_storage().nbytes() == 0 and t.numel():
-                raise InputError(
-                    f"cannot rebuild '{node.name}' now: a parameter it reads (shape "
-                    f"{list(t.shape)}) is not gathered; FSDP2 frees a unit's parameters "
-                    "after forward (reshard_after_forward=True) and gathers them again "
-                    "in that unit's backward; keep or offload that activation, or shard "
-                    "with reshard_after_forward=False"
-                )
+            if t.numel() and not t.untyped_storage().nbytes():
+                self._gather(t, state, node)
             return t.detach()
         if state is not None:
             snapshot = state.snapshots.get((storage_key(t), x.writes))
@@ -142,6 +129,24 @@ class Replayer:
             "in place after forward read it; keep or offload that activation, or change "
             "the tensor only after backward"
         )
+
+    @staticmethod
+    def _gather(t: torch.Tensor, state: Any, node: Node) -> None:
+        """NOTE [rebuilds across FSDP2 units]: a rebuild in a later unit's backward (its
+        input, made by this unit) reads a parameter FSDP2 freed after forward: gather
+        that parameter's unit, or say why the rebuild cannot run now."""
+        unit = state.units.get(storage_key(t)) if state is not None else None
+        unit = unit() if unit is not None else None
+        if unit is not None:
+            gather_again(unit)
+        if not t.untyped_storage().nbytes():
+            raise InputError(
+                f"cannot rebuild '{node.name}' now: a parameter it reads (shape "
+                f"{list(t.shape)}) is not gathered; FSDP2 frees a unit's parameters after "
+                "forward (reshard_after_forward=True) and gathers them again in that "
+                "unit's backward; keep or offload that activation, or shard with "
+                "reshard_after_forward=False"
+            )
 
     def _keep_siblings(self, step: Step, made: list[torch.Tensor]) -> None:
         """A re-run producer makes its other outputs too (attention's logsumexp beside its
