@@ -6,7 +6,8 @@
 #
 # The GPU image has CUDA PyTorch, transformers, scipy, click, rich and pytest but not
 # pydantic, so its wheels travel in .whl (ignored by git). Results land in $OUT: the CUDA
-# runtime tests' log and one gpu_validate JSON per workload, for docs/results-gpu.md.
+# runtime tests' log, the host link's measured rates and one gpu_validate JSON per
+# workload, for docs/results-gpu.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -33,12 +34,15 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 python3 -c "import torch, transformers; print('torch', torch.__version__,
 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
 
-timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_runtime_cuda.py 2>&1 \
+timeout 150 python3 -m pytest -q -rs -p no:cacheprovider tests/test_runtime_cuda.py 2>&1 \
     | tee "$OUT/cuda-tests.txt"
+timeout 60 python3 benchmarks/link_bandwidth.py --hardware h200 2>&1 | tee "$OUT/link.txt"
 for workload in "gpt2-xl 12" "llama-7b 8"; do
     set -- $workload
-    timeout 150 python3 benchmarks/gpu_validate.py --model "$1" --layers "$2" \
+    timeout 120 python3 benchmarks/gpu_validate.py --model "$1" --layers "$2" \
         --hardware h200 --steps 5 --out "$OUT/$1.json" 2>&1 | tee "$OUT/$1.txt"
 done
-timeout 60 python3 benchmarks/runtime_overhead.py --model llama-7b --layers 4 --device cuda \
-    --steps 5 2>&1 | tee "$OUT/overhead.txt"
+for model in llama-7b gpt2-xl bert-large; do
+    timeout 60 python3 benchmarks/runtime_overhead.py --model "$model" --layers 4 \
+        --device cuda --steps 5 2>&1 | tee -a "$OUT/overhead.txt"
+done

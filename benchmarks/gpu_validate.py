@@ -28,11 +28,14 @@ from slackswap.models import MODEL_PRESETS, build_model, with_layers
 
 
 def timed_steps(model, batch, plan, profile, steps: int, device: str) -> dict:
-    """Median step time, peak allocated bytes above what was allocated before the step
-    (CUDA), and the runtime's stats of the last step, over ``steps`` steps."""
-    times, peak, stats = [], 0, None
-    for _ in range(steps + 1):  # the first is a warm-up
-        if device == "cuda":
+    """Median step, forward and backward times, and the step's peak allocated bytes above
+    what was allocated before it (CUDA; weight gradients are kept between steps, so the
+    peak is activation memory and temporaries, as the simulator counts it) over ``steps``
+    steps after a warm-up, and the runtime's stats of the last step."""
+    times, forwards, peak, held, stats = [], [], 0, 0, None
+    cuda = device == "cuda"
+    for i in range(steps + 1):  # the first is a warm-up, which also makes the gradients
+        if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
@@ -43,15 +46,26 @@ def timed_steps(model, batch, plan, profile, steps: int, device: str) -> dict:
             runtime = slackswap.apply(model, plan, profile=profile)
             with runtime:
                 loss = model(**batch).loss
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-        if device == "cuda":
+        if cuda:
             torch.cuda.synchronize()
-            peak = max(peak, torch.cuda.max_memory_allocated() - before)
-        times.append(time.perf_counter() - start)
+            if i:
+                held = max(held, torch.cuda.memory_allocated() - before)
+        forwarded = time.perf_counter()
+        loss.backward()
+        model.zero_grad(set_to_none=False)
+        if cuda:
+            torch.cuda.synchronize()
+            if i:
+                peak = max(peak, torch.cuda.max_memory_allocated() - before)
+        end = time.perf_counter()
+        if i:
+            times.append(end - start)
+            forwards.append(forwarded - start)
         if plan is not None:
             stats = runtime.stats
-    result = {"step_s": sorted(times[1:])[len(times[1:]) // 2], "peak_bytes": peak}
+    result = {"step_s": sorted(times)[len(times) // 2],
+              "forward_s": sorted(forwards)[len(forwards) // 2],
+              "peak_bytes": peak, "after_forward_bytes": held}
     if stats is not None:
         result |= stats.as_dict()
     return result
@@ -61,9 +75,9 @@ def analytic_figures(args, name: str, dtype: str, model, batch, keep_step_s: flo
     """The same workload traced on fake tensors with the target's kernel semantics and
     priced by the roofline cost model (no GPU needed): how far that profile's step time is
     from this GPU's, and how its plan runs here."""
-    fake, _ = build_model(name, batch=args.batch, seq=args.seq, dtype=dtype)
+    fake, fake_batch = build_model(name, batch=args.batch, seq=args.seq, dtype=dtype)
     kernels = "cuda" if args.device == "cuda" else "native"
-    analytic = slackswap.profile(fake, batch, args.hardware, kernels=kernels, name=name)
+    analytic = slackswap.profile(fake, fake_batch, args.hardware, kernels=kernels, name=name)
     keep_all = slackswap.simulate(analytic, slackswap.Plan.keep_all(analytic), args.hardware)
     figures = {"analytic_keep_all_step_s": keep_all.step_time_s,
                "analytic_step_time_error": keep_all.step_time_s / keep_step_s - 1}
@@ -113,6 +127,7 @@ def main() -> None:
         "hardware_preset": args.hardware, "profile_ops": len(profile.ops),
         "keep_all_step_s": keep["step_s"], "runtime_overhead_step_s": runtime_only["step_s"],
         "plan_step_s": planned["step_s"],
+        "keep_all_forward_s": keep["forward_s"], "plan_forward_s": planned["forward_s"],
         "measured_retention": keep["step_s"] / planned["step_s"],
         "simulated_retention": simulated.retention,
         "simulated_keep_all_step_s": simulated_keep.step_time_s,
@@ -121,15 +136,20 @@ def main() -> None:
         "activation_budget_bytes": plan.budget_bytes,
         "keep_all_step_peak_bytes": keep["peak_bytes"],
         "plan_step_peak_bytes": planned["peak_bytes"],
+        "keep_all_after_forward_bytes": keep["after_forward_bytes"],
+        "plan_after_forward_bytes": planned["after_forward_bytes"],
         "simulated_keep_all_peak_bytes": profile.keep_all_peak,
         "simulated_peak_bytes": simulated.peak_bytes,
-        "plan_stats": {k: v for k, v in planned.items() if k not in ("step_s", "peak_bytes")},
+        "plan_stats": {k: v for k, v in planned.items()
+                       if k not in ("step_s", "forward_s", "peak_bytes", "after_forward_bytes")},
     }
-    figures |= analytic_figures(args, name, dtype, model, batch, keep["step_s"])
     for key, value in figures.items():
         print(f"{key:32s} {value}")
+    analytic = analytic_figures(args, name, dtype, model, batch, keep["step_s"])
+    for key, value in analytic.items():
+        print(f"{key:32s} {value}")
     if args.out:
-        atomic_write_text(args.out, json.dumps(figures, indent=2))
+        atomic_write_text(args.out, json.dumps(figures | analytic, indent=2))
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from slackswap.core.plan import Plan
 from slackswap.errors import InputError
 from slackswap.sim import simulate
 from slackswap.sim.outputs import chrome_trace, write_memory_plot, write_trace
+from slackswap.sim.simulate import offload_frees
 
 SETTINGS = settings(max_examples=150, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
@@ -351,6 +352,56 @@ def test_memory_limit_makes_ops_wait_or_is_infeasible() -> None:
     assert ok.stall_s["memory"] == pytest.approx(2 * ms, rel=1e-12)
     assert ok.stall_s["reload"] == pytest.approx(2 * ms, rel=1e-12)
     assert ok.step_time_s == pytest.approx(8 * ms, rel=1e-12)
+
+
+def test_offload_frees_name_the_op_before_which_the_copy_is_done() -> None:
+    """The runtime frees an offloaded tensor where the simulator does (NOTE [offloads free
+    where simulated]): before the first op to start once its copy is done."""
+    profile = _chain(1e-3)  # f0 0-1, D2H of A 1-3, f1 1-2, b0 at 5
+    plan = Plan(fingerprint=profile.fingerprint, strategy="hand", decisions={"t0": "offload"})
+    hw = link_hardware(0.5e9, 0.5e9, 0.5e9, 0.5e9, 0.0, host=NO_HOST)
+    assert offload_frees(profile, plan, hw) == {"t0": 2}
+    assert offload_frees(profile, Plan.keep_all(profile), hw) == {}
+    # under a budget the next op waits for the copy, so A goes before it (op 1)
+    ms = 1e-3
+    tensors = [T(1_000_000, saved=True, first_backward_use=3),
+               T(1_000_000, saved=True, first_backward_use=2), T(10), T(10)]
+    ops = [Op("forward", 1 * ms, [], [0]), Op("forward", 1 * ms, [], [1]),
+           Op("backward", 1 * ms, [1], [2]), Op("backward", 1 * ms, [0, 2], [3])]
+    tight = build(ops, tensors)
+    plan = Plan(fingerprint=tight.fingerprint, strategy="hand", decisions={"t0": "offload"},
+                budget_bytes=1_500_000)
+    assert offload_frees(tight, plan, hw) == {"t0": 1}
+
+
+@SETTINGS
+@given(seed=st.integers(0, 10**9), with_limit=st.booleans())
+def test_offload_frees_are_where_the_simulated_step_frees(seed: int, with_limit: bool) -> None:
+    profile, plan, hw, limit = _case(seed, with_limit)
+    plan = plan.model_copy(update={"budget_bytes": limit})
+    result = _simulate(profile, plan, hw, limit)
+    if result is None or not result.feasible:
+        return
+    frees = offload_frees(profile, plan, hw)
+    tl, sched = result.run.timeline, result.run.schedule
+    spans = [s for s in tl.spans if s.stream == "compute"]
+    offloaded = {profile.tensors[c.tensor].name: c for c in sched.d2h}
+    assert set(frees) <= set(offloaded)
+    for name, position in frees.items():
+        freed = tl.free_time[offloaded[name].residency]
+        producer = profile.by_name[name].producer
+        assert producer < position
+        # freed before an item at that op starts (the runtime frees it before the op and
+        # the rebuilds that run at it, which is no later)
+        assert any(sched.items[s.index].position == position and s.start >= freed
+                   for s in spans)
+        # and not sooner than needed: every earlier op started with it resident
+        earlier = [s.start for s in spans if sched.items[s.index].position < position]
+        assert max(earlier) < freed
+    # only copies still running when the step ends are left out
+    for name, copy in offloaded.items():
+        if name not in frees:
+            assert tl.free_time[copy.residency] > spans[-1].start
 
 
 # -- outputs and errors ----------------------------------------------------------------

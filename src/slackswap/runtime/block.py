@@ -82,11 +82,14 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         self._checkpoints: dict[str, int] = {}  # unsaved tensors kept -> release position
         prefetch = sorted(plan.prefetch.items(), key=lambda kv: (kv[1], kv[0]))
         offloaded = None  # without a profile, the host-buffer pool keeps what it held
+        produced_at: dict[str, int] = {}
+        free_before: dict[str, int] = {}  # NOTE [offloads free where simulated]
         if profile is not None:
             ready = prepare(profile, plan)
             first_use, self._checkpoints = ready.first_use, ready.checkpoints
             prefetch = ready.prefetch  # on a tie, in the simulator's order
             offloaded = ready.offloaded_bytes
+            produced_at, free_before = ready.produced_at, ready.free_before
         self.model = model
         self.verify = verify
         # NOTE [watch only what the plan rebuilds]; without a profile that can guide it,
@@ -98,7 +101,7 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         self.decisions = {n: d for n, d in plan.decisions.items() if d != "keep"}
         # NOTE [buffers held by events]: host buffers are reused from step to step
         self.values = SavedValues(self.decisions, verify, self._watch, first_use, prefetch,
-                                  copies_for(plan, offloaded))
+                                  copies_for(plan, offloaded), produced_at, free_before)
         self.state = self.values.state  # the last forward's record
         self._calls = 0
         self._exit: contextlib.ExitStack | None = None

@@ -11,6 +11,7 @@ from slackswap.core.plan import MIN_PLANNED_BYTES, Plan
 from slackswap.core.profile import StepProfile
 from slackswap.errors import InputError
 from slackswap.sim.schedule import build_schedule
+from slackswap.sim.simulate import offload_frees
 
 __all__ = ["Prepared", "prepare", "prepared", "checkpoint_releases", "check_recomputable"]
 
@@ -25,6 +26,9 @@ class Prepared:
     checkpoints: dict[str, int]  # unsaved tensor kept -> release position
     prefetch: list[tuple[str, int]]  # reloads in the order the simulator issues them
     offloaded_bytes: int  # what the plan offloads: the host-buffer pool keeps as much
+    produced_at: dict[str, int]  # saved activation -> the forward op that made it
+    # offloaded activation -> the op before which the simulated step freed its memory
+    free_before: dict[str, int]
 
 
 # id(plan) -> (plan, profile, its decisions and prefetch points, what was worked out), by
@@ -68,8 +72,20 @@ def prepare(profile: StepProfile, plan: Plan) -> Prepared:
                 t.bytes for n, d in plan.decisions.items()
                 if d == "offload" and (t := profile.by_name.get(n)) is not None
                 and t.bytes >= MIN_PLANNED_BYTES),
+            produced_at={n: t.producer for n, t in profile.by_name.items()
+                         if t.producer is not None},
+            free_before=_offload_frees(profile, plan),
         )
     return prepared(profile, plan, make)
+
+
+def _offload_frees(profile: StepProfile, plan: Plan) -> dict[str, int]:
+    """NOTE [offloads free where simulated], on the link of the profile's hardware;
+    none where that hardware cannot be loaded here (offloads then free when done)."""
+    try:
+        return offload_frees(profile, plan)
+    except InputError:
+        return {}
 
 
 def checkpoint_releases(profile: StepProfile, plan: Plan) -> dict[str, int]:

@@ -100,12 +100,17 @@ class SavedValues:
 
     def __init__(self, decisions: dict[str, str], verify: bool, watch: Watch | None,
                  first_use: dict[str, int], prefetch: list[tuple[str, int]],
-                 copies: HostCopies) -> None:
+                 copies: HostCopies, produced_at: dict[str, int] | None = None,
+                 free_before: dict[str, int] | None = None) -> None:
         self.decisions = decisions  # the plan's non-keep decisions
         self.verify = verify
         self.watch = watch
         self.first_use = first_use  # saved activation -> backward op that first needs it
         self.prefetch = prefetch  # reloads, in the order they are issued
+        self.produced_at = produced_at or {}  # saved activation -> its forward op
+        # offloaded activation -> the op before which its device memory goes
+        # (NOTE [offloads free where simulated])
+        self.free_before = free_before or {}
         self.stats = RuntimeStats()
         self.copies = copies
         self.replayer = Replayer(self)
@@ -159,6 +164,8 @@ class SavedValues:
             node.name = name
         else:
             name = node.name
+        if self.free_before and (at := self.produced_at.get(name)) is not None:
+            self.copies.free_due(at, self.stats)
         decision = self.decisions.get(name, "keep")
         vkey = (key, len(node.steps) if node is not None else 0)
         if decision == "keep":
@@ -180,7 +187,8 @@ class SavedValues:
                     self.originals[vkey] = copy_storage(t)
             if decision == "offload" and vkey not in self.host:
                 with self._quiet():
-                    self.host[vkey] = self.copies.offload(t, self.stats)
+                    self.host[vkey] = self.copies.offload(t, self.stats,
+                                                          self.free_before.get(name))
                 self.offloaded[name] = vkey
                 self.stats.offloaded_bytes += self.host[vkey].numel()
             state.packs.setdefault(key, []).append(weakref.ref(packed))
@@ -247,6 +255,8 @@ class SavedValues:
         packed.check_version()
         vkey = packed.vkey
         position = self.first_use.get(packed.name)
+        if position is not None and self.free_before:
+            self.copies.free_due(position, self.stats)
         if position is None or position != self.group_position:
             # NOTE [rebuild groups]: what rebuilds make for one backward op (the profile
             # op that first needs this tensor) serves all of that op's rebuilds, then goes,

@@ -53,6 +53,8 @@ class RuntimeStats:
     prefetched: int = 0  # reloads issued at their prefetch point
     late_reloads: int = 0  # reloads issued only when backward needed them
     stalls: int = 0  # times backward waited for a reload
+    # offloads the compute stream waited for, to free their memory where simulated
+    offload_waits: int = 0
     recomputed_ops: int = 0
     verified: int = 0  # reloads and rebuilds compared with the original (verify=True)
     resident_bytes: int = 0

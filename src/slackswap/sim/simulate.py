@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import math
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from slackswap.sim.engine import Blocked, Timeline, run_schedule
 from slackswap.sim.host import HostTimes, eager_step_time, host_times
 from slackswap.sim.schedule import Schedule, build_schedule, min_working_set
 
-__all__ = ["simulate", "SimRun"]
+__all__ = ["simulate", "SimRun", "offload_frees"]
 
 
 class SimRun:
@@ -111,3 +112,24 @@ def _describe(profile: StepProfile, schedule: Schedule, b: Blocked) -> str:
     return (f"{what} needs {format_bytes(b.need)} with {format_bytes(b.used)} of the "
             f"{format_bytes(b.limit)} limit in use and nothing left to free: "
             f"short by {format_bytes(b.used + b.need - b.limit)}")
+
+
+def offload_frees(profile: StepProfile, plan: Plan,
+                  hardware: str | Path | Hardware | None = None) -> dict[str, int]:
+    """For each activation ``plan`` offloads, the profile op before which the simulated
+    step, under the plan's budget, has freed its device memory (its copy done and its
+    forward uses over): the first op to start at or after that moment. Activations the
+    simulation never frees (an infeasible run) are left out."""
+    if not any(d == "offload" for d in plan.decisions.values()):
+        return {}
+    run = simulate(profile, plan, hardware, memory_limit=plan.budget_bytes)._run
+    items, tl = run.schedule.items, run.timeline
+    spans = [s for s in tl.spans if s.stream == "compute"]  # one stream: in time order
+    starts = [s.start for s in spans]
+    frees = {}
+    for copy in run.schedule.d2h:
+        freed = tl.free_time.get(copy.residency)
+        k = len(spans) if freed is None else bisect.bisect_left(starts, freed)
+        if k < len(spans):
+            frees[profile.tensors[copy.tensor].name] = items[spans[k].index].position
+    return frees
