@@ -39,3 +39,50 @@ def test_the_pool_never_hands_out_a_held_buffer(steps: list, capacity: int) -> N
         assert copies.pooled_bytes <= max(capacity, most_held)
         for host, value in held:
             assert torch.all(host.view(torch.float32) == value)
+
+
+class _Event:
+    """A copy's event whose completion the test sets."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_offloads_go_at_their_deadline_or_when_done(monkeypatch) -> None:
+    """NOTE [offloads free where simulated]: a device tensor an offload reads is let go of
+    when its copy is seen done, and at the latest at its deadline, where the compute
+    stream waits for a copy still in flight (and only for that one)."""
+    waited: list = []
+
+    class Stream:
+        def wait_event(self, event) -> None:
+            waited.append(event)
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    copies, stats = HostCopies(), RuntimeStats()
+    events = [_Event() for _ in range(4)]
+    tensors = [torch.zeros(256) for _ in range(4)]
+    # deadlines: op 5, op 3, none (freed only when done), op 3
+    for event, t, due in zip(events, tensors, [5, 3, None, 3], strict=True):
+        copies._in_flight(event, t, torch.empty(1024, dtype=torch.uint8), due)
+
+    def held() -> list[int]:  # the copies whose device tensor is still held, anywhere
+        entries = [*copies._offloads, *(due[2] for due in copies._due)]
+        return [i for i, e in enumerate(events)
+                if any(x[0] is e and x[1] is not None for x in entries)]
+
+    events[0].done = True  # copies finish in issue order (one stream)
+    copies.free_due(1, stats)  # before op 2: nothing is due yet
+    assert held() == [0, 1, 2, 3] and not waited
+    copies.free_due(2, stats)  # before op 3: copies 1 and 3, still in flight, go
+    assert held() == [0, 2] and waited == [events[1], events[3]]
+    assert stats.offload_waits == 2
+    for event in events:
+        event.done = True
+    copies.poll()  # all done: poll lets the rest go, deadline or not
+    assert held() == [] and not copies._offloads
+    copies.free_due(10, stats)  # a deadline already met finds nothing to wait for
+    assert len(waited) == stats.offload_waits == 2

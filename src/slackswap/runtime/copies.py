@@ -33,8 +33,10 @@ NOTE [offloads free where simulated]
 
 from __future__ import annotations
 
+import heapq
 import weakref
 from collections import deque
+from itertools import count
 from typing import Any
 
 import torch
@@ -72,6 +74,9 @@ class HostCopies:
         # it must be let go, or None); a reload's entry is found by the id of the tensor
         # it makes until the compute stream waits for it
         self._offloads: deque[list[Any]] = deque()
+        # offloads with a deadline, soonest first: (deadline, issue number, entry)
+        self._due: list[tuple[int, int, list[Any]]] = []
+        self._issued = count()
         # storage an offload still reads -> (its event, device)
         self._reading: dict[int, tuple[Any, torch.device]] = {}
         self._reloading: deque[list[Any]] = deque()
@@ -112,7 +117,9 @@ class HostCopies:
         """Let go of what finished copies held (each stream finishes in issue order)."""
         for queue in (self._offloads, self._reloading):
             while queue and queue[0][0].query():
-                event, held, host, *offload = queue.popleft()
+                entry = queue.popleft()
+                event, held, host, *offload = entry
+                entry[1] = None  # a deadline still queued for it finds nothing to free
                 if queue is self._reloading and held is not None:  # done, never waited for
                     self._reloads.pop(id(held), None)
                 if offload and self._reading.get(offload[0], (None,))[0] is event:
@@ -143,19 +150,28 @@ class HostCopies:
             host.untyped_storage().copy_(storage, non_blocking=True)
             event = torch.cuda.Event()
             event.record(d2h)
+        self._in_flight(event, t, host, free_before)
+        return host
+
+    def _in_flight(self, event: Any, t: torch.Tensor, host: torch.Tensor,
+                   free_before: int | None) -> None:
+        """Hold what an offload's copy reads and writes until ``event`` (or the deadline)."""
         # t's memory is not reused, nor the buffer handed out again, before the copy
         key = storage_key(t)
-        self._offloads.append([event, t.detach(), host, key, free_before])
+        entry = [event, t.detach(), host, key, free_before]
+        self._offloads.append(entry)
+        if free_before is not None:
+            heapq.heappush(self._due, (free_before, next(self._issued), entry))
         self._busy[id(host)] = event
         self._reading[key] = (event, t.device)
-        return host
 
     def free_due(self, position: int, stats: RuntimeStats) -> None:
         """Let go of the device tensors of offloads due to be freed before the op after
         ``position``: NOTE [offloads free where simulated]."""
-        for entry in self._offloads:
-            held, due = entry[1], entry[4]
-            if held is None or due is None or due > position + 1:
+        while self._due and self._due[0][0] <= position + 1:
+            entry = heapq.heappop(self._due)[2]
+            held = entry[1]
+            if held is None:
                 continue
             if not entry[0].query():  # later than simulated: the compute stream waits
                 stats.offload_waits += 1
