@@ -12,7 +12,7 @@ import slackswap
 from slackswap.core.profile import StepProfile
 from slackswap.errors import InputError
 from slackswap.models import build_model
-from slackswap.planners import STRATEGIES, plan_with_result
+from slackswap.planners import STRATEGIES, plan_with_result, smallest_feasible_budget
 from slackswap.planners.bound import retention_bound
 from slackswap.planners.context import PlanContext
 
@@ -65,6 +65,28 @@ def test_a_budget_slackswap_fits_is_not_called_out_of_every_plans_reach() -> Non
     with pytest.raises(InputError, match="out of reach of 'checkpoint-blocks'; the "
                                          "'slackswap' strategy fits it"):
         slackswap.plan(profile, 0.85, GB_PER_S, strategy="checkpoint-blocks")
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_smallest_feasible_budget_is_one_plan_fits(seed: int) -> None:
+    """The floor a refusal names is a budget ``plan`` fits (ops wait for offloads to land,
+    so it is below the all-offload plan's peak with no limit), and nothing below a
+    tenth of a percent under it is called feasible by the same uniform plans."""
+    rng = random.Random(seed)
+    profile = random_step(rng, rng.randint(2, 12))
+    rate = rng.uniform(2e7, 5e8)
+    hw = link_hardware(rate, rate, rate, rate * rng.uniform(0.3, 1), host=NO_HOST)
+    floor = smallest_feasible_budget(profile, hw)
+    fitted = slackswap.plan(profile, floor, hw)
+    result = slackswap.simulate(profile, fitted, hw, floor)
+    assert result.feasible and result.peak_bytes <= floor
+    ctx = PlanContext(profile, hw, profile.keep_all_peak)
+    below = floor - max(1, profile.keep_all_peak // 1000) - 1
+    if below >= ctx.working_set:
+        names = [c.name for c in ctx.candidates]
+        for decision in ("recompute", "offload"):
+            uniform = ctx.plan("all", {n: decision for n in names})
+            assert not slackswap.simulate(profile, uniform, hw, below).feasible
 
 
 def test_budget_below_every_plan_names_the_smallest() -> None:

@@ -32,15 +32,29 @@ STRATEGIES: dict[str, Callable[[PlanContext], Attempt | None]] = {
 
 
 def smallest_feasible_budget(profile: StepProfile, hardware: Hardware | None = None) -> int:
-    """A budget a plan is known to reach: the lower peak of recomputing every planable
-    activation or offloading every one, never below one op's working set. (A hybrid plan,
-    SlackSwap's, may reach lower.)"""
+    """A budget a plan is known to fit: the smallest memory limit under which the
+    simulator runs the step with every planable activation recomputed, or every one
+    offloaded (ops then wait for copies to land), found to within 0.1% of the keep-all
+    peak and never below one op's working set. ``plan`` fits it (SlackSwap falls back to
+    those plans); a hybrid plan may reach lower."""
     hw = hardware or load_hardware(profile.hardware)
     ctx = PlanContext(profile, hw, profile.keep_all_peak)
     names = [c.name for c in ctx.candidates]
-    peaks = [simulate(profile, ctx.plan("all", {n: d for n in names}), hw).peak_bytes
-             for d in ("recompute", "offload")]
-    return max(min(peaks), min_working_set(profile)[0])
+    floor = min_working_set(profile)[0]
+    step = max(1, profile.keep_all_peak // 1000)
+    best = profile.keep_all_peak
+    for decision in ("recompute", "offload"):
+        uniform = ctx.plan("all", {n: decision for n in names})
+        # with no limit nothing waits, so its peak is a limit it is known to fit
+        lo, hi = floor, min(best, simulate(profile, uniform, hw).peak_bytes)
+        while hi - lo > step:  # feasibility grows with the limit
+            mid = (lo + hi) // 2
+            if simulate(profile, uniform, hw, mid).feasible:
+                hi = mid
+            else:
+                lo = mid + 1
+        best = min(best, hi)
+    return max(best, floor)
 
 
 def plan_with_result(
