@@ -22,8 +22,9 @@ NOTE [offloads free where simulated]
     The caching allocator counts memory in the order the host issues work, and the host
     runs ahead of the GPU on any step that is not host-bound. Freed only when the host
     sees its copy done, an offloaded tensor stays counted for as long as the host is
-    ahead: measured on an H200 (llama-7b, 8 layers, 50% budget), the step peaked 13% over
-    its budget while the simulator, and the same plan with a slowed host, stayed under.
+    ahead: measured on an H200 (llama-7b, 8 layers, 50% budget), steps peaked 13% over
+    their budget, though the simulator and a step with the host slowed (the allocator
+    recording its history) stayed under.
     So each offload also has a deadline from the simulated step: the op before which the
     simulator freed it (its copy done, under the plan's budget). Reaching that op, the
     runtime makes the compute stream wait for the copy and lets the tensor go, so memory
