@@ -1,13 +1,20 @@
-"""The host-buffer pool (NOTE [buffers held by events]): reuse without sharing."""
+"""Host copies: the buffer pool (NOTE [buffers held by events]), reuse without sharing,
+and offload deadlines (NOTE [offloads free where simulated])."""
 
 from __future__ import annotations
+
+import random
 
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from stepgraphs import random_step
 
+from slackswap.core.plan import Plan
+from slackswap.runtime.checks import offload_deadlines
 from slackswap.runtime.copies import HostCopies
 from slackswap.runtime.stats import RuntimeStats
+from slackswap.sim.simulate import offload_frees
 
 SIZES = [250, 500, 1000]  # fp32 elements: 1000, 2000 and 4000 bytes
 
@@ -86,3 +93,17 @@ def test_offloads_go_at_their_deadline_or_when_done(monkeypatch) -> None:
     assert held() == [] and not copies._offloads
     copies.free_due(10, stats)  # a deadline already met finds nothing to wait for
     assert len(waited) == stats.offload_waits == 2
+
+
+def test_offload_deadlines_are_the_simulators_once_per_plan() -> None:
+    """What a CUDA step frees by (NOTE [offloads free where simulated]) is what the
+    simulator says, worked out once per plan; a plan that offloads nothing has none."""
+    profile = random_step(random.Random(3), 8)
+    names = [t.name for t in profile.saved_activations
+             if t.producer is not None and t.bytes >= 1024]
+    plan = Plan(fingerprint=profile.fingerprint, strategy="hand",
+                decisions={n: "offload" for n in names})
+    deadlines = offload_deadlines(profile, plan)
+    assert deadlines and deadlines == offload_frees(profile, plan)
+    assert offload_deadlines(profile, plan) is deadlines  # worked out once
+    assert offload_deadlines(profile, Plan.keep_all(profile)) == {}

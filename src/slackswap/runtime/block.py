@@ -29,7 +29,7 @@ from slackswap.profiling.step import (
     refusing_own_checkpoint_calls,
     wrappers,
 )
-from slackswap.runtime.checks import prepare
+from slackswap.runtime.checks import offload_deadlines, prepare
 from slackswap.runtime.copies import copies_for
 from slackswap.runtime.recording import Recorder
 from slackswap.runtime.saved import SavedValues
@@ -89,13 +89,15 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
             first_use, self._checkpoints = ready.first_use, ready.checkpoints
             prefetch = ready.prefetch  # on a tie, in the simulator's order
             offloaded = ready.offloaded_bytes
-            produced_at, free_before = ready.produced_at, ready.free_before
+            produced_at = ready.produced_at
         self.model = model
         self.verify = verify
         # NOTE [watch only what the plan rebuilds]; without a profile that can guide it,
         # every forward op is watched and named by the shared rule
         params = next(iter(model.parameters()), None)
         device = params.device.type if params is not None else "cpu"
+        if profile is not None and device == "cuda":  # elsewhere copies are synchronous
+            free_before = offload_deadlines(profile, plan)
         self._watch = (watch_for(profile, plan)
                        if profile is not None and can_watch(profile, device) else None)
         self.decisions = {n: d for n, d in plan.decisions.items() if d != "keep"}

@@ -13,7 +13,8 @@ from slackswap.errors import InputError
 from slackswap.sim.schedule import build_schedule
 from slackswap.sim.simulate import offload_frees
 
-__all__ = ["Prepared", "prepare", "prepared", "checkpoint_releases", "check_recomputable"]
+__all__ = ["Prepared", "prepare", "prepared", "offload_deadlines", "checkpoint_releases",
+           "check_recomputable"]
 
 T = TypeVar("T")
 
@@ -27,8 +28,6 @@ class Prepared:
     prefetch: list[tuple[str, int]]  # reloads in the order the simulator issues them
     offloaded_bytes: int  # what the plan offloads: the host-buffer pool keeps as much
     produced_at: dict[str, int]  # saved activation -> the forward op that made it
-    # offloaded activation -> the op before which the simulated step freed its memory
-    free_before: dict[str, int]
 
 
 # id(plan) -> (plan, profile, its decisions and prefetch points, what was worked out), by
@@ -74,18 +73,21 @@ def prepare(profile: StepProfile, plan: Plan) -> Prepared:
                 and t.bytes >= MIN_PLANNED_BYTES),
             produced_at={n: t.producer for n, t in profile.by_name.items()
                          if t.producer is not None},
-            free_before=_offload_frees(profile, plan),
         )
     return prepared(profile, plan, make)
 
 
-def _offload_frees(profile: StepProfile, plan: Plan) -> dict[str, int]:
-    """NOTE [offloads free where simulated], on the link of the profile's hardware;
-    none where that hardware cannot be loaded here (offloads then free when done)."""
-    try:
-        return offload_frees(profile, plan)
-    except InputError:
-        return {}
+def offload_deadlines(profile: StepProfile, plan: Plan) -> dict[str, int]:
+    """Offloaded activation -> the op before which the simulated step freed its device
+    memory (NOTE [offloads free where simulated]), on the link of the profile's hardware;
+    once per plan. None where that hardware cannot be loaded here: offloads then free
+    when their copies are seen done."""
+    def make() -> dict[str, int]:
+        try:
+            return offload_frees(profile, plan)
+        except InputError:
+            return {}
+    return prepared(profile, plan, make)
 
 
 def checkpoint_releases(profile: StepProfile, plan: Plan) -> dict[str, int]:
