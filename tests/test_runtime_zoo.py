@@ -27,7 +27,9 @@ from hypothesis import strategies as st
 
 import slackswap
 from slackswap import InputError, Plan, StepProfile
+from slackswap.core.hardware import load_hardware
 from slackswap.planners import smallest_feasible_budget
+from slackswap.planners.context import PlanContext
 
 assert not zoo.MODELS.keys() & edge_cases.MODELS.keys()
 MODELS: dict[str, Callable[[], Any]] = {**zoo.MODELS, **edge_cases.MODELS}
@@ -231,18 +233,26 @@ def mixed(name: str) -> Plan:
 
 
 def strategy_plan(name: str, strategy: str, budget: float | int) -> Plan:
-    """The strategy's plan; where the budget is out of reach of small models, at a budget
-    a plan is known to reach; skipped where the strategy has none even there."""
+    """The strategy's plan; where the budget is out of reach of small models, at the
+    smallest budget a plan is known to reach, or else at the peak of moving every
+    activation one way with no limit (which a baseline that cannot wait for its
+    offloads still reaches); skipped where the strategy has none even there."""
     profile = case(name).profile
     try:
         return slackswap.plan(profile, budget, strategy=strategy)
     except InputError:
         pass
-    least = smallest_feasible_budget(profile)
-    try:
-        return slackswap.plan(profile, least, strategy=strategy)
-    except InputError as e:
-        pytest.skip(f"{strategy} has no plan at {budget} nor at {least} B: {e}")
+    ctx = PlanContext(profile, load_hardware(profile.hardware), profile.keep_all_peak)
+    names = [c.name for c in ctx.candidates]
+    budgets = {smallest_feasible_budget(profile)} | {
+        slackswap.simulate(profile, ctx.plan("all", {n: d for n in names})).peak_bytes
+        for d in ("recompute", "offload")}
+    for least in sorted(budgets):
+        try:
+            return slackswap.plan(profile, least, strategy=strategy)
+        except InputError as e:
+            error = e
+    pytest.skip(f"{strategy} has no plan at {budget} nor at {sorted(budgets)} B: {error}")
 
 
 def drawn(data: st.DataObject, name: str) -> Plan:
