@@ -12,9 +12,10 @@ import slackswap
 from slackswap.core.profile import StepProfile
 from slackswap.errors import InputError
 from slackswap.models import build_model
-from slackswap.planners import STRATEGIES, plan_with_result, smallest_feasible_budget
+from slackswap.planners import STRATEGIES, plan_with_result, recompute, smallest_feasible_budget
 from slackswap.planners.bound import retention_bound
 from slackswap.planners.context import PlanContext
+from slackswap.planners.memory import pressure_points
 
 MS = 1e-3
 
@@ -87,6 +88,52 @@ def test_the_smallest_feasible_budget_is_one_plan_fits(seed: int) -> None:
         for decision in ("recompute", "offload"):
             uniform = ctx.plan("all", {n: decision for n in names})
             assert not slackswap.simulate(profile, uniform, hw, below).feasible
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_never_worse_than_a_baseline_on_random_steps(seed: int) -> None:
+    """On random steps, links and budgets, SlackSwap retains at least what every baseline
+    does (the baselines' plans are among its starting points, NOTE [starting points])."""
+    rng = random.Random(seed)
+    profile = random_step(rng, rng.randint(3, 12))
+    rate = rng.uniform(2e7, 5e8)
+    hw = link_hardware(rate, rate, rate, rate * rng.uniform(0.3, 1), host=NO_HOST)
+    ctx = PlanContext(profile, hw, int(rng.uniform(0.3, 0.9) * profile.keep_all_peak))
+    if not ctx.reachable:
+        return
+    ours = ctx.attempt(STRATEGIES["slackswap"])
+    for strategy, make in STRATEGIES.items():
+        other = ctx.attempt(make)
+        if other is not None and other[1].feasible:
+            assert ours is not None and ours[1].feasible, strategy
+            assert ours[1].retention >= other[1].retention - 1e-12, strategy
+
+
+def test_a_cover_is_found_without_the_solver(monkeypatch) -> None:
+    """Where HiGHS stops with no cover (its node limit), a greedy cover is used: a slow
+    or limited solve never turns a coverable budget into a refusal."""
+    cases = []
+    for seed in range(30):
+        rng = random.Random(seed)
+        profile = random_step(rng, rng.randint(4, 12))
+        ctx = PlanContext(profile, GB_PER_S, int(0.6 * profile.keep_all_peak))
+        points = pressure_points(ctx, 0)
+        if recompute.choose_recompute(ctx, ctx.candidates, points):
+            cases.append((ctx, points))
+    assert len(cases) >= 5
+
+    class NoCover:
+        x = None
+
+    monkeypatch.setattr(recompute, "milp", lambda *a, **k: NoCover())
+    for ctx, points in cases:
+        greedy = recompute.choose_recompute(ctx, ctx.candidates, points)
+        assert greedy
+        by_name = {c.name: c for c in ctx.candidates}
+        for pt in points:  # every point of pressure is covered
+            freed = sum(by_name[n].bytes for n in greedy
+                        if recompute.evicted_at(by_name[n], pt.op, ctx))
+            assert freed >= pt.excess
 
 
 def test_budget_below_every_plan_names_the_smallest() -> None:

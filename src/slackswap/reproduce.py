@@ -79,7 +79,7 @@ def cached_profile(name: str, hw: Hardware) -> StepProfile:
 
 def _strategy_entry(ctx: PlanContext, strategy: str) -> tuple[dict[str, Any], Any]:
     start = time.perf_counter()
-    attempt = STRATEGIES[strategy](ctx) if ctx.reachable else None
+    attempt = ctx.attempt(STRATEGIES[strategy]) if ctx.reachable else None
     elapsed = time.perf_counter() - start
     if attempt is None:
         return {"retention": 0.0, "peak_bytes": None, "feasible": False,

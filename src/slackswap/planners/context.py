@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 from slackswap.core.hardware import Hardware
 from slackswap.core.plan import MIN_PLANNED_BYTES, Plan
@@ -59,6 +61,15 @@ class PlanContext:
             level += sum(res[r].bytes for r in item.allocs)
             self.memory.append(level)
             level -= sum(res[r].bytes for r in item.frees)
+        self._attempts: dict[Callable, Any] = {}
+        self.rebuild_costs: dict[str, float] = {}  # candidate -> seconds, as first priced
+
+    def attempt(self, strategy: Callable[[PlanContext], Any]) -> Any:
+        """``strategy(self)``, worked out once per context: SlackSwap starts from the
+        baselines' plans (NOTE [starting points]) and ``reproduce`` compares them."""
+        if strategy not in self._attempts:
+            self._attempts[strategy] = strategy(self)
+        return self._attempts[strategy]
 
     @cached_property
     def candidates(self) -> list[Candidate]:

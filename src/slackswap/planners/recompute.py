@@ -18,6 +18,7 @@ NOTE [rebuild cost]
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
@@ -32,10 +33,14 @@ __all__ = ["rebuild_cost", "kernel_cost", "choose_recompute"]
 def rebuild_cost(ctx: PlanContext, c: Candidate) -> float:
     """Seconds to rebuild ``c``: its producer, plus any input that was never saved (those
     must be rebuilt too, whatever the plan), each op at the longer of its kernel and its
-    host time (NOTE [rebuild cost])."""
-    host = ctx.hw.host
-    issue = host.dispatch_s + host.replay_s
-    return _chain_cost(ctx, c, lambda t: t if t >= issue else issue)
+    host time (NOTE [rebuild cost]); once per context."""
+    cached = ctx.rebuild_costs.get(c.name)
+    if cached is None:
+        host = ctx.hw.host
+        issue = host.dispatch_s + host.replay_s
+        cached = ctx.rebuild_costs[c.name] = _chain_cost(
+            ctx, c, lambda t: t if t >= issue else issue)
+    return cached
 
 
 def kernel_cost(ctx: PlanContext, c: Candidate) -> float:
@@ -63,6 +68,11 @@ def _chain_cost(ctx: PlanContext, c: Candidate, price: Callable[[float], float])
 
 
 _TIE = 1e-5
+# Branch-and-bound nodes HiGHS may explore (the reference workloads' covers solve at
+# the root). A node limit, unlike a time limit, stops at the same cover on any machine;
+# past it the best cover found so far is used, and with none a greedy cover: a slow
+# machine never turns a coverable budget into a refusal.
+NODE_LIMIT = 1000
 
 
 def choose_recompute(
@@ -70,7 +80,6 @@ def choose_recompute(
     candidates: list[Candidate],
     points: list[Pressure],
     credit: dict[int, int] | None = None,
-    time_limit: float = 3.0,
 ) -> set[str] | None:
     """Names to recompute; ``credit[op]`` is what other evictions already free at ``op``.
 
@@ -99,8 +108,23 @@ def choose_recompute(
                      for c in candidates])
     res = milp(cost, constraints=LinearConstraint(a, need, np.inf),
                integrality=np.ones(len(candidates)), bounds=Bounds(0, 1),
-               options={"time_limit": time_limit, "mip_rel_gap": 1e-4})
-    if res.x is None:
-        return None
-    return {c.name for c, x in zip(candidates, res.x, strict=True) if x > 0.5}
+               options={"node_limit": NODE_LIMIT, "mip_rel_gap": 1e-4})
+    chosen = np.asarray(res.x) > 0.5 if res.x is not None else _greedy_cover(a, need, cost)
+    return {c.name for c, x in zip(candidates, chosen, strict=True) if x}
 
+
+def _greedy_cover(a: Any, need: np.ndarray, cost: np.ndarray) -> np.ndarray:
+    """A cover of ``need`` by columns of ``a``: repeatedly the column that covers the most
+    of what is still needed per unit of cost (the rows are known to be coverable)."""
+    columns = a.tocsc().toarray()
+    left = need.astype(float).copy()
+    chosen = np.zeros(columns.shape[1], dtype=bool)
+    while np.any(left > 0):
+        covered = np.minimum(columns, left.clip(min=0)[:, None]).sum(axis=0)
+        covered[chosen] = 0.0
+        j = int(np.argmax(covered / np.maximum(cost, 1e-12)))
+        if covered[j] <= 0:
+            break
+        chosen[j] = True
+        left -= columns[:, j]
+    return chosen

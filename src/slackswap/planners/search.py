@@ -8,12 +8,13 @@ from slackswap.core.plan import Plan
 from slackswap.core.result import SimResult
 from slackswap.planners.context import PlanContext
 
-__all__ = ["Attempt", "fit_margin", "smallest_fitting", "or_uniform"]
+__all__ = ["Attempt", "better", "fit_margin", "smallest_fitting", "or_uniform"]
 
 Attempt = tuple[Plan, SimResult]
 
 
-def _better(a: Attempt | None, b: Attempt | None) -> Attempt | None:
+def better(a: Attempt | None, b: Attempt | None) -> Attempt | None:
+    """The feasible one of higher simulated retention (``a`` on a tie)."""
     if a is None or not a[1].feasible:
         return b if b is not None and b[1].feasible else a
     if b is None or not b[1].feasible:
@@ -34,7 +35,7 @@ def fit_margin(ctx: PlanContext, make: Callable[[int], Plan | None],
         if plan is None:
             break
         result = ctx.check(plan)
-        best = _better(best, (plan, result))
+        best = better(best, (plan, result))
         if result.feasible:
             if fitted or result.stall_s.get("memory", 0.0) == 0.0:
                 break
@@ -75,5 +76,5 @@ def or_uniform(ctx: PlanContext, attempt: Attempt | None, strategy: str,
     names = [c.name for c in ctx.candidates]
     for decision in decisions:
         plan = ctx.plan(strategy, {n: decision for n in names})
-        attempt = _better(attempt, (plan, ctx.check(plan)))
+        attempt = better(attempt, (plan, ctx.check(plan)))
     return attempt

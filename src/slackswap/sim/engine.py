@@ -15,6 +15,8 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from slackswap.core.hardware import HostLink
 from slackswap.sim.schedule import Copy, Schedule
 
@@ -105,13 +107,12 @@ class _Headroom:
             level += sum(res[r].bytes for r in item.allocs)
             self.during.append(level)
             level -= sum(res[r].bytes for r in item.frees if res[r].source == "compute")
-        # sparse table for range maxima of ``during``
+        # sparse table for range maxima of ``during`` (rows built by numpy, read as lists)
         self.table = [self.during]
-        width = 1
+        row, width = np.asarray(self.during, dtype=np.int64), 1
         while 2 * width <= len(self.during):
-            prev = self.table[-1]
-            self.table.append([max(prev[i], prev[i + width])
-                               for i in range(len(prev) - width)])
+            row = np.maximum(row[:-width], row[width:])
+            self.table.append(row.tolist())
             width *= 2
 
     def growth(self, first: int, last: int, started: bool) -> int:

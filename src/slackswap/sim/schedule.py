@@ -121,6 +121,7 @@ class _Builder:
         self.uses: dict[int, list[int]] = {}  # residency -> items reading it
         self.live: dict[int, int] = {}  # tensor -> residency resident in backward
         self.reload_of: dict[int, int] = {}  # tensor -> h2d index
+        self.d2h_of: dict[int, int] | None = None  # tensor -> d2h index
         self.mutators: dict[int, list[int]] = {}  # tensor -> forward in-place ops on it
         # saved tensor -> the last backward op that reads it (NOTE [gone tensors])
         self.end: dict[int, int] = {}
@@ -256,7 +257,9 @@ class _Builder:
         self.res.append(Residency(t.id, t.bytes, "reload"))
         self.uses[rid] = []
         issue = min(self.prefetch.get(t.id, self.first_backward), pos)
-        d2h = next(i for i, c in enumerate(self.d2h) if c.tensor == t.id)
+        if self.d2h_of is None:  # the offloads are all known once forward is laid out
+            self.d2h_of = {c.tensor: i for i, c in enumerate(self.d2h)}
+        d2h = self.d2h_of[t.id]
         self.reload_of[t.id] = len(self.h2d)
         self.h2d.append(Copy(t.id, t.bytes, rid, issue_position=issue, need_item=k, d2h=d2h))
         self.live[t.id] = rid
