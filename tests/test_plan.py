@@ -16,6 +16,7 @@ from slackswap.planners import STRATEGIES, plan_with_result, recompute, smallest
 from slackswap.planners.bound import retention_bound
 from slackswap.planners.context import PlanContext
 from slackswap.planners.memory import pressure_points
+from slackswap.reproduce import cached_profile
 
 MS = 1e-3
 
@@ -207,6 +208,23 @@ def test_peak_never_rises_as_the_budget_falls() -> None:
     profile = reference("gpt2-xl")
     peaks = [plan_with_result(profile, b / 10)[1].peak_bytes for b in range(10, 1, -1)]
     assert peaks == sorted(peaks, reverse=True)
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("preset", [p for p in slackswap.hardware_presets()
+                                    if not p.startswith("dgx")])
+def test_never_worse_than_a_baseline_on_every_preset(preset: str) -> None:
+    """The sweep of ``benchmarks/baseline_sweep.py`` (every workload and budget there)
+    for bert-large at three budgets: no baseline retains more than SlackSwap."""
+    hw = slackswap.load_hardware(preset)
+    profile = cached_profile("bert-large", hw)
+    for fraction in (0.3, 0.5, 0.7):
+        ctx = PlanContext(profile, hw, int(fraction * profile.keep_all_peak))
+        ours = ctx.attempt(STRATEGIES["slackswap"])
+        for strategy, make in STRATEGIES.items():
+            other = ctx.attempt(make)
+            if other is not None and other[1].feasible:
+                assert ours[1].retention >= other[1].retention, (fraction, strategy)
 
 
 @pytest.mark.slow
