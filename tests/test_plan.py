@@ -187,10 +187,10 @@ def test_reference_workloads_at_half_budget(name: str) -> None:
     assert ours.retention <= retention_bound(ctx) + 1e-9
 
 
-GAP = pytest.mark.xfail(strict=True, reason="open: SlackSwap is 2.1 (bert-large) and 1.8 "
+GAP = pytest.mark.xfail(strict=True, reason="open: SlackSwap is 0.9 (bert-large) and 1.3 "
                         "(gpt2-xl) points under the LP bound, which leaves out the runtime's "
                         "watch and replay host costs; the bound or the planner needs "
-                        "tightening")
+                        "tightening (issue 12: an exact optimum to tell which)")
 
 
 @pytest.mark.slow
