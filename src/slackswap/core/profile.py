@@ -111,6 +111,16 @@ class StepProfile(JsonFile, _Record):
                 if t.kind == "activation" and not t.saved and t.name is not None}
 
     @cached_property
+    def never_saved(self) -> frozenset[int]:
+        """Activations made in forward that autograd never saved and backward never reads:
+        rebuilding anything made from one needs it made again first (or kept since forward
+        as a checkpoint). One backward reads (the loss, say) is still resident then."""
+        return frozenset(t.id for t in self.tensors
+                         if t.kind == "activation" and not t.saved and t.producer is not None
+                         and not t.backward_consumers
+                         and self.ops[t.producer].phase == "forward")
+
+    @cached_property
     def recomputable(self) -> frozenset[str]:
         """Saved activations a plan may recompute: every op that wrote them in forward (the
         producer, then in-place ops) is replayable, and so, transitively, is every input

@@ -75,7 +75,7 @@ def plan_with_result(
     if ctx.budget >= ctx.keep_all_peak:
         keep = Plan.keep_all(profile).model_copy(
             update={"strategy": strategy, "budget_bytes": ctx.budget})
-        return keep, ctx.check(keep)
+        return keep, ctx.simulate(keep)
     attempt = STRATEGIES[strategy](ctx)
     if (attempt is not None and attempt[1].feasible and not attempt[0].prefetch
             and "offload" in attempt[0].decisions.values()):

@@ -90,9 +90,7 @@ def retention_bound(ctx: PlanContext, thresholds: int = 4, max_points: int = 12,
     h2d = [link.latency_s + t.bytes / link.h2d_bandwidth for t in acts]
     # Tensors autograd never saved: rebuilding an activation made from one needs it back,
     # rebuilt (z_u) or kept since forward as a checkpoint (k_u).
-    unsaved = {t.id: t for t in p.tensors if t.kind == "activation" and not t.saved
-               and t.producer is not None and not t.backward_consumers
-               and p.ops[t.producer].phase == "forward"}
+    unsaved = {u: p.tensors[u] for u in p.never_saved}
 
     def unsaved_inputs(op_index: int) -> list[int]:
         return [u for u in dict.fromkeys(p.ops[op_index].inputs) if u in unsaved]

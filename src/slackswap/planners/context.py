@@ -10,6 +10,7 @@ from typing import Any
 from slackswap.core.hardware import Hardware
 from slackswap.core.plan import MIN_PLANNED_BYTES, Plan
 from slackswap.core.profile import StepProfile
+from slackswap.core.result import SimResult
 from slackswap.sim.schedule import min_working_set
 from slackswap.sim.simulate import simulate
 
@@ -104,6 +105,6 @@ class PlanContext:
         return Plan(fingerprint=self.profile.fingerprint, strategy=strategy,
                     budget_bytes=self.budget, decisions=decisions, prefetch=prefetch or {})
 
-    def check(self, plan: Plan):
+    def simulate(self, plan: Plan) -> SimResult:
         """Simulate ``plan`` under the budget."""
         return simulate(self.profile, plan, self.hw, self.budget)

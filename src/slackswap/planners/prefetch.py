@@ -28,7 +28,7 @@ def with_prefetch_points(ctx: PlanContext, attempt: Attempt) -> Attempt:
             name = ctx.profile.tensors[h2d[span.index].tensor].name
             prefetch[name] = items[compute[k].index].position
     explicit = plan.model_copy(update={"prefetch": prefetch})
-    checked = ctx.check(explicit)
+    checked = ctx.simulate(explicit)
     if checked.feasible and checked.retention >= result.retention:
         return explicit, checked
     return attempt

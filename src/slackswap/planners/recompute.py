@@ -59,9 +59,8 @@ def _chain_cost(ctx: PlanContext, c: Candidate, price: Callable[[float], float])
         op = p.ops[op_index]
         total = price(op.time_s)
         for tid in dict.fromkeys(op.inputs):
-            t = p.tensors[tid]
-            if t.kind == "activation" and not t.saved and t.producer is not None:
-                total += cost(t.producer)
+            if tid in p.never_saved:
+                total += cost(p.tensors[tid].producer)
         return total
 
     return cost(c.producer)

@@ -34,7 +34,7 @@ def fit_margin(ctx: PlanContext, make: Callable[[int], Plan | None],
         plan = make(margin)
         if plan is None:
             break
-        result = ctx.check(plan)
+        result = ctx.simulate(plan)
         best = better(best, (plan, result))
         if result.feasible:
             if fitted or result.stall_s.get("memory", 0.0) == 0.0:
@@ -54,14 +54,14 @@ def smallest_fitting(ctx: PlanContext, make: Callable[[int], Plan], lo: int,
     while lo < hi:
         mid = (lo + hi) // 2
         plan = make(mid)
-        result = ctx.check(plan)
+        result = ctx.simulate(plan)
         if result.feasible:
             hi, found = mid, (plan, result)
         else:
             lo = mid + 1
     if found is None:
         plan = make(hi)
-        found = (plan, ctx.check(plan))
+        found = (plan, ctx.simulate(plan))
     return found
 
 
@@ -76,5 +76,5 @@ def or_uniform(ctx: PlanContext, attempt: Attempt | None, strategy: str,
     names = [c.name for c in ctx.candidates]
     for decision in decisions:
         plan = ctx.plan(strategy, {n: decision for n in names})
-        attempt = better(attempt, (plan, ctx.check(plan)))
+        attempt = better(attempt, (plan, ctx.simulate(plan)))
     return attempt

@@ -97,7 +97,7 @@ def _local_search(ctx: PlanContext, best: Attempt) -> Attempt:
         if best[0].decisions.get(c.name) == "offload" and c.name in ctx.profile.recomputable]
     for c, decision in moves[:SEARCH_SIMULATIONS]:
         plan = ctx.plan("slackswap", {**best[0].decisions, c.name: decision})
-        result = ctx.check(plan)
+        result = ctx.simulate(plan)
         if result.feasible and result.retention > best[1].retention + 1e-9:
             best = (plan, result)
     return best
