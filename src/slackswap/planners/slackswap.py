@@ -115,7 +115,8 @@ def _local_search(ctx: PlanContext, best: Attempt) -> Attempt:
     when the simulated plan scores better (``_score``); a step of few candidates gets
     simulations for several passes, a large one ``SEARCH_SIMULATIONS``."""
     n = len(ctx.candidates)
-    left = SEARCH_SIMULATIONS + (8 * n if n <= 16 else 0)
+    # a step of few candidates can afford passes of every move, and pairs of moves
+    left = SEARCH_SIMULATIONS + (400 if n <= PAIR_SEARCH_CANDIDATES else 8 * n if n <= 16 else 0)
     recomputable = ctx.profile.recomputable
     improved = True
     while improved and left > 0:
@@ -145,13 +146,14 @@ def _local_search(ctx: PlanContext, best: Attempt) -> Attempt:
                     or not best[1].feasible):
                 best, improved = (plan, result), True
         if not improved and n <= PAIR_SEARCH_CANDIDATES:
-            best, improved = _pair_moves(ctx, best)
+            best, improved, left = _pair_moves(ctx, best, left)
     return best
 
 
-def _pair_moves(ctx: PlanContext, best: Attempt) -> tuple[Attempt, bool]:
+def _pair_moves(ctx: PlanContext, best: Attempt, left: int) -> tuple[Attempt, bool, int]:
     """On a step of few candidates, where single moves are stuck: the first pair of
-    moves, taken together, that scores better (two activations traded at once)."""
+    moves, taken together, that scores better (two activations traded at once), within
+    ``left`` simulations; the attempt, whether it improved, and the simulations left."""
     now = _decisions_of(best[0])
     recomputable = ctx.profile.recomputable
     options = [(c, d) for c in ctx.candidates for d in ("keep", "offload", "recompute")
@@ -160,12 +162,15 @@ def _pair_moves(ctx: PlanContext, best: Attempt) -> tuple[Attempt, bool]:
         for b, db in options[i + 1:]:
             if a.name == b.name:
                 continue
+            if left == 0:
+                return best, False, 0
+            left -= 1
             plan = ctx.plan("slackswap", {**best[0].decisions, a.name: da, b.name: db})
             result = ctx.simulate(plan)
             if _score(result) > _score(best[1]) and (
                     not best[1].feasible or result.retention > best[1].retention + 1e-9):
-                return (plan, result), True
-    return best, False
+                return (plan, result), True, left
+    return best, False, left
 
 
 def _hybrid(ctx: PlanContext, offload: list[Candidate]) -> Attempt | None:
