@@ -331,14 +331,20 @@ def test_tensors_under_a_kibibyte_are_never_moved() -> None:
         assert r.d2h_bytes == r.h2d_bytes == 0 and r.recompute_s == 0.0
 
 
-def test_memory_limit_makes_ops_wait_or_is_infeasible() -> None:
-    """A and B (1 MB each) cannot both be resident under a 1.5 MB limit."""
+def _two_megabytes():
+    """f0 -> A, f1 -> B (1 MB each, saved); backward: b0 reads B, b1 reads A."""
     ms = 1e-3
     tensors = [T(1_000_000, saved=True, first_backward_use=3),
                T(1_000_000, saved=True, first_backward_use=2), T(10), T(10)]
     ops = [Op("forward", 1 * ms, [], [0]), Op("forward", 1 * ms, [], [1]),
            Op("backward", 1 * ms, [1], [2]), Op("backward", 1 * ms, [0, 2], [3])]
-    profile = build(ops, tensors)
+    return build(ops, tensors)
+
+
+def test_memory_limit_makes_ops_wait_or_is_infeasible() -> None:
+    """A and B (1 MB each) cannot both be resident under a 1.5 MB limit."""
+    ms = 1e-3
+    profile = _two_megabytes()
     hw = link_hardware(0.5e9, 0.5e9, 0.5e9, 0.5e9, 0.0, host=NO_HOST)
     keep = simulate(profile, None, hw, memory_limit=1_500_000)
     assert not keep.feasible
@@ -363,12 +369,7 @@ def test_offload_frees_name_the_op_before_which_the_copy_is_done() -> None:
     assert offload_frees(profile, plan, hw) == {"t0": 2}
     assert offload_frees(profile, Plan.keep_all(profile), hw) == {}
     # under a budget the next op waits for the copy, so A goes before it (op 1)
-    ms = 1e-3
-    tensors = [T(1_000_000, saved=True, first_backward_use=3),
-               T(1_000_000, saved=True, first_backward_use=2), T(10), T(10)]
-    ops = [Op("forward", 1 * ms, [], [0]), Op("forward", 1 * ms, [], [1]),
-           Op("backward", 1 * ms, [1], [2]), Op("backward", 1 * ms, [0, 2], [3])]
-    tight = build(ops, tensors)
+    tight = _two_megabytes()
     plan = Plan(fingerprint=tight.fingerprint, strategy="hand", decisions={"t0": "offload"},
                 budget_bytes=1_500_000)
     assert offload_frees(tight, plan, hw) == {"t0": 1}

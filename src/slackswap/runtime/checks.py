@@ -80,7 +80,7 @@ def prepare(profile: StepProfile, plan: Plan) -> Prepared:
 def offload_deadlines(profile: StepProfile, plan: Plan) -> dict[str, int]:
     """Offloaded activation -> the op before which the simulated step freed its device
     memory (NOTE [offloads free where simulated]), on the link of the profile's hardware;
-    once per plan. None where that hardware cannot be loaded here: offloads then free
+    once per plan. Empty where that hardware cannot be loaded here: offloads then free
     when their copies are seen done."""
     def make() -> dict[str, int]:
         try:
