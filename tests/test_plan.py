@@ -16,7 +16,7 @@ from slackswap.models import build_model
 from slackswap.planners import STRATEGIES, plan_with_result, recompute, smallest_feasible_budget
 from slackswap.planners.bound import retention_bound
 from slackswap.planners.context import PlanContext
-from slackswap.planners.memory import pressure_points
+from slackswap.planners.memory import evicted_at, pressure_points
 from slackswap.reproduce import cached_profile
 
 MS = 1e-3
@@ -134,8 +134,41 @@ def test_a_cover_is_found_without_the_solver(monkeypatch) -> None:
         by_name = {c.name: c for c in ctx.candidates}
         for pt in points:  # every point of pressure is covered
             freed = sum(by_name[n].bytes for n in greedy
-                        if recompute.evicted_at(by_name[n], pt.op, ctx))
+                        if evicted_at(by_name[n], pt.op, ctx))
             assert freed >= pt.excess
+
+
+def test_nested_rows_cost_what_dense_rows_cost() -> None:
+    """The cover solved with running totals (NOTE [nested rows]) costs what the same
+    program with one row per point and a column per candidate costs, and covers every
+    point (checked with ``evicted_at``, the planners' own rule)."""
+    import numpy as np
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
+    solved = 0
+    for seed in range(40):
+        rng = random.Random(seed)
+        profile = random_step(rng, rng.randint(4, 14))
+        ctx = PlanContext(profile, GB_PER_S, int(rng.uniform(0.3, 0.9) * profile.keep_all_peak))
+        points = pressure_points(ctx, 0)
+        chosen = recompute.choose_recompute(ctx, ctx.candidates, points)
+        cands = [c for c in ctx.candidates if c.name in profile.recomputable]
+        dense = np.array([[c.bytes if evicted_at(c, pt.op, ctx) else 0 for c in cands]
+                          for pt in points]).reshape(len(points), len(cands))
+        need = np.array([pt.excess for pt in points])
+        if chosen is None:
+            assert not points or np.any(dense.sum(axis=1) < need)
+            continue
+        x = np.array([c.name in chosen for c in cands])
+        assert np.all(dense @ x >= need)
+        if not points:
+            continue
+        cost = np.array([recompute.rebuild_cost(ctx, c) for c in cands])
+        best = milp(cost, constraints=LinearConstraint(dense, need, np.inf),
+                    integrality=np.ones(len(cands)), bounds=Bounds(0, 1))
+        assert cost @ x == pytest.approx(best.fun, rel=1e-3)
+        solved += 1
+    assert solved >= 10
 
 
 def test_the_best_assignment_on_small_steps() -> None:

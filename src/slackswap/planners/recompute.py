@@ -18,14 +18,13 @@ NOTE [rebuild cost]
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
 from slackswap.planners.context import Candidate, PlanContext
-from slackswap.planners.memory import Pressure, evicted_at
+from slackswap.planners.memory import Pressure
 
 __all__ = ["rebuild_cost", "kernel_cost", "choose_recompute"]
 
@@ -87,17 +86,20 @@ def choose_recompute(
     credit = credit or {}
     candidates = [c for c in candidates if c.name in ctx.profile.recomputable]
     rows = [(pt, pt.excess - credit.get(pt.op, 0)) for pt in points]
-    rows = [(pt, need) for pt, need in rows if need > 0]
+    rows = _undominated([(pt, need) for pt, need in rows if need > 0], ctx.first_backward)
     if not rows:
         return set()
-    entries = [(r, j, c.bytes / 1e9) for r, (pt, _) in enumerate(rows)
-               for j, c in enumerate(candidates) if evicted_at(c, pt.op, ctx)]
-    if not entries:
+    if not candidates:
         return None
-    r, col, v = zip(*entries, strict=True)
-    a = coo_matrix((v, (r, col)), shape=(len(rows), len(candidates))).tocsr()
+    ops = np.array([pt.op for pt, _ in rows])
     need = np.array([need / 1e9 for _, need in rows])
-    if np.any(np.asarray(a.sum(axis=1)).ravel() < need):
+    size = np.array([c.bytes / 1e9 for c in candidates])
+    # which candidates a recompute takes off the device at each row (``evicted_at``)
+    forward = ops < ctx.first_backward
+    away = np.where(forward[:, None],
+                    np.array([c.freed_op for c in candidates])[None, :] < ops[:, None],
+                    np.array([c.first_use for c in candidates])[None, :] > ops[:, None])
+    if np.any(away @ size < need):
         return None
     # milliseconds; equal costs (activations of the same size and kind in different
     # blocks) are broken towards the earlier-made ones, rebuilt later in backward: which
@@ -105,17 +107,69 @@ def choose_recompute(
     n = len(ctx.profile.ops)
     cost = np.array([rebuild_cost(ctx, c) * 1e3 * (1 + _TIE * c.producer / n)
                      for c in candidates])
-    res = milp(cost, constraints=LinearConstraint(a, need, np.inf),
-               integrality=np.ones(len(candidates)), bounds=Bounds(0, 1),
-               options={"node_limit": NODE_LIMIT, "mip_rel_gap": 1e-4})
-    chosen = np.asarray(res.x) > 0.5 if res.x is not None else _greedy_cover(a, need, cost)
+    res = _solve_nested(cost, size, away, forward, need)
+    chosen = res if res is not None else _greedy_cover(away * size, need, cost)
     return {c.name for c, x in zip(candidates, chosen, strict=True) if x}
 
 
-def _greedy_cover(a: Any, need: np.ndarray, cost: np.ndarray) -> np.ndarray:
-    """A cover of ``need`` by columns of ``a``: repeatedly the column that covers the most
-    of what is still needed per unit of cost (the rows are known to be coverable)."""
-    columns = a.tocsc().toarray()
+def _solve_nested(cost: np.ndarray, size: np.ndarray, away: np.ndarray,
+                  forward: np.ndarray, need: np.ndarray) -> np.ndarray | None:
+    """The least-cost cover, by HiGHS; None when it stops with none.
+
+    NOTE [nested rows]
+        What a recompute frees at a forward row is every candidate past its last
+        forward use, a set that only grows from row to row; at a backward row, every one
+        not needed yet, a set that only shrinks. So row r's sum is row r-1's plus the
+        candidates that join at r: one running-total variable per row, ``S_r = S_{r-1}
+        + sum(joining b_i x_i)`` with ``S_r >= need_r``, the same covers as the dense
+        rows with one entry per candidate instead of one per candidate and row. On
+        llama-7b at 30% that is 2 000 entries instead of 169 000, and HiGHS solves it
+        in 0.02 s instead of 1 s.
+    """
+    m, k = away.shape
+    fwd, bwd = np.flatnonzero(forward), np.flatnonzero(~forward)[::-1]  # bwd: last first
+    rows, cols, vals = [], [], []
+    for chain in (fwd, bwd):  # each in the order its sets grow
+        seen = np.zeros(k, dtype=bool)
+        for i, r in enumerate(chain):
+            joining = np.flatnonzero(away[r] & ~seen)
+            seen |= away[r]
+            rows += [r] * (len(joining) + 1 + (i > 0))
+            cols += [*joining, k + r, *((k + chain[i - 1],) if i else ())]
+            vals += [*(-size[joining]), 1.0, *((-1.0,) if i else ())]
+    a = coo_matrix((vals, (rows, cols)), shape=(m, k + m)).tocsr()
+    res = milp(np.concatenate([cost, np.zeros(m)]),
+               constraints=LinearConstraint(a, 0.0, 0.0),
+               integrality=np.concatenate([np.ones(k), np.zeros(m)]),
+               bounds=Bounds(np.concatenate([np.zeros(k), need]),
+                             np.concatenate([np.ones(k), np.full(m, np.inf)])),
+               options={"node_limit": NODE_LIMIT, "mip_rel_gap": 1e-4})
+    return None if res.x is None else np.asarray(res.x[:k]) > 0.5
+
+
+def _undominated(rows: list[tuple[Pressure, int]], first_backward: int
+                 ) -> list[tuple[Pressure, int]]:
+    """The rows no other row implies. What can be evicted at a forward op only grows
+    with the op (past its last forward use, its copy landed), and at a backward op only
+    shrinks (not needed yet): a forward row is implied by an earlier one that needs as
+    much, a backward row by a later one. Dropping them changes no cover."""
+    kept, most = [], 0
+    for pt, need in rows:  # forward: each new running maximum
+        if pt.op < first_backward and need > most:
+            kept.append((pt, need))
+            most = need
+    late, most = [], 0
+    for pt, need in reversed(rows):  # backward: each new maximum from the end
+        if pt.op >= first_backward and need > most:
+            late.append((pt, need))
+            most = need
+    return kept + late[::-1]
+
+
+def _greedy_cover(columns: np.ndarray, need: np.ndarray, cost: np.ndarray) -> np.ndarray:
+    """A cover of ``need`` by the columns of the dense ``columns``: repeatedly the column
+    that covers the most of what is still needed per unit of cost (the rows are known to
+    be coverable)."""
     left = need.astype(float).copy()
     chosen = np.zeros(columns.shape[1], dtype=bool)
     while np.any(left > 0):
