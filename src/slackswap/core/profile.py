@@ -176,12 +176,30 @@ class StepProfile(JsonFile, _Record):
         accumulated into one."""
         return sum(t.bytes for t in self.tensors if t.kind == "gradient")
 
+    @cached_property
+    def working_set(self) -> tuple[int, int]:
+        """The largest set of activations one op needs at once (inputs and outputs), and
+        that op: no plan goes below it."""
+        best, where = 0, 0
+        for op in self.ops:
+            ids = {tid for tid in (*op.inputs, *op.outputs)
+                   if self.tensors[tid].kind == "activation"}
+            size = sum(self.tensors[tid].bytes for tid in ids)
+            if size > best:
+                best, where = size, op.index
+        return best, where
+
     def layer_index(self, module: str) -> int | None:
         """Index of the transformer block that contains ``module``, or None."""
-        for i, layer in enumerate(self.layers):
-            if module == layer or module.startswith(layer + "."):
-                return i
-        return None
+        if module not in self._layer_of:
+            self._layer_of[module] = next(
+                (i for i, layer in enumerate(self.layers)
+                 if module == layer or module.startswith(layer + ".")), None)
+        return self._layer_of[module]
+
+    @cached_property
+    def _layer_of(self) -> dict[str, int | None]:
+        return {}
 
     def phase_time(self, phase: Phase) -> float:
         return sum(op.time_s for op in self.ops if op.phase == phase)

@@ -318,11 +318,4 @@ class _Builder:
 
 def min_working_set(profile: StepProfile) -> tuple[int, int]:
     """The largest set of activations one op needs at once, and that op: no plan goes below."""
-    best, where = 0, 0
-    for op in profile.ops:
-        ids = {tid for tid in (*op.inputs, *op.outputs)
-               if _is_activation(profile.tensors[tid])}
-        size = sum(profile.tensors[tid].bytes for tid in ids)
-        if size > best:
-            best, where = size, op.index
-    return best, where
+    return profile.working_set
