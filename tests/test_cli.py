@@ -175,7 +175,7 @@ def test_reproduce_command(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("SLACKSWAP_CACHE", str(tmp_path / "cache"))
     out, js = tmp_path / "results", tmp_path / "r.json"
     code, stdout, _ = run("reproduce", "--workloads", "gpt2-xl-tiny", "--out", str(out),
-                          "--json", str(js), "--budget", "0.85")
+                          "--json", str(js), "--budget", "0.85", "--sweep")
     assert code == 0, stdout
     results = json.loads(js.read_text())
     assert results["budget_fraction"] == 0.85 and results["hardware"] == "a100-80gb"
@@ -191,5 +191,11 @@ def test_reproduce_command(tmp_path, monkeypatch) -> None:
                  "gpt2-xl-tiny-slackswap-trace.json"):
         assert (out / name).exists(), name
     assert list((tmp_path / "cache" / "profiles").glob("gpt2-xl-tiny-*.json"))
+    quick = tmp_path / "quick"  # no sweep: the table and traces, no plot
+    code, stdout, _ = run("reproduce", "--workloads", "gpt2-xl-tiny", "--out", str(quick),
+                          "--budget", "0.85")
+    assert code == 0, stdout
+    assert not list(quick.glob("*.png")) and ".png" not in (quick / "report.md").read_text()
+    assert (quick / "gpt2-xl-tiny-slackswap-trace.json").exists()
     code, _, stderr = run("reproduce", "--workloads", "gpt3")
     assert code == 2 and "unknown workload 'gpt3'" in stderr

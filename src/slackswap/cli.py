@@ -48,6 +48,34 @@ def _progress(message: str) -> Iterator[Callable[[str], None]]:
         yield lambda text: None
 
 
+@contextlib.contextmanager
+def _progress_bar(message: str, total: int) -> Iterator[Callable[[str], None]]:
+    """A progress bar of ``total`` steps on a terminal: each update starts the next step
+    and says what it does; silent when piped."""
+    if not _err.is_terminal:
+        yield lambda text: None
+        return
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=_err, transient=True) as bar:
+        task = bar.add_task(message, total=total)
+        started = False
+
+        def update(text: str) -> None:
+            nonlocal started
+            bar.update(task, description=f"{message}: {text}", advance=1 if started else 0)
+            started = True
+
+        yield update
+
+
 def _gpus_option(fn: Callable[..., Any]) -> Callable[..., Any]:
     return click.option(
         "--gpus", type=click.IntRange(min=1), default=1, show_default=True,
@@ -212,20 +240,25 @@ def plan_command(source: str, budget: str, strategy: str, hardware: str | None,
               type=click.Path(file_okay=False), help="Results folder.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False),
               help="Also write the results JSON here.")
+@click.option("--sweep", is_flag=True,
+              help="Also plan every budget from 10 to 100% and plot retention against it "
+                   "(several minutes more).")
 @_gpus_option
 @_user_errors
 def reproduce(budget: float, hardware: str, workloads: str, out: str,
-              json_path: str | None, gpus: int) -> None:
+              json_path: str | None, sweep: bool, gpus: int) -> None:
     """Reproduce the paper's table: every strategy on the reference workloads."""
     from slackswap.core.jsonio import atomic_write_text
     from slackswap.models import MODEL_PRESETS
+    from slackswap.reproduce import SWEEP, steps
     from slackswap.reproduce import reproduce as run
 
     names = tuple(w.strip() for w in workloads.split(",") if w.strip())
     if unknown := [n for n in names if n not in MODEL_PRESETS]:
         raise InputError(f"unknown workload '{unknown[0]}'; presets: {', '.join(MODEL_PRESETS)}")
-    with _progress("reproducing") as update:
-        results = run(out, budget, hardware, names, progress=update, gpus=gpus)
+    budgets = SWEEP if sweep else ()
+    with _progress_bar("reproducing", steps(names, budgets, gpus)) as update:
+        results = run(out, budget, hardware, names, budgets, progress=update, gpus=gpus)
     if json_path:
         atomic_write_text(json_path, json.dumps(results, indent=2))
     _print_reproduce(results, out)
@@ -319,4 +352,5 @@ def _print_reproduce(results: dict[str, Any], out_dir: str) -> None:
             else "infeasible" for w in workloads))
     out.print(table)
     out.print("* the paper's own simulation (A100, PCIe 4.0, 50% budget)")
-    out.print(f"results written to {out_dir}/ (results.json, report.md, plots, traces)")
+    plots = ", plots" if any("sweep" in w for w in workloads) else ""
+    out.print(f"results written to {out_dir}/ (results.json, report.md{plots}, traces)")

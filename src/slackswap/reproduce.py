@@ -2,8 +2,8 @@
 
 Profiles the reference workloads (cached on disk by fingerprint), plans each with every
 strategy at one budget, simulates, and writes a results folder: ``results.json``, a
-Markdown report, a retention-against-budget plot per workload, and a Perfetto trace of
-each SlackSwap plan.
+Markdown report and a Perfetto trace of each SlackSwap plan; with a budget sweep, a
+retention-against-budget plot per workload too.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from slackswap.planners.context import PlanContext
 from slackswap.planners.summary import decision_bytes
 from slackswap.sim.outputs import write_trace
 
-__all__ = ["PAPER", "WORKLOADS", "reproduce", "cached_profile", "SWEEP"]
+__all__ = ["PAPER", "WORKLOADS", "reproduce", "cached_profile", "SWEEP", "steps"]
 
 # Throughput retained at a 50% budget on A100 + PCIe 4.0, as the paper reports it
 # (its own simulation; it did not run on hardware).
@@ -101,11 +101,15 @@ def reproduce(
     budget: float = 0.5,
     hardware: str | Path = "a100-80gb",
     workloads: tuple[str, ...] = WORKLOADS,
-    sweep: tuple[float, ...] = SWEEP,
+    sweep: tuple[float, ...] = (),
     progress: Progress = lambda message: None,
     gpus: int = 1,
 ) -> dict[str, Any]:
     """Run the comparison and write the results folder; returns the results JSON.
+
+    ``sweep``: budgets (fractions) at which every strategy and the bound are planned
+    again for the plots (``SWEEP``: 10 to 100%). ``progress`` is called as each of
+    ``steps(workloads, sweep)`` steps begins, with what it does.
 
     ``gpus`` > 1: every plan is made for, and simulated on, one of that many GPUs of the
     node ``hardware`` describes, all running the step in lockstep (NOTE [the node]); each
@@ -133,18 +137,25 @@ def reproduce(
             if strategy == "slackswap" and attempt is not None:
                 write_trace(attempt[1], folder / f"{name}-slackswap-trace.json")
                 dump_model(attempt[0], folder / f"{name}-slackswap-plan.json")
+                entry["trace"] = f"{name}-slackswap-trace.json"
         if gpus > 1:
             progress(f"{name}: the plan for one GPU, on {gpus}")
             entry["single_gpu_plan"] = _single_gpu_plan(prof, single, hw, budget)
         start = time.perf_counter()
         entry["bound_retention"] = retention_bound(ctx)
         entry["bound_time_s"] = time.perf_counter() - start
-        entry["sweep"] = _sweep(prof, hw, sweep, name, progress)
-        _plot_sweep(entry, folder / f"{name}-retention.png")
+        if sweep:
+            entry["sweep"] = _sweep(prof, hw, sweep, name, progress)
+            _plot_sweep(entry, folder / f"{name}-retention.png")
         results["workloads"].append(entry)
     atomic_write_text(folder / "results.json", json.dumps(results, indent=2))
     atomic_write_text(folder / "report.md", report(results))
     return results
+
+
+def steps(workloads: tuple[str, ...], sweep: tuple[float, ...] = (), gpus: int = 1) -> int:
+    """How many times ``reproduce`` calls ``progress``: for a progress bar."""
+    return len(workloads) * (2 + (gpus > 1) + len(sweep))
 
 
 def _single_gpu_plan(prof: StepProfile, single: Hardware, node: Hardware,
@@ -246,9 +257,12 @@ def report(results: dict[str, Any]) -> str:
             peak = format_bytes(e["peak_bytes"]) if e["peak_bytes"] is not None else "-"
             lines.append(f"| {s} | {_pct(e)} | {peak} | {format_bytes(e['offloaded_bytes'])} "
                          f"| {format_bytes(e['recomputed_bytes'])} | {e['plan_time_s']:.2f} s |")
-        lines += ["", f"![retention against budget]({w['name']}-retention.png)", "",
-                  f"Trace of the SlackSwap plan: `{w['name']}-slackswap-trace.json` "
-                  "(open it at ui.perfetto.dev).", ""]
+        if "sweep" in w:
+            lines += ["", f"![retention against budget]({w['name']}-retention.png)"]
+        if w.get("trace"):
+            lines += ["", f"Trace of the SlackSwap plan: `{w['trace']}` "
+                      "(open it at ui.perfetto.dev)."]
+        lines.append("")
     return "\n".join(lines)
 
 
