@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from enum import Enum
 
 import pydantic
 
@@ -12,7 +12,18 @@ from slackswap.errors import InputError
 
 __all__ = ["Plan", "Decision", "MIN_PLANNED_BYTES"]
 
-Decision = Literal["keep", "offload", "recompute"]
+
+class Decision(str, Enum):
+    """What a plan does with a saved activation. A ``str``: it equals, hashes and
+    serializes as its value, so plan files hold "keep", "offload" or "recompute"."""
+
+    KEEP = "keep"
+    OFFLOAD = "offload"
+    RECOMPUTE = "recompute"
+
+    def __str__(self) -> str:
+        return self.value
+
 
 # Saved tensors this small are never moved, whatever a plan says (torchtune's
 # ``min_offload_size`` default): the copy's fixed cost outweighs the bytes. Planners do
@@ -41,7 +52,7 @@ class Plan(JsonFile, pydantic.BaseModel):
         return cls(
             fingerprint=profile.fingerprint,
             strategy="keep-all",
-            decisions={name: "keep" for name in profile.by_name},
+            decisions={name: Decision.KEEP for name in profile.by_name},
         )
 
     def check(self, profile: StepProfile) -> None:
@@ -52,7 +63,7 @@ class Plan(JsonFile, pydantic.BaseModel):
                 f"{self.fingerprint[:12]} != {profile.fingerprint[:12]}); re-plan for this profile"
             )
         state = {t.name for t in profile.tensors if t.is_parameter}
-        planned = [n for n, d in self.decisions.items() if d != "keep"] + list(self.prefetch)
+        planned = [n for n, d in self.decisions.items() if d != Decision.KEEP] + list(self.prefetch)
         if fixed := [n for n in planned if n in state]:
             raise InputError(
                 f"plan moves '{fixed[0]}', a parameter or buffer; model state is never planned"
@@ -62,7 +73,7 @@ class Plan(JsonFile, pydantic.BaseModel):
             raise InputError(
                 f"plan moves '{fixed[0]}', a batch input; only activations can be planned"
             )
-        moved = [n for n, d in self.decisions.items() if d != "keep"]
+        moved = [n for n, d in self.decisions.items() if d != Decision.KEEP]
         if bad := [n for n in (*moved, *self.prefetch) if n in profile.checkpointable]:
             raise InputError(
                 f"plan moves '{bad[0]}', which autograd does not save; such tensors can "

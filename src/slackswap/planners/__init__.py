@@ -4,6 +4,13 @@ Plain Python (no torch): each strategy is a function of a :class:`PlanContext` t
 returns a plan and its simulated result.
 """
 
-from slackswap.planners.api import STRATEGIES, plan, plan_with_result, smallest_feasible_budget
+from slackswap.planners.api import (
+    STRATEGIES,
+    plan,
+    plan_in_context,
+    plan_with_result,
+    smallest_feasible_budget,
+)
 
-__all__ = ["STRATEGIES", "plan", "plan_with_result", "smallest_feasible_budget"]
+__all__ = ["STRATEGIES", "plan", "plan_in_context", "plan_with_result",
+           "smallest_feasible_budget"]

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from slackswap.core.hardware import Hardware, load_hardware
-from slackswap.core.plan import Plan
+from slackswap.core.plan import Decision, Plan
 from slackswap.core.profile import StepProfile
 from slackswap.core.result import SimResult
 from slackswap.core.units import format_bytes, resolve_budget
@@ -19,7 +19,8 @@ from slackswap.planners.slackswap import slackswap
 from slackswap.sim.schedule import min_working_set
 from slackswap.sim.simulate import simulate
 
-__all__ = ["STRATEGIES", "plan", "plan_with_result", "smallest_feasible_budget"]
+__all__ = ["STRATEGIES", "plan", "plan_with_result", "plan_in_context",
+           "smallest_feasible_budget"]
 
 STRATEGIES: dict[str, Callable[[PlanContext], Attempt | None]] = {
     "slackswap": slackswap,
@@ -43,7 +44,7 @@ def smallest_feasible_budget(profile: StepProfile, hardware: Hardware | None = N
     floor = min_working_set(profile)[0]
     step = max(1, profile.keep_all_peak // 1000)
     best = profile.keep_all_peak
-    for decision in ("recompute", "offload"):
+    for decision in (Decision.RECOMPUTE, Decision.OFFLOAD):
         uniform = ctx.plan("all", {n: decision for n in names})
         # with no limit nothing waits, so its peak is a limit it is known to fit
         lo, hi = floor, min(best, simulate(profile, uniform, hw).peak_bytes)
@@ -70,15 +71,23 @@ def plan_with_result(
         raise InputError(f"unknown strategy '{strategy}'; strategies: {', '.join(STRATEGIES)}")
     hw = load_hardware(hardware or profile.hardware)
     ctx = PlanContext(profile, hw, resolve_budget(budget, profile.keep_all_peak))
+    return plan_in_context(ctx, strategy)
+
+
+def plan_in_context(ctx: PlanContext, strategy: str = "slackswap") -> Attempt | None:
+    """``strategy``'s plan and simulated result for a context built once (``reproduce``
+    plans every strategy in one): keep-all when it fits, None when the budget is below
+    one op's working set or the strategy has no plan, with the reload starts written
+    into an offloading plan."""
     if not ctx.reachable:
         return None
     if ctx.budget >= ctx.keep_all_peak:
-        keep = Plan.keep_all(profile).model_copy(
+        keep = Plan.keep_all(ctx.profile).model_copy(
             update={"strategy": strategy, "budget_bytes": ctx.budget})
         return keep, ctx.simulate(keep)
-    attempt = STRATEGIES[strategy](ctx)
+    attempt = ctx.attempt(STRATEGIES[strategy])
     if (attempt is not None and attempt[1].feasible and not attempt[0].prefetch
-            and "offload" in attempt[0].decisions.values()):
+            and Decision.OFFLOAD in attempt[0].decisions.values()):
         # the simulator's default reload starts, written down so the runtime follows them
         attempt = with_prefetch_points(ctx, attempt)
     return attempt

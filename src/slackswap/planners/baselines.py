@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from slackswap.core.plan import Decision
 from slackswap.planners.context import PlanContext
-from slackswap.planners.memory import evicted_at, pressure_points
+from slackswap.planners.memory import pressure_points
 from slackswap.planners.recompute import choose_recompute, kernel_cost, rebuild_cost
 from slackswap.planners.search import Attempt, fit_margin, or_uniform, smallest_fitting
-from slackswap.planners.slack import d2h_landing, offload_within_slack
+from slackswap.planners.slack import eviction_credit, offload_within_slack
 
 __all__ = ["recompute_only", "checkpoint_blocks", "offload_only", "capuchin", "module_policy"]
 
@@ -19,9 +20,9 @@ def recompute_only(ctx: PlanContext) -> Attempt | None:
         chosen = choose_recompute(ctx, cands, pressure_points(ctx, margin))
         if chosen is None:
             return None
-        return ctx.plan("recompute-only", {n: "recompute" for n in chosen})
+        return ctx.plan("recompute-only", {n: Decision.RECOMPUTE for n in chosen})
 
-    return or_uniform(ctx, fit_margin(ctx, make), "recompute-only", ("recompute",))
+    return or_uniform(ctx, fit_margin(ctx, make), "recompute-only", (Decision.RECOMPUTE,))
 
 
 def _block_inputs(ctx: PlanContext, layer: int) -> list[str]:
@@ -48,10 +49,10 @@ def checkpoint_blocks(ctx: PlanContext) -> Attempt | None:
     inputs = [_block_inputs(ctx, i) for i in range(layers)]
 
     def make(k: int):
-        decisions = {c.name: "recompute" for c in ctx.candidates
+        decisions = {c.name: Decision.RECOMPUTE for c in ctx.candidates
                      if c.layer is not None and c.layer < k}
         for names in inputs[:k]:
-            decisions.update({n: "keep" for n in names})
+            decisions.update({n: Decision.KEEP for n in names})
         return ctx.plan("checkpoint-blocks", decisions)
 
     return smallest_fitting(ctx, make, 0, layers)
@@ -63,7 +64,7 @@ def offload_only(ctx: PlanContext) -> Attempt | None:
     cands = ctx.candidates
 
     def make(n: int):
-        return ctx.plan("offload-only", {c.name: "offload" for c in cands[:n]})
+        return ctx.plan("offload-only", {c.name: Decision.OFFLOAD for c in cands[:n]})
 
     return smallest_fitting(ctx, make, 0, len(cands))
 
@@ -74,22 +75,19 @@ def capuchin(ctx: PlanContext) -> Attempt | None:
     per second of overhead (recompute), greedily, until the peak's excess is covered."""
     idle_first = sorted(ctx.candidates, key=lambda c: (c.produced_at - c.needed_at, c.tensor))
     swaps = offload_within_slack(ctx, idle_first)
-    landed = d2h_landing(ctx, swaps) or {}
     swapped = {c.name for c in swaps}
     msps = sorted((c for c in ctx.candidates if c.name not in swapped),
                   key=lambda c: (-c.bytes / max(rebuild_cost(ctx, c), 1e-12), c.tensor))
     peak_op = max(range(len(ctx.memory)), key=ctx.memory.__getitem__)
-
-    gone = sum(c.bytes for c in swaps if evicted_at(c, peak_op, ctx, landed[c.name]))
-    excess = ctx.keep_all_peak - ctx.budget - gone
+    excess = ctx.keep_all_peak - ctx.budget - eviction_credit(ctx, swaps, [peak_op])[peak_op]
 
     def make(margin: int):
-        decisions = {c.name: "offload" for c in swaps}
+        decisions = {c.name: Decision.OFFLOAD for c in swaps}
         freed = 0
         for c in msps:
             if freed >= excess + margin:
                 break
-            decisions[c.name] = "recompute"
+            decisions[c.name] = Decision.RECOMPUTE
             freed += c.bytes
         return ctx.plan("capuchin", decisions)
 
@@ -115,10 +113,10 @@ def module_policy(ctx: PlanContext) -> Attempt | None:
         module = p.ops[c.producer].module.rsplit(".", 1)[-1].lower()
         local = kernel_cost(ctx, c) == c.recompute_s  # rebuilt from saved inputs alone
         if c.kind in _RECOMPUTE_KINDS and any(key in module for key in _NORM_OR_ACT) and local:
-            rules[c.name] = "recompute"
+            rules[c.name] = Decision.RECOMPUTE
         elif (p.ops[c.producer].category == "attention_forward"
               or c.tensor in linear_inputs):
-            rules[c.name] = "offload"
+            rules[c.name] = Decision.OFFLOAD
     layers = len(p.layers)
     by_layer = {c.name: c.layer for c in ctx.candidates}
 

@@ -8,7 +8,7 @@ from functools import cached_property
 from typing import Any
 
 from slackswap.core.hardware import Hardware
-from slackswap.core.plan import MIN_PLANNED_BYTES, Plan
+from slackswap.core.plan import MIN_PLANNED_BYTES, Decision, Plan
 from slackswap.core.profile import StepProfile
 from slackswap.core.result import SimResult
 from slackswap.sim.schedule import min_working_set
@@ -100,7 +100,7 @@ class PlanContext:
         """The plan, with activations no replay rebuilds exactly kept instead of recomputed
         (NOTE [replayable ops]): every strategy is held to what the runtime can do."""
         recomputable = self.profile.recomputable
-        decisions = {n: "keep" if d == "recompute" and n not in recomputable else d
+        decisions = {n: Decision.KEEP if d == Decision.RECOMPUTE and n not in recomputable else d
                      for n, d in decisions.items()}
         return Plan(fingerprint=self.profile.fingerprint, strategy=strategy,
                     budget_bytes=self.budget, decisions=decisions, prefetch=prefetch or {})

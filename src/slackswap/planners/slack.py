@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
-from slackswap.planners.context import Candidate, PlanContext
+import math
 
-__all__ = ["d2h_landing", "reloads_in_time", "offload_within_slack"]
+from slackswap.planners.context import Candidate, PlanContext
+from slackswap.planners.memory import evicted_at
+
+__all__ = ["d2h_landing", "reloads_in_time", "offload_within_slack", "eviction_credit"]
 
 
 def d2h_landing(ctx: PlanContext, chosen: list[Candidate]) -> dict[str, float] | None:
@@ -37,3 +40,13 @@ def offload_within_slack(ctx: PlanContext, order: list[Candidate]) -> list[Candi
         if d2h_landing(ctx, trial) is not None and reloads_in_time(ctx, trial):
             chosen = trial
     return chosen
+
+
+def eviction_credit(ctx: PlanContext, offload: list[Candidate], ops: list[int]
+                    ) -> dict[int, int]:
+    """Bytes the offloads free while each of ``ops`` runs: those past their last forward
+    use whose copy has landed (queued in production order), or not needed yet in
+    backward. What recomputation must still cover is the excess less this."""
+    landed = d2h_landing(ctx, offload) or {}  # a copy that misses forward frees nothing there
+    return {op: sum(c.bytes for c in offload
+                    if evicted_at(c, op, ctx, landed.get(c.name, math.inf))) for op in ops}

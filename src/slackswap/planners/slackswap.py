@@ -36,15 +36,15 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable
 
-from slackswap.core.plan import Plan
+from slackswap.core.plan import Decision, Plan
 from slackswap.core.result import SimResult
 from slackswap.planners import baselines
 from slackswap.planners.context import Candidate, PlanContext
-from slackswap.planners.memory import evicted_at, pressure_points
+from slackswap.planners.memory import pressure_points
 from slackswap.planners.prefetch import with_prefetch_points
 from slackswap.planners.recompute import choose_recompute, rebuild_cost
 from slackswap.planners.search import Attempt, fit_margin, or_uniform
-from slackswap.planners.slack import d2h_landing, offload_within_slack
+from slackswap.planners.slack import eviction_credit, offload_within_slack
 
 __all__ = ["slackswap", "SLACK_FRACTIONS", "SEARCH_SIMULATIONS"]
 
@@ -79,7 +79,7 @@ def slackswap(ctx: PlanContext) -> Attempt | None:
             best = attempt
         if best is not None and best[1].stall_s["reload"] == best[1].stall_s["memory"] == 0:
             break  # the copies hide entirely: spending less slack only adds recompute
-    best = or_uniform(ctx, best, "slackswap", ("offload", "recompute"))
+    best = or_uniform(ctx, best, "slackswap", (Decision.OFFLOAD, Decision.RECOMPUTE))
     for start in STARTS:  # NOTE [starting points]
         other = ctx.attempt(start)
         if other is not None and (best is None or _score(other[1]) > _score(best[1])):
@@ -87,7 +87,7 @@ def slackswap(ctx: PlanContext) -> Attempt | None:
     if best is None or not best[1].feasible:  # nothing fits yet: search from there,
         names = [c.name for c in ctx.candidates]  # keep-all and each uniform plan too
         starts = [ctx.plan("slackswap", {n: d for n in names})
-                  for d in ("keep", "offload", "recompute")]
+                  for d in (Decision.KEEP, Decision.OFFLOAD, Decision.RECOMPUTE)]
         found = [_local_search(ctx, (p, ctx.simulate(p))) for p in starts]
         if best is not None:
             found.append(_local_search(ctx, best))
@@ -98,7 +98,7 @@ def slackswap(ctx: PlanContext) -> Attempt | None:
 
 
 def _decisions_of(plan: Plan) -> Callable[[Candidate], str]:
-    return lambda c: plan.decisions.get(c.name, "keep")
+    return lambda c: plan.decisions.get(c.name, Decision.KEEP)
 
 
 def _score(result: SimResult) -> tuple[bool, float]:
@@ -122,19 +122,20 @@ def _local_search(ctx: PlanContext, best: Attempt) -> Attempt:
     while improved and left > 0:
         improved = False
         now = _decisions_of(best[0])
-        moves = sorted(((c, "offload") for c in ctx.candidates if now(c) == "recompute"),
+        moves = sorted(((c, Decision.OFFLOAD) for c in ctx.candidates
+                        if now(c) == Decision.RECOMPUTE),
                        key=lambda m: (m[0].produced_at - m[0].needed_at, m[0].producer))
-        moves += [(c, "recompute") for c in sorted(ctx.candidates,
+        moves += [(c, Decision.RECOMPUTE) for c in sorted(ctx.candidates,
                                                    key=lambda c: (-c.bytes, c.producer))
-                  if now(c) == "offload" and c.name in recomputable]
-        moves += [(c, "keep") for c in sorted(ctx.candidates,
+                  if now(c) == Decision.OFFLOAD and c.name in recomputable]
+        moves += [(c, Decision.KEEP) for c in sorted(ctx.candidates,
                                               key=lambda c: (c.bytes, c.producer))
-                  if now(c) != "keep"]
+                  if now(c) != Decision.KEEP]
         if not best[1].feasible:
             moves += [(c, d) for c in sorted(ctx.candidates,
                                              key=lambda c: (-c.bytes, c.producer))
-                      if now(c) == "keep" for d in ("offload", "recompute")
-                      if d == "offload" or c.name in recomputable]
+                      if now(c) == Decision.KEEP for d in (Decision.OFFLOAD, Decision.RECOMPUTE)
+                      if d == Decision.OFFLOAD or c.name in recomputable]
         for c, decision in moves:
             if left == 0:
                 break
@@ -156,8 +157,8 @@ def _pair_moves(ctx: PlanContext, best: Attempt, left: int) -> tuple[Attempt, bo
     ``left`` simulations; the attempt, whether it improved, and the simulations left."""
     now = _decisions_of(best[0])
     recomputable = ctx.profile.recomputable
-    options = [(c, d) for c in ctx.candidates for d in ("keep", "offload", "recompute")
-               if d != now(c) and (d != "recompute" or c.name in recomputable)]
+    options = [(c, d) for c in ctx.candidates for d in Decision
+               if d != now(c) and (d != Decision.RECOMPUTE or c.name in recomputable)]
     for i, (a, da) in enumerate(options):
         for b, db in options[i + 1:]:
             if a.name == b.name:
@@ -174,19 +175,17 @@ def _pair_moves(ctx: PlanContext, best: Attempt, left: int) -> tuple[Attempt, bo
 
 
 def _hybrid(ctx: PlanContext, offload: list[Candidate]) -> Attempt | None:
-    landed = d2h_landing(ctx, offload) or {}
     offloaded = {c.name for c in offload}
     rest = [c for c in ctx.candidates if c.name not in offloaded]
 
     def make(margin: int):
         points = pressure_points(ctx, margin)
-        credit = {pt.op: sum(c.bytes for c in offload
-                             if evicted_at(c, pt.op, ctx, landed[c.name])) for pt in points}
+        credit = eviction_credit(ctx, offload, [pt.op for pt in points])
         chosen = choose_recompute(ctx, rest, points, credit)
         if chosen is None:
             return None
-        decisions = {c.name: "offload" for c in offload}
-        decisions.update({n: "recompute" for n in chosen})
+        decisions = {c.name: Decision.OFFLOAD for c in offload}
+        decisions.update({n: Decision.RECOMPUTE for n in chosen})
         return ctx.plan("slackswap", decisions)
 
     return fit_margin(ctx, make)

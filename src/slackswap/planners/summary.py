@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from slackswap.core.plan import Plan
+from slackswap.core.plan import Decision, Plan
 from slackswap.core.profile import StepProfile
 
 __all__ = ["decision_bytes"]
@@ -13,10 +13,10 @@ __all__ = ["decision_bytes"]
 def decision_bytes(profile: StepProfile, plan: Plan, by: str = "kind") -> dict[str, dict[str, int]]:
     """Bytes per decision, grouped by producer op kind (``by="kind"``), by layer
     (``"layer"``), or in total (``"total"``)."""
-    out: dict[str, dict[str, int]] = defaultdict(lambda: {"keep": 0, "offload": 0,
-                                                          "recompute": 0})
+    out: dict[str, dict[str, int]] = defaultdict(lambda: {Decision.KEEP: 0, Decision.OFFLOAD: 0,
+                                                          Decision.RECOMPUTE: 0})
     for t in profile.saved_activations:
-        decision = plan.decisions.get(t.name, "keep")
+        decision = plan.decisions.get(t.name, Decision.KEEP)
         op = profile.ops[t.producer] if t.producer is not None else None
         if by == "kind":
             key = op.kind if op else "input"

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from slackswap.core.plan import Plan
+from slackswap.core.plan import Decision, Plan
 from slackswap.core.profile import StepProfile
 from slackswap.errors import InputError
 from slackswap.profiling.sharding import fsdp_hooks_apart, rank_prefix
@@ -100,7 +100,7 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
             free_before = offload_deadlines(profile, plan)
         self._watch = (watch_for(profile, plan)
                        if profile is not None and can_watch(profile, device) else None)
-        self.decisions = {n: d for n, d in plan.decisions.items() if d != "keep"}
+        self.decisions = {n: d for n, d in plan.decisions.items() if d != Decision.KEEP}
         # NOTE [buffers held by events]: host buffers are reused from step to step
         self.values = SavedValues(self.decisions, verify, self._watch, first_use, prefetch,
                                   copies_for(plan, offloaded), produced_at, free_before)

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from slackswap.core.plan import MIN_PLANNED_BYTES, Plan
+from slackswap.core.plan import MIN_PLANNED_BYTES, Decision, Plan
 from slackswap.core.profile import StepProfile
 from slackswap.errors import InputError
 from slackswap.sim.schedule import build_schedule
@@ -69,7 +69,7 @@ def prepare(profile: StepProfile, plan: Plan) -> Prepared:
             prefetch=order,
             offloaded_bytes=sum(
                 t.bytes for n, d in plan.decisions.items()
-                if d == "offload" and (t := profile.by_name.get(n)) is not None
+                if d == Decision.OFFLOAD and (t := profile.by_name.get(n)) is not None
                 and t.bytes >= MIN_PLANNED_BYTES),
             produced_at={n: t.producer for n, t in profile.by_name.items()
                          if t.producer is not None},
@@ -94,7 +94,7 @@ def checkpoint_releases(profile: StepProfile, plan: Plan) -> dict[str, int]:
     """Unsaved tensors the plan keeps as checkpoints for rebuilds, and the backward op
     after whose rebuilds each may go: where the simulator's schedule frees it."""
     kept = {profile.checkpointable[n].id: n for n, d in plan.decisions.items()
-            if d == "keep" and n in profile.checkpointable}
+            if d == Decision.KEEP and n in profile.checkpointable}
     if not kept:
         return {}
     schedule = build_schedule(profile, plan)
@@ -111,7 +111,7 @@ def check_recomputable(profile: StepProfile, plan: Plan) -> None:
     """Refuse, before anything runs, to recompute an activation whose rebuild would replay
     an op not known to replay bit for bit (NOTE [replayable ops])."""
     for name, decision in plan.decisions.items():
-        if decision != "recompute" or name not in profile.by_name:
+        if decision != Decision.RECOMPUTE or name not in profile.by_name:
             continue
         if name not in profile.recomputable:
             t = profile.by_name[name]

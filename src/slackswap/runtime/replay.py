@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from slackswap.core.plan import Decision
 from slackswap.errors import InputError
 from slackswap.profiling.naming import is_replayable
 from slackswap.profiling.sharding import gather_again
@@ -161,7 +162,7 @@ class Replayer:
                 values.group[vkey] = made[j]
                 # one planned for recompute stays till backward unpacks it; an offloaded
                 # one is reloaded then, as the simulator schedules it
-                planned = values.decisions.get(sibling.name) == "recompute"
+                planned = values.decisions.get(sibling.name) == Decision.RECOMPUTE
                 if (planned and values.pending.get(vkey, 0) > 0
                         and vkey not in values.back):
                     values.bring_back(vkey, made[j])

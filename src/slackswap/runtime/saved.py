@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from slackswap.core.plan import MIN_PLANNED_BYTES
+from slackswap.core.plan import MIN_PLANNED_BYTES, Decision
 from slackswap.errors import NESTED_BACKWARD, InputError, VerifyError
 from slackswap.runtime.copies import HostCopies
 from slackswap.runtime.recipes import (
@@ -166,15 +166,15 @@ class SavedValues:
             name = node.name
         if self.free_before and (at := self.produced_at.get(name)) is not None:
             self.copies.free_due(at, self.stats)
-        decision = self.decisions.get(name, "keep")
+        decision = self.decisions.get(name, Decision.KEEP)
         vkey = (key, len(node.steps) if node is not None else 0)
-        if decision == "keep":
+        if decision == Decision.KEEP:
             kept = state.kept(t, key, node)
             self.hold(vkey, nbytes)
-            packed = _Packed(self, "keep", vkey, name, node, t, kept)
+            packed = _Packed(self, Decision.KEEP, vkey, name, node, t, kept)
         else:
             assert node is not None
-            if decision == "recompute" and not node.replayable():
+            if decision == Decision.RECOMPUTE and not node.replayable():
                 raise InputError(
                     f"cannot recompute '{name}': {node.unreplayable()} is not known to "
                     "replay bit for bit; keep or offload it (plans from slackswap.plan "
@@ -185,7 +185,7 @@ class SavedValues:
             if self.verify and vkey not in self.originals:
                 with self._quiet():
                     self.originals[vkey] = copy_storage(t)
-            if decision == "offload" and vkey not in self.host:
+            if decision == Decision.OFFLOAD and vkey not in self.host:
                 with self._quiet():
                     self.host[vkey] = self.copies.offload(t, self.stats,
                                                           self.free_before.get(name))
@@ -264,12 +264,12 @@ class SavedValues:
             self.group, self.group_position = {}, position
             self.release_checkpoints(position)
         self._prefetch_up_to(position, packed.device)
-        if packed.decision == "keep":
+        if packed.decision == Decision.KEEP:
             out = packed.tensor
         else:
             base = self.back.get(vkey)
             if base is None:
-                if packed.decision == "offload":
+                if packed.decision == Decision.OFFLOAD:
                     self.stats.late_reloads += 1  # not prefetched: backward waits for it
                     base = self.reload(vkey, packed.name, packed.device, waited=True)
                 else:
@@ -289,7 +289,7 @@ class SavedValues:
             if base is not None:  # another rebuild for this same op may still read it
                 self.group[vkey] = base
             self.release(vkey)
-        if remaining >= 0 and packed.decision != "keep":
+        if remaining >= 0 and packed.decision != Decision.KEEP:
             self.outstanding -= 1
             if self.outstanding == 0:  # backward is through: what rebuilds made goes
                 self.group = {}
@@ -299,7 +299,7 @@ class SavedValues:
     def _verify(self, packed: _Packed, out: torch.Tensor) -> None:
         original = view_of(self.originals[packed.vkey], packed.geometry)
         if not _same_bits(original, out):
-            how = "reloaded from host memory" if packed.decision == "offload" else "rebuilt"
+            how = "reloaded from host memory" if packed.decision == Decision.OFFLOAD else "rebuilt"
             assert packed.node is not None
             last = packed.node.steps[packed.upto - 1].func
             raise VerifyError(

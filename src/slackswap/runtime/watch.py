@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from slackswap.core.plan import Plan
+from slackswap.core.plan import Decision, Plan
 from slackswap.core.profile import StepProfile
 from slackswap.runtime.checks import prepared
 
@@ -63,10 +63,10 @@ def _watch_for(profile: StepProfile, plan: Plan) -> Watch:
     ops = [op for op in profile.ops if op.phase == "forward"]
     tensors = profile.tensors
     ids = {t.name: t.id for t in tensors if t.name is not None}
-    recompute = {ids[n] for n, d in plan.decisions.items() if d == "recompute" and n in ids}
-    moved = {ids[n] for n, d in plan.decisions.items() if d != "keep" and n in ids}
+    recompute = {ids[n] for n, d in plan.decisions.items() if d == Decision.RECOMPUTE and n in ids}
+    moved = {ids[n] for n, d in plan.decisions.items() if d != Decision.KEEP and n in ids}
     checkpoints = {ids[n] for n, d in plan.decisions.items()
-                   if d == "keep" and n in profile.checkpointable}
+                   if d == Decision.KEEP and n in profile.checkpointable}
     writers: dict[int, list[int]] = {}
     for op in ops:
         for t in op.outputs:
@@ -124,5 +124,5 @@ def _watch_for(profile: StepProfile, plan: Plan) -> Watch:
         op_names=op_names,
         op_kinds={i: ops[i].kind for i in op_names},
         bytes={n: tensors[t].bytes for n, t in ids.items()
-               if n in plan.decisions and plan.decisions[n] != "keep"},
+               if n in plan.decisions and plan.decisions[n] != Decision.KEEP},
     )

@@ -31,7 +31,7 @@ from bisect import bisect_left
 from dataclasses import dataclass
 
 from slackswap.core.hardware import Host
-from slackswap.core.plan import MIN_PLANNED_BYTES, Plan
+from slackswap.core.plan import MIN_PLANNED_BYTES, Decision, Plan
 from slackswap.core.profile import StepProfile
 from slackswap.sim.schedule import Schedule
 
@@ -104,7 +104,7 @@ def _moved(profile: StepProfile, plan: Plan) -> set[int]:
     """Saved activations the schedule offloads or recomputes (small ones are kept)."""
     return {t.id for t in profile.saved_activations
             if t.producer is not None and t.name is not None and t.bytes >= MIN_PLANNED_BYTES
-            and plan.decisions.get(t.name, "keep") != "keep"}
+            and plan.decisions.get(t.name, Decision.KEEP) != Decision.KEEP}
 
 
 def _watched(profile: StepProfile, plan: Plan) -> list[int]:
@@ -136,7 +136,7 @@ def host_times(profile: StepProfile, plan: Plan, sched: Schedule, host: Host
     def reached(op: int) -> int:
         return min(bisect_left(positions, op), last)
 
-    runtime = any(d != "keep" for d in plan.decisions.values())
+    runtime = any(d != Decision.KEEP for d in plan.decisions.values())
     pack_end: dict[int, tuple[int, float]] = {}  # tensor -> (item, host s into it) of 1st pack
     if runtime:
         packed = [0.0] * len(items)

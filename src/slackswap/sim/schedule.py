@@ -35,7 +35,7 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Literal
 
-from slackswap.core.plan import MIN_PLANNED_BYTES, Plan
+from slackswap.core.plan import MIN_PLANNED_BYTES, Decision, Plan
 from slackswap.core.profile import StepProfile, TensorRecord
 
 __all__ = ["Item", "Residency", "Copy", "Schedule", "build_schedule", "min_working_set"]
@@ -102,11 +102,12 @@ class _Builder:
         self.p = profile
         self.ops = profile.ops
         self.tensors = profile.tensors
-        self.decision: dict[int, str] = {}
+        self.decision: dict[int, Decision] = {}
+        keep = Decision.KEEP
         for t in profile.saved_activations:
             if t.producer is not None and t.name is not None:
                 small = t.bytes < MIN_PLANNED_BYTES  # never moved
-                self.decision[t.id] = "keep" if small else plan.decisions.get(t.name, "keep")
+                self.decision[t.id] = keep if small else plan.decisions.get(t.name, keep)
         for name, d in plan.decisions.items():  # unsaved tensors kept as checkpoints
             if name in profile.checkpointable:
                 self.decision[profile.checkpointable[name].id] = d
@@ -142,7 +143,7 @@ class _Builder:
     def _keeps(self, t: TensorRecord) -> bool:
         """Stays on the device from production to its last use."""
         d = self.decision.get(t.id)
-        return d == "keep" or (d is None and bool(t.backward_consumers))
+        return d == Decision.KEEP or (d is None and bool(t.backward_consumers))
 
     def _group_resets(self) -> list[int]:
         """The backward ops before which the runtime lets its rebuild group go (NOTE
@@ -203,7 +204,7 @@ class _Builder:
             if self._keeps(t):
                 continue
             rid = self.live.pop(tid)
-            if self.decision.get(tid) == "offload":
+            if self.decision.get(tid) == Decision.OFFLOAD:
                 self.res[rid].holds += 1
                 self.d2h.append(Copy(tid, t.bytes, rid, after_item=t.producer))
         self.d2h.sort(key=lambda c: c.after_item)
@@ -219,7 +220,7 @@ class _Builder:
             if not gone:
                 return rid
             del self.live[tid]
-        if self.decision.get(tid) == "offload" and not gone:
+        if self.decision.get(tid) == Decision.OFFLOAD and not gone:
             return self._reload(t, pos)
         assert t.producer is not None and self.ops[t.producer].phase == "forward"
         # Re-run the producer, then the forward in-place ops that mutated the tensor.
@@ -239,7 +240,7 @@ class _Builder:
                     self.live.pop(out, None)
                 if made_here and out not in self.live:
                     rid = self.live[out] = self._new_residency(o, "compute", k)
-                    if gone or self.decision.get(out) != "recompute":
+                    if gone or self.decision.get(out) != Decision.RECOMPUTE:
                         made.append(out)  # an intermediate: freed after the group
                         if out == tid or not self.mutators.get(out):
                             # (a sibling changed in place later in forward is not this
@@ -278,7 +279,7 @@ class _Builder:
                      if (r := self._ensure(tid, op.index, made)) is not None]
             for tid in wanted:  # unpacked for the last time: the group holds it
                 if (self.end.get(tid) == op.index and tid in self.live
-                        and self.decision.get(tid) in ("offload", "recompute")):
+                        and self.decision.get(tid) in (Decision.OFFLOAD, Decision.RECOMPUTE)):
                     self.members.append((self.live[tid], op.index))
             k = len(self.items)
             self.items.append(Item(op.index, op.index, op.time_s, False))

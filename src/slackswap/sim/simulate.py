@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from slackswap.core.hardware import Hardware, load_hardware
-from slackswap.core.plan import Plan
+from slackswap.core.plan import Decision, Plan
 from slackswap.core.profile import StepProfile
 from slackswap.core.result import SimResult
 from slackswap.core.units import format_bytes, resolve_budget
@@ -140,7 +140,7 @@ def offload_frees(profile: StepProfile, plan: Plan,
     step, under the plan's budget, has freed its device memory (its copy done and its
     forward uses over): the first op to start at or after that moment. Activations the
     simulation never frees (an infeasible run) are left out."""
-    if not any(d == "offload" for d in plan.decisions.values()):
+    if Decision.OFFLOAD not in plan.decisions.values():
         return {}
     run = simulate(profile, plan, hardware, memory_limit=plan.budget_bytes)._run
     items, tl = run.schedule.items, run.timeline
