@@ -13,7 +13,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from slackswap.core.hardware import hardware_presets, load_hardware, on_node
+from slackswap.core.hardware import hardware_presets, load_hardware, on_node, parse_overrides
 from slackswap.core.jsonio import dump_model
 from slackswap.core.profile import StepProfile
 from slackswap.core.units import format_bytes
@@ -83,6 +83,13 @@ def _gpus_option(fn: Callable[..., Any]) -> Callable[..., Any]:
              "they share host links and host memory.")(fn)
 
 
+def _set_option(fn: Callable[..., Any]) -> Callable[..., Any]:
+    return click.option(
+        "--set", "overrides", multiple=True, metavar="KEY=VALUE",
+        help="Replace one figure of the hardware, as TABLE.FIELD=VALUE in the hardware "
+             "file's terms, e.g. host_link.duplex_h2d_bandwidth=24.8e9 (repeatable).")(fn)
+
+
 @click.group()
 @click.version_option(package_name="slackswap")
 def main() -> None:
@@ -102,15 +109,17 @@ def main() -> None:
               show_default=True, help="Trace with fake tensors, or run and time a real step.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the profile JSON.")
 @click.option("--summary", "as_json", is_flag=True, help="Print the summary as one JSON object.")
+@_set_option
 @_user_errors
 def profile(model: str, hardware: str, batch: int | None, seq: int | None, attn: str | None,
-            dtype: str | None, mode: str, output: str | None, as_json: bool) -> None:
+            dtype: str | None, mode: str, output: str | None, as_json: bool,
+            overrides: tuple[str, ...]) -> None:
     """Profile one training step of MODEL: a preset or package.module:factory."""
     from slackswap.models import MODEL_PRESETS, load_workload
     from slackswap.profiling import default_device
     from slackswap.profiling import profile as run_profile
 
-    hw = load_hardware(hardware)
+    hw = load_hardware(hardware, parse_overrides(overrides))
     if ":" not in model and model not in MODEL_PRESETS:
         load_workload(model)  # raises the error that lists the presets
     with _progress(f"profiling {model} ({mode}) for {hw.name}"):
@@ -136,10 +145,11 @@ def profile(model: str, hardware: str, batch: int | None, seq: int | None, attn:
 @click.option("--plot", type=click.Path(dir_okay=False), help="Write a memory plot PNG.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
 @_gpus_option
+@_set_option
 @_user_errors
 def simulate(profile_path: str, plan_path: str | None, hardware: str | None,
              memory_limit: str | None, trace: str | None, plot: str | None,
-             as_json: bool, gpus: int) -> None:
+             as_json: bool, gpus: int, overrides: tuple[str, ...]) -> None:
     """Simulate one training step of a profile under a plan."""
     from slackswap.core.jsonio import load_model
     from slackswap.core.plan import Plan
@@ -148,7 +158,8 @@ def simulate(profile_path: str, plan_path: str | None, hardware: str | None,
 
     prof = load_model(StepProfile, profile_path)
     plan = load_model(Plan, plan_path) if plan_path else None
-    hardware = on_node(load_hardware(hardware or prof.hardware), gpus)
+    hardware = on_node(load_hardware(hardware or prof.hardware, parse_overrides(overrides)),
+                       gpus)
     result = run_simulation(prof, plan, hardware, memory_limit)
     if trace:
         write_trace(result, trace)
@@ -201,25 +212,28 @@ def _print_result(prof: StepProfile, result: Any, trace: str | None, plot: str |
               "(a100-80gb for a model).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the plan JSON.")
 @_gpus_option
+@_set_option
 @_user_errors
 def plan_command(source: str, budget: str, strategy: str, hardware: str | None,
-                 output: str | None, gpus: int) -> None:
+                 output: str | None, gpus: int, overrides: tuple[str, ...]) -> None:
     """Plan keep / offload / recompute for every saved activation under a budget."""
     from slackswap.core.jsonio import load_model
     from slackswap.planners import plan_with_result
     from slackswap.planners.api import plan as make_plan
 
+    given = parse_overrides(overrides)
     if source.endswith(".json"):
         prof = load_model(StepProfile, source)
+        hw = load_hardware(hardware or prof.hardware, given)
     else:
         from slackswap.models import load_workload
         from slackswap.profiling import profile as run_profile
 
+        hw = load_hardware(hardware or "a100-80gb", given)
         with _progress(f"profiling {source}"):
             net, example = load_workload(source)
-            prof = run_profile(net, example, load_hardware(hardware or "a100-80gb"),
-                               name=source)
-    node = on_node(load_hardware(hardware or prof.hardware), gpus)
+            prof = run_profile(net, example, hw, name=source)
+    node = on_node(hw, gpus)
     with _progress(f"planning with {strategy}"):
         attempt = plan_with_result(prof, budget, node, strategy)
         if attempt is None or not attempt[1].feasible:
@@ -243,10 +257,16 @@ def plan_command(source: str, budget: str, strategy: str, hardware: str | None,
 @click.option("--sweep", is_flag=True,
               help="Also plan every budget from 10 to 100% and plot retention against it "
                    "(several minutes more).")
+@click.option("--reference", type=click.Choice(["keep-all", "outside-loss"]),
+              default="keep-all", show_default=True,
+              help="The peak the budget is a fraction of: the keep-all activation peak, or "
+                   "its peak over the ops outside the loss and its backward.")
 @_gpus_option
+@_set_option
 @_user_errors
 def reproduce(budget: float, hardware: str, workloads: str, out: str,
-              json_path: str | None, sweep: bool, gpus: int) -> None:
+              json_path: str | None, sweep: bool, reference: str, gpus: int,
+              overrides: tuple[str, ...]) -> None:
     """Reproduce the paper's table: every strategy on the reference workloads."""
     from slackswap.core.jsonio import atomic_write_text
     from slackswap.models import MODEL_PRESETS
@@ -258,7 +278,8 @@ def reproduce(budget: float, hardware: str, workloads: str, out: str,
         raise InputError(f"unknown workload '{unknown[0]}'; presets: {', '.join(MODEL_PRESETS)}")
     budgets = SWEEP if sweep else ()
     with _progress_bar("reproducing", steps(names, budgets, gpus)) as update:
-        results = run(out, budget, hardware, names, budgets, progress=update, gpus=gpus)
+        results = run(out, budget, hardware, names, budgets, progress=update, gpus=gpus,
+                      overrides=parse_overrides(overrides), reference=reference)
     if json_path:
         atomic_write_text(json_path, json.dumps(results, indent=2))
     _print_reproduce(results, out)

@@ -12,7 +12,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +21,14 @@ from slackswap.core.jsonio import atomic_write_text, dump_model, load_model
 from slackswap.core.profile import StepProfile
 from slackswap.core.units import format_bytes
 from slackswap.errors import InputError
-from slackswap.planners import STRATEGIES
+from slackswap.planners import STRATEGIES, plan_in_context
 from slackswap.planners.bound import retention_bound
 from slackswap.planners.context import PlanContext
 from slackswap.planners.summary import decision_bytes
 from slackswap.sim.outputs import write_trace
 
-__all__ = ["PAPER", "WORKLOADS", "reproduce", "cached_profile", "SWEEP", "steps"]
+__all__ = ["PAPER", "WORKLOADS", "reproduce", "cached_profile", "SWEEP", "steps", "REFERENCES",
+           "reference_peak", "loss_ops"]
 
 # Throughput retained at a 50% budget on A100 + PCIe 4.0, as the paper reports it
 # (its own simulation; it did not run on hardware).
@@ -79,7 +80,7 @@ def cached_profile(name: str, hw: Hardware) -> StepProfile:
 
 def _strategy_entry(ctx: PlanContext, strategy: str) -> tuple[dict[str, Any], Any]:
     start = time.perf_counter()
-    attempt = ctx.attempt(STRATEGIES[strategy]) if ctx.reachable else None
+    attempt = plan_in_context(ctx, strategy)
     elapsed = time.perf_counter() - start
     if attempt is None:
         return {"retention": 0.0, "peak_bytes": None, "feasible": False,
@@ -104,6 +105,8 @@ def reproduce(
     sweep: tuple[float, ...] = (),
     progress: Progress = lambda message: None,
     gpus: int = 1,
+    overrides: Mapping[str, Any] | None = None,
+    reference: str = "keep-all",
 ) -> dict[str, Any]:
     """Run the comparison and write the results folder; returns the results JSON.
 
@@ -113,23 +116,30 @@ def reproduce(
 
     ``gpus`` > 1: every plan is made for, and simulated on, one of that many GPUs of the
     node ``hardware`` describes, all running the step in lockstep (NOTE [the node]); each
-    workload also shows the SlackSwap plan made for one GPU, simulated on that node."""
+    workload also shows the SlackSwap plan made for one GPU, simulated on that node.
+
+    ``overrides``: hardware figures to replace (:func:`~slackswap.core.hardware.
+    with_overrides`). ``reference``: the peak ``budget`` is a fraction of (``REFERENCES``)."""
     if not 0 < budget <= 1:
         raise InputError(f"--budget {budget} must be a fraction in (0, 1]")
-    single = load_hardware(hardware)
+    if reference not in REFERENCES:
+        raise InputError(f"unknown reference '{reference}'; use {' or '.join(REFERENCES)}")
+    single = load_hardware(hardware, overrides)
     hw = on_node(single, gpus)
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"hardware": hw.name, "budget_fraction": budget,
-                               "gpus": gpus, "workloads": []}
+                               "reference": reference, "gpus": gpus, "workloads": []}
     for name in workloads:
         progress(f"{name}: profiling")
         prof = cached_profile(name, single)
         progress(f"{name}: planning at {budget:.0%}")
-        ctx = PlanContext(prof, hw, int(budget * prof.keep_all_peak))
+        peak = reference_peak(prof, reference)
+        ctx = PlanContext(prof, hw, int(budget * peak))
         entry: dict[str, Any] = {
             "name": name, "ideal_step_time_s": ctx.ideal,
-            "keep_all_peak_bytes": ctx.keep_all_peak, "budget_bytes": ctx.budget,
+            "keep_all_peak_bytes": ctx.keep_all_peak, "reference_peak_bytes": peak,
+            "budget_bytes": ctx.budget,
             "paper_retention": PAPER.get(name), "strategies": {},
         }
         for strategy in STRATEGIES:
@@ -140,17 +150,66 @@ def reproduce(
                 entry["trace"] = f"{name}-slackswap-trace.json"
         if gpus > 1:
             progress(f"{name}: the plan for one GPU, on {gpus}")
-            entry["single_gpu_plan"] = _single_gpu_plan(prof, single, hw, budget)
+            entry["single_gpu_plan"] = _single_gpu_plan(prof, single, hw, ctx.budget)
         start = time.perf_counter()
         entry["bound_retention"] = retention_bound(ctx)
         entry["bound_time_s"] = time.perf_counter() - start
         if sweep:
-            entry["sweep"] = _sweep(prof, hw, sweep, name, progress)
+            entry["sweep"] = _sweep(prof, hw, sweep, name, progress, peak)
             _plot_sweep(entry, folder / f"{name}-retention.png")
         results["workloads"].append(entry)
     atomic_write_text(folder / "results.json", json.dumps(results, indent=2))
     atomic_write_text(folder / "report.md", report(results))
     return results
+
+
+# NOTE [reference peak]
+#     A budget given as a fraction is a fraction of a reference peak. ``keep-all`` (the
+#     default): the activation peak of the step with everything kept. ``outside-loss``:
+#     the same keep-all memory curve (memory in use while each op runs, as the simulator
+#     counts it), its peak taken over the ops outside the loss: ``loss_ops`` are the ops
+#     around the turn from forward to backward that belong to no submodule of the model
+#     (for the presets: the loss function's upcast, log-softmax and NLL, and their
+#     backward). The loss's spike (its log-probabilities and their gradient, logits-sized)
+#     then is not part of what the fraction scales.
+REFERENCES = {
+    "keep-all": "the keep-all activation peak",
+    "outside-loss": "the keep-all activation peak over the ops outside the loss and its "
+                    "backward",
+}
+
+
+def loss_ops(prof: StepProfile) -> range:
+    """Indices of the ops of the loss and its backward (NOTE [reference peak]): the run of
+    ops of no submodule at the turn from forward to backward (empty when there is none)."""
+    ops = prof.ops
+    turn = next((op.index for op in ops if op.phase == "backward"), len(ops))
+    start, end = turn, turn
+    while start > 0 and ops[start - 1].module == "":
+        start -= 1
+    while end < len(ops) and ops[end].module == "":
+        end += 1
+    return range(start, end)
+
+
+def reference_peak(prof: StepProfile, reference: str = "keep-all") -> int:
+    """The peak a budget fraction is taken of (NOTE [reference peak])."""
+    if reference == "keep-all":
+        return prof.keep_all_peak
+    if reference != "outside-loss":
+        raise InputError(f"unknown reference '{reference}'; use {' or '.join(REFERENCES)}")
+    from slackswap.core.plan import Plan
+    from slackswap.sim.schedule import build_schedule
+
+    schedule = build_schedule(prof, Plan.keep_all(prof))
+    loss, res = loss_ops(prof), schedule.residencies
+    level = peak = 0
+    for item in schedule.items:  # as PlanContext.memory: allocations at start, frees at end
+        level += sum(res[r].bytes for r in item.allocs)
+        if item.op not in loss:
+            peak = max(peak, level)
+        level -= sum(res[r].bytes for r in item.frees)
+    return peak
 
 
 def steps(workloads: tuple[str, ...], sweep: tuple[float, ...] = (), gpus: int = 1) -> int:
@@ -159,12 +218,12 @@ def steps(workloads: tuple[str, ...], sweep: tuple[float, ...] = (), gpus: int =
 
 
 def _single_gpu_plan(prof: StepProfile, single: Hardware, node: Hardware,
-                     budget: float) -> dict[str, Any]:
+                     budget: int) -> dict[str, Any]:
     """The SlackSwap plan made for one GPU, simulated on the node's ranks."""
     from slackswap.sim import simulate
 
-    ctx = PlanContext(prof, single, int(budget * prof.keep_all_peak))
-    attempt = STRATEGIES["slackswap"](ctx) if ctx.reachable else None
+    ctx = PlanContext(prof, single, budget)
+    attempt = plan_in_context(ctx)
     if attempt is None:
         return {"retention": 0.0, "feasible": False, "reason": "no plan for one GPU"}
     result = simulate(prof, attempt[0], node, ctx.budget)
@@ -174,12 +233,12 @@ def _single_gpu_plan(prof: StepProfile, single: Hardware, node: Hardware,
 
 
 def _sweep(prof: StepProfile, hw: Hardware, budgets: tuple[float, ...], name: str,
-           progress: Progress) -> dict[str, Any]:
+           progress: Progress, reference: int) -> dict[str, Any]:
     rows: dict[str, Any] = {"budgets": list(budgets), "bound": [],
                             **{s: [] for s in STRATEGIES}, "peak_bytes": []}
     for fraction in budgets:
         progress(f"{name}: budget sweep {fraction:.0%}")
-        ctx = PlanContext(prof, hw, int(fraction * prof.keep_all_peak))
+        ctx = PlanContext(prof, hw, int(fraction * reference))
         peak = None
         for strategy in STRATEGIES:
             entry, _ = _strategy_entry(ctx, strategy)
@@ -221,9 +280,9 @@ def report(results: dict[str, Any]) -> str:
     budget = results["budget_fraction"]
     lines = [
         "# SlackSwap: throughput retained under an activation-memory budget", "",
-        f"Hardware `{results['hardware']}`, budget {budget:.0%} of the keep-all activation "
-        "peak, simulated. Paper: the SlackSwap paper's own simulation (A100, PCIe 4.0, "
-        "50% budget).", "",
+        f"Hardware `{results['hardware']}`, budget {budget:.0%} of "
+        f"{REFERENCES[results.get('reference', 'keep-all')]}, simulated. Paper: the "
+        "SlackSwap paper's own simulation (A100, PCIe 4.0, 50% budget).", "",
         "| workload | paper | SlackSwap | bound | " + " | ".join(
             s for s in STRATEGIES if s != "slackswap") + " |",
         "|---" * (len(STRATEGIES) + 3) + "|",

@@ -7,6 +7,7 @@ in the file's ``[sources]`` table. Users pass a preset name or a path to their o
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable, Mapping
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -22,7 +23,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 __all__ = ["Hardware", "Compute", "Memory", "HostLink", "Host", "Node", "HOST_SOURCES",
-           "load_hardware", "hardware_presets", "on_node"]
+           "load_hardware", "hardware_presets", "on_node", "with_overrides", "parse_overrides"]
 
 Positive = Annotated[float, Field(gt=0)]
 Seconds = Annotated[float, Field(ge=0)]
@@ -212,9 +213,13 @@ def _parse(text: str, source: str) -> Hardware:
         raise InputError(f"{source}: field '{field}': {err['msg']}") from None
 
 
-def load_hardware(spec: str | Path | Hardware) -> Hardware:
+def load_hardware(spec: str | Path | Hardware,
+                  overrides: Mapping[str, Any] | None = None) -> Hardware:
     """A preset by name (see :func:`hardware_presets`), ``NODE/N`` for one of N ranks of
-    a node preset (:func:`on_node`), or a TOML file by path."""
+    a node preset (:func:`on_node`), or a TOML file by path; ``overrides`` replace some of
+    its figures (:func:`with_overrides`)."""
+    if overrides:
+        return with_overrides(load_hardware(spec), overrides)
     if isinstance(spec, Hardware):
         return spec
     path = Path(spec)
@@ -227,6 +232,10 @@ def load_hardware(spec: str | Path | Hardware) -> Hardware:
     node, _, gpus = str(spec).rpartition("/")
     if node in names and gpus.isdigit():  # "dgx-a100/8", as on_node names a node's rank
         return on_node(load_hardware(node), int(gpus))
+    base, plus, _ = str(spec).partition("+")
+    if plus and base in names:  # as with_overrides names it: the values are not in the name
+        raise InputError(f"hardware '{spec}' is '{base}' with overrides: pass --hardware "
+                         f"{base} and the same --set options")
     if str(spec) not in names:
         raise InputError(
             f"unknown hardware '{spec}'; presets: {', '.join(names)} (or a path to a .toml file)"
@@ -264,3 +273,68 @@ def on_node(hw: Hardware, gpus: int) -> Hardware:
     return hw.model_copy(update={
         "name": f"{hw.name}/{gpus}", "ranks": gpus, "host_link": shared,
         "description": f"{hw.description}, {gpus} of its GPUs running in lockstep"})
+
+
+# NOTE [hardware overrides]
+#     A study of what the result depends on ("with a link that loses nothing in duplex")
+#     changes a figure or two of a preset without copying its file. ``with_overrides``
+#     takes ``{"table.field": value}`` (``compute.peak_flops.bf16`` reaches into a
+#     mapping), validates the result as a file is validated, records each new value in
+#     ``sources`` and the description, and renames the hardware ``<name>+<n> override(s)``:
+#     results never pass it off as the preset, and ``cached_profile`` hashes its content,
+#     so profiles made with and without the overrides never mix.
+_OVERRIDABLE = ("compute", "memory", "host_link", "host", "node")
+
+
+def with_overrides(hw: Hardware, overrides: Mapping[str, Any]) -> Hardware:
+    """``hw`` with the figures in ``overrides`` (``{"host_link.duplex_h2d_bandwidth":
+    24.8e9}``) replaced, validated like a hardware file (NOTE [hardware overrides])."""
+    if not overrides:
+        return hw
+    data = hw.model_dump()
+    for key, value in overrides.items():
+        table, *path = key.split(".")
+        where = data.get(table) if table in _OVERRIDABLE else None
+        if not path or not isinstance(where, dict):
+            tables = ", ".join(t for t in _OVERRIDABLE if data.get(t) is not None)
+            raise InputError(f"unknown hardware field '{key}'; use TABLE.FIELD with TABLE one "
+                             f"of {tables} (as in the hardware file)")
+        for part in path[:-1]:
+            where = where.get(part)
+            if not isinstance(where, dict):
+                raise InputError(f"unknown hardware field '{key}'")
+        if path[-1] not in where:
+            parent = ".".join([table, *path[:-1]])
+            raise InputError(f"unknown hardware field '{key}'; {parent} has "
+                             f"{', '.join(where)}")
+        where[path[-1]] = value
+        data["sources"][key] = (f"overridden: {value!r} in place of {hw.name}'s value "
+                                f"({hw.sources.get(key, 'no source')})")
+    n = len(overrides)
+    data["name"] = f"{hw.name}+{n} override{'s' if n > 1 else ''}"
+    data["description"] = (f"{hw.description}; overridden: "
+                           + ", ".join(f"{k}={v!r}" for k, v in overrides.items()))
+    try:
+        return Hardware.model_validate(data)
+    except pydantic.ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(p) for p in err["loc"])
+        key = next((k for k in overrides if field == k or field.startswith(k + ".")), field)
+        raise InputError(f"hardware override {key}={overrides.get(key)!r}: {err['msg']}") from None
+
+
+def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
+    """``["KEY=VALUE", ...]`` as the command line's ``--set`` gives them: each value read as
+    a TOML value (``24.8e9``, ``[[0, 1.0]]``, ``"pcie5"``), or as a string when it is none."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, eq, text = item.partition("=")
+        if not eq or not key.strip():
+            raise InputError(f"--set {item}: expected KEY=VALUE, e.g. "
+                             "host_link.duplex_h2d_bandwidth=24.8e9")
+        try:
+            value = tomllib.loads(f"v = {text.strip()}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = text.strip()
+        out[key.strip()] = value
+    return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import os
 import sys
@@ -37,6 +38,9 @@ class ModelPreset:
     batch: int
     seq: int
     extra: dict[str, Any] = field(default_factory=dict)
+    # BERT only: positions per sequence the MLM head and loss run on (0: all of them, as
+    # Hugging Face's BertForMaskedLM does); see NOTE [masked positions]
+    predictions: int = 0
 
     def config(self, seq: int, attn: str) -> Any:
         import transformers
@@ -61,11 +65,15 @@ class ModelPreset:
                 max_position_embeddings=max(4096, seq), use_cache=False, **self.extra,
             )
         cfg._attn_implementation = attn
+        if self.predictions:
+            cfg.max_predictions_per_seq = self.predictions
         return cfg
 
     def model_class(self) -> Any:
         import transformers
 
+        if self.predictions:
+            return _bert_for_masked_positions()
         return {
             "bert": transformers.BertForMaskedLM,
             "gpt2": transformers.GPT2LMHeadModel,
@@ -73,20 +81,76 @@ class ModelPreset:
         }[self.family]
 
 
+# NOTE [masked positions]
+#     BERT is pretrained with masked language modelling: 15% of the positions of a
+#     sequence are masked and predicted (``masked_lm_prob`` 0.15 in the repository below,
+#     data/bertPrep.py). Hugging Face's BertForMaskedLM (``bert-large``)
+#     runs its prediction head (dense, GELU, LayerNorm, the vocabulary projection) and the
+#     loss on every position, ignoring the unmasked ones' labels. NVIDIA's reference
+#     pretraining gathers the masked positions first and runs the head on those only:
+#     NVIDIA/DeepLearningExamples PyTorch/LanguageModeling/BERT (commit 729963dd, 2024),
+#     modeling.py BertPreTrainingHeads.forward (``torch.index_select`` of the positions
+#     whose label is not -1, on by default: run_pretraining.py's flag is
+#     ``--no_dense_sequence_output``), with ``--max_seq_length=512
+#     --max_predictions_per_seq=80`` in phase 2 (scripts/run_pretraining.sh); Google's
+#     TensorFlow BERT, which the same repository keeps, gathers its
+#     ``max_predictions_per_seq`` positions the same way (TensorFlow/LanguageModeling/BERT/
+#     run_pretraining.py, ``gather_indexes``). ``bert-large-mlm`` is
+#     that model: the head on 80 of the 512 positions (the cap: an upper estimate of
+#     the head's cost), at fixed positions spread evenly over the sequence, so a profile
+#     needs no data and is reproducible. Its tiny variant predicts 5 of 32 (the same
+#     share). NVIDIA's BertForPreTraining also has a next-sentence head, left out here
+#     as in ``bert-large``: a [batch, 2] output.
+_BERT_PREDICTIONS = 80  # max_predictions_per_seq at seq 512, NOTE [masked positions]
+
+
 def _presets() -> dict[str, ModelPreset]:
     full = [
         ModelPreset("bert-large", "bert", 24, 1024, 16, 4096, 30522, 32, 512),
         ModelPreset("gpt2-xl", "gpt2", 48, 1600, 25, 6400, 50257, 8, 1024),
         ModelPreset("llama-7b", "llama", 32, 4096, 32, 11008, 32000, 1, 4096),
+        ModelPreset("bert-large-mlm", "bert", 24, 1024, 16, 4096, 30522, 32, 512,
+                    predictions=_BERT_PREDICTIONS),
     ]
     tiny = [
-        ModelPreset(f"{p.name}-tiny", p.family, **_TINY, batch=2, seq=32)
+        ModelPreset(f"{p.name}-tiny", p.family, **_TINY, batch=2, seq=32,
+                    predictions=-(-p.predictions * 32 // p.seq))
         for p in full
     ]
     return {p.name: p for p in full + tiny}
 
 
 MODEL_PRESETS: dict[str, ModelPreset] = _presets()
+
+
+@functools.cache
+def _bert_for_masked_positions() -> type:
+    """BertForMaskedLM with its head and loss on ``config.max_predictions_per_seq``
+    positions per sequence (NOTE [masked positions])."""
+    import transformers
+    from transformers.modeling_outputs import MaskedLMOutput
+
+    class BertForMaskedPositions(transformers.BertForMaskedLM):
+        """The masked positions are gathered before the prediction head, as NVIDIA's
+        BERT pretraining does; they are fixed, evenly spaced positions of each sequence."""
+
+        def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                    **kwargs: Any) -> Any:
+            hidden = self.bert(input_ids, **kwargs)[0]
+            b, s = input_ids.shape
+            k = min(self.config.max_predictions_per_seq, s)
+            picks = torch.arange(k, device=input_ids.device) * s // k
+            rows = torch.arange(b, device=input_ids.device).unsqueeze(1) * s
+            index = (rows + picks).reshape(-1)  # into the [b * s] flattened positions
+            picked = torch.index_select(hidden.reshape(b * s, -1), 0, index)
+            scores = self.cls(picked)
+            loss = None
+            if labels is not None:
+                loss = torch.nn.functional.cross_entropy(
+                    scores, torch.index_select(labels.reshape(-1), 0, index))
+            return MaskedLMOutput(loss=loss, logits=scores)
+
+    return BertForMaskedPositions
 
 
 def with_layers(name: str, layers: int | None) -> str:
