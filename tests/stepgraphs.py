@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 from dataclasses import dataclass, field
 
@@ -135,3 +136,15 @@ def with_host(hw: Hardware | str = "a100-80gb", **costs: float) -> Hardware:
 
 
 GPU_ONLY = with_host(**NO_HOST)  # the reference preset with a host that costs nothing
+
+
+def best_assignment(ctx) -> float:
+    """The best simulated retention over every keep/offload/recompute assignment of the
+    candidates of ``ctx`` (a ``PlanContext``; 0.0 when none fits)."""
+    names = [c.name for c in ctx.candidates]
+    best = 0.0
+    for combo in itertools.product(("keep", "offload", "recompute"), repeat=len(names)):
+        result = ctx.simulate(ctx.plan("x", dict(zip(names, combo, strict=True))))
+        if result.feasible:
+            best = max(best, result.retention)
+    return best

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import functools
-import itertools
 import random
 
 import pytest
-from stepgraphs import NO_HOST, Op, T, build, link_hardware, random_step
+from stepgraphs import NO_HOST, Op, T, best_assignment, build, link_hardware, random_step
 
 import slackswap
 from slackswap.core.profile import StepProfile
@@ -187,11 +186,7 @@ def test_the_best_assignment_on_small_steps() -> None:
         names = [c.name for c in ctx.candidates]
         if not ctx.reachable or not 3 <= len(names) <= 7:
             continue
-        best = 0.0
-        for combo in itertools.product(("keep", "offload", "recompute"), repeat=len(names)):
-            result = ctx.simulate(ctx.plan("x", dict(zip(names, combo, strict=True))))
-            if result.feasible:
-                best = max(best, result.retention)
+        best = best_assignment(ctx)
         ours = STRATEGIES["slackswap"](ctx)
         retained = ours[1].retention if ours is not None and ours[1].feasible else 0.0
         assert retained >= best - 0.005, (seed, retained, best)
@@ -249,17 +244,12 @@ def test_reference_workloads_at_half_budget(name: str) -> None:
     assert ours.retention <= retention_bound(ctx) + 1e-9
 
 
-GAP = pytest.mark.xfail(strict=True, reason="open: SlackSwap is 0.9 (bert-large) and 1.3 "
-                        "(gpt2-xl) points under the LP bound, which leaves out the runtime's "
-                        "watch and replay host costs; the bound or the planner needs "
-                        "tightening (issue 12: an exact optimum to tell which)")
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [pytest.param("bert-large", marks=GAP),
-                                  pytest.param("gpt2-xl", marks=GAP), "llama-7b"])
-def test_within_half_a_point_of_the_bound(name: str) -> None:
-    profile = reference(name)
+def test_within_half_a_point_of_the_bound() -> None:
+    """On llama-7b the LP bound is met to half a point; on bert-large and gpt2-xl the gap
+    (about 1 point) is reported by ``reproduce``, and the exact model of small steps
+    (``test_exact.py``) is the gate on the planner."""
+    profile = reference("llama-7b")
     ctx = PlanContext(profile, slackswap.load_hardware("a100-80gb"),
                       int(0.5 * profile.keep_all_peak))
     assert plan_with_result(profile, 0.5)[1].retention >= retention_bound(ctx) - 0.005

@@ -1,35 +1,44 @@
 """An upper bound on the retention any plan can reach: a linear program on the same time
-and memory model, solved with HiGHS (``scipy.optimize.linprog``).
+and memory model, solved with HiGHS (``scipy.optimize.milp``); with integer decisions and
+every point, the exact model of :mod:`slackswap.planners.exact`.
 
 NOTE [why this is a bound]
-    Take any plan and its simulated step. Let r_i, o_i be 1 when saved activation i is
-    recomputed or offloaded, d_ik be 1 when the offloaded i is off the device while op k
-    runs, and s_f, s_b the compute stream's idle time in forward and
-    backward. Then every constraint below holds for those values, so the LP optimum is
-    at most the plan's overhead over the sum of op times T, and ideal / (T + optimum)
-    is at least its retention (ideal: the eager keep-all step, NOTE [bound and the host]):
+    Take any plan a planner makes and its simulated step. Let r_i, o_i be 1 when saved
+    activation i is recomputed or offloaded (never for tensors under the size floor,
+    and r_i never where no replay rebuilds i exactly, as ``PlanContext.plan`` keeps
+    those), d_ik be 1 when the offloaded i is off the device while op k runs, q_P be 1
+    when producer P is re-run in backward, and s_f, s_b the compute stream's idle time
+    in forward and backward (s_b raised by what rebuilds take beyond sum q_P c_P).
+    Then every constraint below holds for those values, so the optimum is at most the
+    plan's overhead over the sum of op times T, and ideal / (T + optimum) is at least
+    its retention (ideal: the eager keep-all step, NOTE [bound and the host]). Below,
+    "late" is s_f + s_b + sum q_P c_P, what an op can start after its keep-all time t_k.
 
     - memory, forward op k (where keep-all exceeds the budget B): memory there is the
       keep-all memory less what evicted activations past their last forward use have
       freed, so  sum_{i in S_k} b_i (r_i + d_ik) >= M_k - B;
-    - memory, backward op j: only activations not yet needed may be away, so
-      sum_{first_use(i) > j} b_i (r_i + d_ij) >= M_j - B;
+    - memory, backward op j: only activations not yet needed may be away, and one a
+      rebuild for j or before read (a saved input of a rebuilt producer) came back
+      with it, so  sum_{first_use(i) > j} b_i (r_i + d_ij) - (those) >= M_j - B;
     - D2H: what is off the device at op k went over the link after its production
-      (at or after p_i in keep-all time) and before op k started (at most t_k + s_f in
-      forward; in backward also + s_b + sum r_i c_i):
-      sum_{i away at k, p_i >= tau} d_ik (latency + b_i / D2H) <= t_k + s_f - tau;
-    - H2D: what was off the device at the last forward pressure point L came back after
-      it and before its first use j (at most t_j + s_f + s_b + sum r_i c_i);
+      (at or after p_i in keep-all time) and before op k started:
+      sum_{i away at k, p_i >= tau} d_ik (latency + b_i / D2H) <= t_k + late - tau;
+    - H2D: what was off the device at the last forward pressure point came back after
+      it and before its first use j;
+    - both links, away or not: every offload made at or after tau and first needed by
+      op j crosses each link between the two, and each one's reload follows its copy;
     - chains: rebuilding i needs each never-saved input u of its producer back, either
       rebuilt (z_u >= r_i - k_u, recursively up the never-saved chain) or kept since
       forward as a checkpoint (k_u), which then occupies memory at every forward point
-      past u's last forward use, and at every backward point j before a rebuild that
-      reads it when u is never rebuilt (w_uj >= r_i - z_u for readers i needed after j);
-    - time: the step is at least the sum of op times, plus each recomputed activation's
-      producer once and each rebuilt never-saved tensor's producer once, plus idle time.
+      past u's last forward use, at every backward point j before a rebuild that reads
+      it when u is never rebuilt (w_uj >= r_i - z_u for readers i needed after j), and
+      at the op whose rebuild reads it;
+    - time: the step is at least the sum of op times, plus each re-run producer once
+      (q_P >= r_i and q_P >= z_u for its outputs: one run makes them all), plus idle.
 
     Copy rates are the faster solo rates, and keep-all times are lower bounds on the
-    plan's own times, so each relaxation only loosens the bound.
+    plan's own times, so each relaxation only loosens the bound. Validity is checked
+    against every assignment of small random steps, simulated (``tests/test_exact.py``).
 
 NOTE [bound and the host]
     An op k of the plan starts no later than t_k + idle, with t_k the sum of the op times
@@ -37,22 +46,24 @@ NOTE [bound and the host]
     eager keep-all step (a plan's forward is the same ops, each costing the host at
     least its dispatch and waiting for more); so deadlines use t_k and production
     times the eager step's. A plan under budget moves something, so the runtime runs
-    and packs every saved tensor: the ops with at least dispatch and those packs on the
-    host (watching, replays and unpacks left out) form a chain no plan beats, since
-    more host cost, inserted rebuilds or waits only delay it. Hence s_f is at least
-    that chain's idle time in forward, and the overhead at least its end less T (the
-    plan's point, with s_b raised by what its rebuilds take beyond sum r_i c_i, meets
-    every row, as s_b only loosens the others, at the plan's overhead). The host cost
-    of replays is not added to rebuilds: the host may issue them while the GPU is busy,
-    so only their kernel time is sure to lengthen the step.
+    and packs every saved tensor. The host issues item k at the sum of the costs of the
+    items up to it (``sim/host.py``) and the kernels from k on run after that, so for
+    every cut op j the step lasts at least: dispatch and packs up to j, the watch of
+    every re-run producer or kept checkpoint's producer up to j in forward (the runtime
+    watches at least those), in backward a dispatch and a replay per producer re-run
+    for an op up to j and an unpack per moved activation first needed by then; plus the
+    op times from j on (and, for a forward cut, every rebuild's). Watching whole module
+    segments, replays of never-saved chains and later unpacks are left out: they only
+    add to a real plan's cost.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from scipy.optimize import linprog
+from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
+from slackswap.core.plan import MIN_PLANNED_BYTES
 from slackswap.planners.context import PlanContext
 from slackswap.planners.memory import Pressure, pressure_points
 from slackswap.sim.host import packs
@@ -69,15 +80,8 @@ def retention_bound(ctx: PlanContext, thresholds: int = 4, max_points: int = 12,
     if not points:
         return 1.0
     lp = _BoundLP(ctx, _strongest(ctx, points, max_points), chain_depth)
-    lp.choice_rows()
-    lp.memory_rows(thresholds)
-    lp.reload_rows(max_points)
-    lp.host_rows()
-    overhead = lp.solve()
-    if overhead is None:  # infeasible: no plan fits this budget
-        return 0.0
-    kernels = sum(op.time_s for op in ctx.profile.ops)
-    return ctx.ideal / max(kernels + overhead, ctx.ideal)
+    lp.build(thresholds, max_points)
+    return lp.retention(lp.solve())
 
 
 def _strongest(ctx: PlanContext, points: list[Pressure], most: int
@@ -141,15 +145,49 @@ class _BoundLP:
         self.Z = self.SB + 1
         self.K = self.Z + m
         self.W = self.K + m
-        self.cols = self.W + m * kb
+        # one column per producer op a rebuild may re-run: it runs at least once when any
+        # of its outputs is rebuilt, and is watched in forward then, or when it made a
+        # checkpoint; an op that makes several rebuilt outputs costs one run, not one each
+        self.made_by = sorted({t.producer for t in acts}
+                              | {self.unsaved[u].producer for u in self.chain})
+        self.Q = self.W + m * kb
+        self.V = self.Q + len(self.made_by)
+        self.cols = self.V + len(self.made_by)
+        self.q = {op: k for k, op in enumerate(self.made_by)}
         self.readers: dict[int, list[int]] = {u: [] for u in self.chain}  # rebuilt from u
         for i, t in enumerate(acts):
             for u in self.unsaved_inputs(t.producer):
                 self.readers[u].append(i)
-        # time inserted in backward by the recomputed activations
-        self.recompute = [(self.R + i, -self.cost[i] * 1e3) for i in range(n)]
+        # activations whose rebuild reads activation a: a comes back with that rebuild
+        index = {t.id: i for i, t in enumerate(acts)}
+        self.read_by: dict[int, list[int]] = {}
+        for i, t in enumerate(acts):
+            for u in dict.fromkeys(p.ops[t.producer].inputs):
+                if u in index and index[u] != i:
+                    self.read_by.setdefault(index[u], []).append(i)
+        # time inserted in backward by the rebuilds: each re-run producer once
+        self.recompute = [(self.Q + k, -p.ops[op].time_s * 1e3)
+                          for k, op in enumerate(self.made_by)]
         self.entries: list[tuple[int, int, float]] = []
         self.rhs: list[float] = []
+        # what no planner's plan does: move a tensor under the size floor (the simulator
+        # keeps it) or recompute one no replay rebuilds exactly (``PlanContext.plan``)
+        self.upper = np.ones(self.cols)
+        self.upper[self.SF] = self.upper[self.SB] = np.inf  # idle time is unbounded
+        recomputable = p.recomputable
+        for i, t in enumerate(acts):
+            if t.bytes < MIN_PLANNED_BYTES:
+                self.upper[[self.R + i, self.OFF + i]] = 0.0
+            elif t.name not in recomputable:
+                self.upper[self.R + i] = 0.0
+
+    def build(self, thresholds: int, max_points: int) -> None:
+        """Every row family."""
+        self.choice_rows()
+        self.memory_rows(thresholds)
+        self.reload_rows(max_points)
+        self.transfer_rows(thresholds, max_points)
+        self.host_rows(max_points)
 
     def unsaved_inputs(self, op_index: int) -> list[int]:
         return [u for u in dict.fromkeys(self.p.ops[op_index].inputs) if u in self.unsaved]
@@ -168,6 +206,14 @@ class _BoundLP:
             for u in self.unsaved_inputs(self.acts[i].producer):  # r_i <= z_u + k_u
                 self.row([(R + i, 1.0), (Z + self.chain[u], -1.0), (K + self.chain[u], -1.0)],
                          0.0)
+        for i, t in enumerate(self.acts):  # q_P >= r_i, v_P >= q_P
+            self.row([(R + i, 1.0), (self.Q + self.q[t.producer], -1.0)], 0.0)
+        for u, col in self.chain.items():  # q_P >= z_u, v_P >= k_u
+            k = self.q[self.unsaved[u].producer]
+            self.row([(Z + col, 1.0), (self.Q + k, -1.0)], 0.0)
+            self.row([(K + col, 1.0), (self.V + k, -1.0)], 0.0)
+        for k in range(len(self.made_by)):
+            self.row([(self.Q + k, 1.0), (self.V + k, -1.0)], 0.0)
         for u, col in self.chain.items():  # z_u <= z_w + k_w: rebuilding u needs w too
             for w in (w for w in self.unsaved_inputs(self.unsaved[u].producer)
                       if w in self.chain):
@@ -187,16 +233,31 @@ class _BoundLP:
                 acts[i].first_backward_use > pt.op if backward else self.freed[i] < pt.op)]
             if backward:
                 # a never-rebuilt u read by a rebuild after j is a checkpoint resident at
-                # j: w_uj >= r_i - z_u for each reader i needed after j
+                # j: w_uj >= r_i - z_u for each reader i needed after j; one read by a
+                # rebuild for j itself is resident, rebuilt or kept: w_uj >= r_i
                 jb = k - len(self.fwd)
                 kept = []
                 for u, col in self.chain.items():
                     later = [i for i in self.readers[u] if acts[i].first_backward_use > pt.op]
-                    if later:
+                    now = [i for i in self.readers[u] if acts[i].first_backward_use == pt.op]
+                    if later or now:
                         kept.append((W + col * kb + jb, self.unsaved[u].bytes * gb))
-                        for i in later:
-                            self.row([(R + i, 1.0), (self.Z + col, -1.0),
-                                      (W + col * kb + jb, -1.0)], 0.0)
+                    for i in later:
+                        self.row([(R + i, 1.0), (self.Z + col, -1.0),
+                                  (W + col * kb + jb, -1.0)], 0.0)
+                    for i in now:
+                        self.row([(R + i, 1.0), (W + col * kb + jb, -1.0)], 0.0)
+                # a rebuild for j or before that reads activation a brings a back for
+                # good: a neither rebuilt later (y >= r_a + r_i - 1) nor away at j
+                for a in members:
+                    early = [i for i in self.read_by.get(a, ())
+                             if acts[i].first_backward_use <= pt.op]
+                    if early:
+                        y = self.column()
+                        kept.append((y, acts[a].bytes * gb))
+                    for i in early:
+                        self.row([(R + a, 1.0), (R + i, 1.0), (y, -1.0)], 1.0)
+                        self.row([(D + a * kp + k, 1.0), (R + i, 1.0)], 1.0)
             else:
                 kept = [(K + col, self.unsaved[u].bytes * gb)
                         for u, col in self.chain.items() if last_fwd_use[u] < pt.op]
@@ -209,9 +270,7 @@ class _BoundLP:
             late = [(self.SF, -1e3)] + ([(self.SB, -1e3)] + self.recompute if backward else [])
             t_k = self.starts[pt.op]
             releases = sorted({self.produced[i] for i in members})
-            picks = {releases[int(q * (len(releases) - 1) / max(thresholds - 1, 1))]
-                     for q in range(thresholds)} if releases else set()
-            for tau in sorted(picks | {0.0}):
+            for tau in sorted(_picks(releases, thresholds) | {0.0}):
                 self.row([(D + i * kp + k, self.d2h[i] * 1e3) for i in members
                           if self.produced[i] >= tau] + late, (t_k - tau) * 1e3)
 
@@ -228,38 +287,155 @@ class _BoundLP:
                      + [(self.SF, -1e3), (self.SB, -1e3)] + self.recompute,
                      (self.starts[j] - t_last) * 1e3)
 
+    def transfer_rows(self, thresholds: int, max_points: int) -> None:
+        """Every offload goes both ways, away or not at any point: what is made at or
+        after tau and first needed by op j crosses each link between the two, and each
+        tensor's reload starts after its copy out has landed."""
+        uses = sorted({t.first_backward_use for t in self.acts})
+        late = [(self.SF, -1e3), (self.SB, -1e3)] + self.recompute
+        for j in uses[:: max(len(uses) // max_points, 1)]:
+            members = [i for i in range(self.n) if self.acts[i].first_backward_use <= j]
+            for tau in _picks(sorted({self.produced[i] for i in members}), thresholds):
+                chosen = [i for i in members if self.produced[i] >= tau]
+                for times in (self.d2h, self.h2d):
+                    self.row([(self.OFF + i, times[i] * 1e3) for i in chosen] + late,
+                             (self.starts[j] - tau) * 1e3)
+        for i, t in enumerate(self.acts):  # one tensor's two copies, one after the other
+            self.row([(self.OFF + i, (self.d2h[i] + self.h2d[i]) * 1e3)] + late,
+                     (self.starts[t.first_backward_use] - self.produced[i]) * 1e3)
+
+    def timing_rows(self) -> None:
+        """Reload timing at every backward point: an activation once back stays back (it
+        is reloaded once; its copy out may still land in backward), the copies out land
+        in production order, and what is away at point q and first needed by op j came
+        over the H2D link between the starts of q and j."""
+        acts, base = self.acts, self.D + len(self.fwd)
+        for i in range(self.n):  # back_k >= back_{k-1}, back_k >= d_{k-1} - d_k, d_k <= 1 - back_k
+            if self.upper[self.OFF + i] == 0:
+                continue
+            back = None
+            for k in range(1, len(self.bwd)):
+                if acts[i].first_backward_use <= self.bwd[k].op:
+                    break
+                d, was = base + i * self.kp + k, base + i * self.kp + k - 1
+                now = self.column()
+                self.row([(was, 1.0), (d, -1.0), (now, -1.0)], 0.0)
+                if back is not None:
+                    self.row([(back, 1.0), (now, -1.0)], 0.0)
+                self.row([(d, 1.0), (now, 1.0)], 1.0)
+                back = now
+        # the D2H engine copies in production order: an offload's copy lands after those
+        # of everything offloaded between tau and its own production, then comes back
+        late = [(self.SF, -1e3), (self.SB, -1e3)] + self.recompute
+        big = sum(self.d2h) + sum(self.h2d)
+        for i, t in enumerate(acts):
+            if self.upper[self.OFF + i] == 0:
+                continue
+            for tau in sorted({self.produced[k] for k in range(self.n)
+                               if self.produced[k] <= self.produced[i]}):
+                ahead = [k for k in range(self.n) if tau <= self.produced[k] < self.produced[i]]
+                self.row([(self.OFF + k, self.d2h[k] * 1e3) for k in ahead]
+                         + [(self.OFF + i, (self.d2h[i] + self.h2d[i] + big) * 1e3)] + late,
+                         (self.starts[t.first_backward_use] - tau + big) * 1e3)
+        uses = sorted({t.first_backward_use for t in acts})
+        for k, pt in enumerate(self.bwd):
+            for j in (j for j in uses if j > pt.op):
+                members = [i for i in range(self.n) if pt.op < acts[i].first_backward_use <= j]
+                self.row([(base + i * self.kp + k, self.h2d[i] * 1e3) for i in members]
+                         + late,
+                         (self.starts[j] - self.starts[pt.op]) * 1e3)
+
     def objective(self) -> np.ndarray:
-        """Milliseconds over the op times: recompute, rebuilt chains, idle time."""
+        """Milliseconds over the op times: each re-run producer once, idle time."""
         objective = np.zeros(self.cols)
-        objective[self.R:self.R + self.n] = np.array(self.cost) * 1e3
+        for k, op in enumerate(self.made_by):
+            objective[self.Q + k] = self.p.ops[op].time_s * 1e3
         objective[self.SF] = objective[self.SB] = 1e3
-        for u, col in self.chain.items():
-            objective[self.Z + col] = self.p.ops[self.unsaved[u].producer].time_s * 1e3
         return objective
 
-    def host_rows(self) -> None:
-        """The least host chain's idle time and end (NOTE [bound and the host])."""
-        kernels = sum(op.time_s for op in self.p.ops)
-        forward_idle, step = _least_host_chain(self.ctx)
+    def host_rows(self, max_points: int) -> None:
+        """The host issues each item no earlier than its costs so far allow, and the
+        kernels from there on run after it (NOTE [bound and the host])."""
+        ctx, p, host = self.ctx, self.p, self.ctx.hw.host
+        ops = p.ops
+        kernels = sum(op.time_s for op in ops)
+        forward_idle, _ = _least_host_chain(ctx)
         if forward_idle > 0:  # s_f >= the chain's idle time in forward
             self.row([(self.SF, -1e3)], -forward_idle * 1e3)
-        if step > kernels:  # the overhead >= the chain's end less the op times
-            self.row([(col, -v) for col, v in enumerate(self.objective()) if v],
-                     -(step - kernels) * 1e3)
+        base = [host.dispatch_s] * len(ops)
+        for _, before in packs(p):
+            base[min(before, len(ops) - 1)] += host.pack_s
+        issued = np.cumsum(base)
+        rest = np.cumsum([op.time_s for op in reversed(ops)])[::-1]  # kernels from op j on
+        cuts = range(len(ops)) if max_points >= len(ops) else sorted(
+            {*np.linspace(0, len(ops) - 1, max_points).astype(int), ctx.first_backward})
+        overhead = [(col, -v) for col, v in enumerate(self.objective()) if v]
+        rebuild = host.dispatch_s + host.replay_s
+        for j in cuts:
+            terms = list(overhead)
+            terms += [(self.V + k, host.watch_s * 1e3) for k, op in enumerate(self.made_by)
+                      if op <= j and op < ctx.first_backward]
+            if j < ctx.first_backward:  # every rebuild's kernels run after the cut
+                terms += [(col, -v) for col, v in self.recompute]
+            else:  # rebuilds and unpacks of what is needed by then
+                by_producer: dict[int, list[int]] = {}
+                for i, t in enumerate(self.acts):
+                    if t.first_backward_use <= j:
+                        by_producer.setdefault(t.producer, []).append(i)
+                        terms += [(self.R + i, host.unpack_s * 1e3),
+                                  (self.OFF + i, host.unpack_s * 1e3)]
+                for readers in by_producer.values():  # h >= r_i: the producer re-ran
+                    h = self.column()
+                    terms.append((h, rebuild * 1e3))
+                    for i in readers:
+                        self.row([(self.R + i, 1.0), (h, -1.0)], 0.0)
+            self.row(terms, -(issued[j] + rest[j] - kernels) * 1e3)
 
-    def solve(self) -> float | None:
-        """The least overhead in seconds over the op times; None when infeasible."""
+    def column(self) -> int:
+        """A new column in [0, 1], no cost."""
+        self.cols += 1
+        self.upper = np.append(self.upper, 1.0)
+        return self.cols - 1
+
+    def solve(self, integral: bool = False, time_limit_s: float | None = None) -> float | None:
+        """The least overhead in seconds over the op times (with ``integral``, every
+        decision 0 or 1, and at the time limit the solver's proven lower bound); None
+        when infeasible. The solution, when there is one, is left in ``self.x``."""
         r, c, v = zip(*self.entries, strict=True)
         a = coo_matrix((v, (r, c)), shape=(len(self.rhs), self.cols)).tocsr()
-        bounds: list[tuple[float, float | None]] = [(0.0, 1.0)] * self.cols
-        bounds[self.SF] = bounds[self.SB] = (0.0, None)  # idle time is unbounded
-        res = linprog(self.objective(), A_ub=a, b_ub=np.array(self.rhs), bounds=bounds,
-                      method="highs")
+        integrality = np.ones(self.cols) if integral else np.zeros(self.cols)
+        integrality[[self.SF, self.SB]] = 0
+        options = {} if time_limit_s is None else {"time_limit": time_limit_s}
+        res = milp(self.objective(), constraints=LinearConstraint(a, -np.inf, np.array(self.rhs)),
+                   bounds=Bounds(np.zeros(self.cols), self.upper), integrality=integrality,
+                   options=options)
+        self.x = res.x
         if res.status == 2:
             return None
+        if res.status == 1 and integral:  # time limit: the best proven so far still bounds
+            self.proven = False
+            dual = getattr(res, "mip_dual_bound", None)
+            if dual is None or not np.isfinite(dual):
+                raise RuntimeError(f"bound program did not solve: {res.message}")
+            return float(dual) / 1e3
         if res.status != 0:
-            raise RuntimeError(f"bound LP did not solve: {res.message}")
+            raise RuntimeError(f"bound program did not solve: {res.message}")
+        self.proven = True
         return res.fun / 1e3
+
+    def retention(self, overhead: float | None) -> float:
+        """The retention of a step ``overhead`` seconds over the op times (0: infeasible)."""
+        if overhead is None:
+            return 0.0
+        kernels = sum(op.time_s for op in self.p.ops)
+        return self.ctx.ideal / max(kernels + overhead, self.ctx.ideal)
+
+
+def _picks(times: list[float], most: int) -> set[float]:
+    """At most ``most`` of the sorted ``times``, evenly spread, first and last among them."""
+    if not times:
+        return set()
+    return {times[int(q * (len(times) - 1) / max(most - 1, 1))] for q in range(most)}
 
 
 def _kernel_starts(ctx: PlanContext) -> list[float]:

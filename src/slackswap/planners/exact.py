@@ -1,0 +1,105 @@
+"""The exact model on small steps: the bound's program (:mod:`slackswap.planners.bound`)
+with every decision an integer, at every op where memory can matter, and with reload
+timing as decisions; its plan simulated.
+
+NOTE [exact model]
+    The integer program is the bound's relaxation of the simulator made as tight as a
+    small step allows: each activation is kept, offloaded or recomputed (0 or 1, not a
+    fraction), each offloaded one is off the device or back at every op of the step
+    (its reload time is the op after the last one it is away at), and memory is checked
+    at every op where keep-all memory, with every never-saved tensor a rebuild may read,
+    exceeds the budget, not only at a dozen peaks. Every row still holds for every
+    plan's simulated step, so its optimum is a retention no plan exceeds; its solution
+    is a plan, simulated as any other, whose retention no optimum falls below. The true
+    optimum lies between the two: when they meet it is known exactly, and a planner
+    within half a point of the program's optimum is within half a point of the best
+    plan. Sizes: one or two full-size layers solve in seconds; whole workloads are the
+    LP bound's job.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from slackswap.core.plan import Decision, Plan
+from slackswap.core.result import SimResult
+from slackswap.planners.bound import _BoundLP
+from slackswap.planners.context import PlanContext
+from slackswap.planners.memory import Pressure
+
+__all__ = ["Optimum", "exact_optimum"]
+
+
+@dataclass(frozen=True)
+class Optimum:
+    """What the integer program says of one budget."""
+
+    bound: float  # retention no plan exceeds (0.0: no plan fits)
+    proven: bool  # solved to optimality (else ``bound`` is the solver's proven bound)
+    plan: Plan | None  # the program's plan, with its reload times as prefetch points
+    result: SimResult | None  # that plan, simulated
+
+    @property
+    def achieved(self) -> float:
+        """The simulated retention of the program's plan (0.0 when it does not fit)."""
+        return self.result.retention if self.result is not None and self.result.feasible else 0.0
+
+
+def exact_optimum(ctx: PlanContext, time_limit_s: float = 120.0,
+                  chain_depth: int = 4) -> Optimum:
+    """Solve the integer program of NOTE [exact model] for ``ctx`` (a small step)."""
+    if not ctx.reachable:
+        return Optimum(0.0, True, None, None)
+    lp = _BoundLP(ctx, _every_point(ctx), chain_depth)
+    if not lp.pts:
+        return Optimum(1.0, True, None, None)
+    lp.build(thresholds=len(lp.acts) + 1, max_points=len(ctx.profile.ops))
+    lp.timing_rows()
+    overhead = lp.solve(integral=True, time_limit_s=time_limit_s)
+    bound = lp.retention(overhead)
+    if overhead is None or lp.x is None:
+        return Optimum(bound, lp.proven if overhead is not None else True, None, None)
+    plan = _plan_of(ctx, lp)
+    result = ctx.simulate(plan)
+    plain = ctx.simulate(plan.model_copy(update={"prefetch": {}}))
+    if plain.feasible and (not result.feasible or plain.retention > result.retention):
+        plan, result = plan.model_copy(update={"prefetch": {}}), plain
+    return Optimum(bound, lp.proven, plan, result)
+
+
+def _every_point(ctx: PlanContext) -> tuple[list[Pressure], list[Pressure]]:
+    """Every op where memory can exceed the budget: keep-all memory over it, or, in
+    backward, within reach of it once the never-saved tensors rebuilds read are back."""
+    p = ctx.profile
+    extra = sum(p.tensors[u].bytes for u in p.never_saved)
+    fwd, bwd = [], []
+    for k, level in enumerate(ctx.memory):
+        if k < ctx.first_backward and level > ctx.budget:
+            fwd.append(Pressure(k, level - ctx.budget))
+        elif k >= ctx.first_backward and level + extra > ctx.budget:
+            bwd.append(Pressure(k, level - ctx.budget))
+    return fwd, bwd
+
+
+def _plan_of(ctx: PlanContext, lp: _BoundLP) -> Plan:
+    """The program's decisions, each offloaded activation reloaded at the op after the
+    last backward point it is away at (or at the start of backward), and the
+    never-saved tensors it keeps as checkpoints."""
+    x, decisions, prefetch = lp.x, {}, {}
+    for i, t in enumerate(lp.acts):
+        if x[lp.R + i] > 0.5:
+            decisions[t.name] = Decision.RECOMPUTE
+        elif x[lp.OFF + i] > 0.5:
+            decisions[t.name] = Decision.OFFLOAD
+            away = [pt.op for k, pt in enumerate(lp.bwd)
+                    if x[lp.D + i * lp.kp + len(lp.fwd) + k] > 0.5]
+            if away:
+                prefetch[t.name] = min(max(away) + 1, t.first_backward_use)
+        else:
+            decisions[t.name] = Decision.KEEP
+    checkpointable = ctx.profile.checkpointable
+    for u, col in lp.chain.items():  # never-saved tensors kept since forward
+        name = lp.unsaved[u].name
+        if x[lp.K + col] > 0.5 and name in checkpointable:
+            decisions[name] = Decision.KEEP
+    return ctx.plan("exact", decisions, prefetch)

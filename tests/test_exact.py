@@ -1,0 +1,86 @@
+"""The exact model (``planners/exact.py``): a valid bound, tighter than the LP, and the
+gate on small real steps: SlackSwap within half a point of the optimum it proves."""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import pytest
+from stepgraphs import NO_HOST, best_assignment, link_hardware, random_step
+
+import slackswap
+from slackswap.core.profile import StepProfile
+from slackswap.models.presets import with_layers
+from slackswap.planners import STRATEGIES
+from slackswap.planners.bound import retention_bound
+from slackswap.planners.context import PlanContext
+from slackswap.planners.exact import exact_optimum
+from slackswap.reproduce import cached_profile
+
+
+def test_no_plan_beats_the_exact_bound_on_small_steps() -> None:
+    """Every keep/offload/recompute assignment of small random steps, simulated, stays
+    under the integer program's optimum, which stays under the LP bound; the program's
+    own plan, simulated, stays under it too."""
+    checked = 0
+    for seed in range(40):
+        rng = random.Random(seed)
+        profile = random_step(rng, rng.randint(3, 10))
+        for t in profile.tensors:  # above the planners' size floor
+            t.bytes *= 100
+        rate = rng.uniform(2e9, 5e10)
+        hw = link_hardware(rate, rate, rate, rate * rng.uniform(0.3, 1), 1e-6,
+                           host=NO_HOST if seed % 2 else None)
+        ctx = PlanContext(profile, hw,
+                          int(rng.choice([0.3, 0.5, 0.7, 0.9]) * profile.keep_all_peak))
+        names = [c.name for c in ctx.candidates]
+        if not ctx.reachable or not 2 <= len(names) <= 6:
+            continue
+        best = best_assignment(ctx)
+        exact = exact_optimum(ctx)
+        assert best <= exact.bound + 1e-9, seed
+        assert exact.achieved <= exact.bound + 1e-9, seed
+        assert exact.bound <= retention_bound(ctx) + 1e-6, seed
+        checked += 1
+    assert checked >= 12
+
+
+@functools.cache
+def small(name: str) -> StepProfile:
+    base, layers = name.split("@")
+    return cached_profile(with_layers(base, int(layers)), slackswap.load_hardware("a100-80gb"))
+
+
+# (step, budget) where SlackSwap is more than half a point under the program's optimum and
+# the program's own plan, simulated, does not close the gap: the optimum lies between the
+# two, and which of the model and the planner is short is open (issue 12).
+OPEN = {("bert-large-mlm@1", 0.5), ("bert-large-mlm@1", 0.6), ("bert-large-mlm@1", 0.7),
+        ("llama-7b@1", 0.7), ("bert-large-mlm@2", 0.7)}
+CASES = [(name, budget) for name in ("bert-large-mlm@1", "llama-7b@1", "gpt2-xl@2")
+         for budget in (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)] + [
+    # two layers of bert and llama solve in 3-25 s at these budgets (up to a minute, and
+    # unproven, at 40-60%): the gate takes the fast ones
+    (name, budget) for name in ("bert-large-mlm@2", "llama-7b@2") for budget in (0.7, 0.8, 0.9)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "budget"), [
+    pytest.param(*case, marks=pytest.mark.xfail(strict=True, reason="open gap, see OPEN"))
+    if case in OPEN else case for case in CASES])
+def test_within_half_a_point_of_the_exact_optimum(name: str, budget: float) -> None:
+    """One or two full-size layers, every budget from 30%: SlackSwap retains within half a
+    point of the program's optimum (so of the best plan), and no strategy exceeds it.
+    Budgets no plan reaches are skipped."""
+    profile = small(name)
+    ctx = PlanContext(profile, slackswap.load_hardware("a100-80gb"),
+                      int(budget * profile.keep_all_peak))
+    if not ctx.reachable:
+        pytest.skip("below the step's working set")
+    exact = exact_optimum(ctx)
+    for make in STRATEGIES.values():
+        attempt = ctx.attempt(make)
+        if attempt is not None and attempt[1].feasible:
+            assert attempt[1].retention <= exact.bound + 1e-9
+    ours = ctx.attempt(STRATEGIES["slackswap"])[1].retention
+    assert ours >= exact.bound - 0.005
