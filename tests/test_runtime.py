@@ -158,19 +158,86 @@ def assert_runs_as_simulated(profile, plan, stats) -> None:
         assert sorted(stats.reload_order) == sorted(reloads)
 
 
-@pytest.mark.parametrize("kind", ["recompute-all", "mixed", "slackswap", "checkpoint-blocks"])
+@pytest.mark.parametrize("kind", ["recompute-all", "mixed", "slackswap", "checkpoint-blocks",
+                                  "checkpoint-offload"])
 @pytest.mark.parametrize("name", MODELS)
 def test_the_runtime_does_what_the_simulator_schedules(name: str, kind: str) -> None:
     """checkpoint-blocks keeps tensors autograd does not save (distilbert's block inputs)
-    as checkpoints for rebuilds; the runtime holds them until the simulator frees them."""
+    as checkpoints for rebuilds; the runtime holds them until the simulator frees them.
+    checkpoint-offload copies them to the host and reloads them for the rebuilds."""
     profile, model, batch, names, _ = setup(name)
-    if kind in ("slackswap", "checkpoint-blocks"):
+    if kind in ("slackswap", "checkpoint-blocks", "checkpoint-offload"):
         plan = slackswap.plan(profile, 0.75, strategy=kind)
     else:
         pick = ("recompute",) if kind == "recompute-all" else ("keep", "offload", "recompute")
         plan = Plan(fingerprint=profile.fingerprint, strategy=kind,
                     decisions={n: pick[i % len(pick)] for i, n in enumerate(names)})
     assert_runs_as_simulated(profile, plan, stats_of(model, batch, plan, profile))
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), name=st.sampled_from(MODELS))
+def test_offloaded_checkpoints_are_bit_identical(data, name: str) -> None:
+    """Every block recomputed, the tensors autograd does not save each kept, offloaded
+    (with or without a prefetch point) or left to be rebuilt: the same loss and
+    gradients, and the work the simulator schedules."""
+    profile, model, batch, names, reference = setup(name)
+    decisions = {n: "recompute" for n in names}
+    first_backward = next(op.index for op in profile.ops if op.phase == "backward")
+    prefetch = {}
+    for n, t in sorted(profile.checkpointable.items()):
+        choice = data.draw(st.sampled_from(["keep", "offload", "rebuild"]), label=n)
+        if choice == "offload" and t.id in profile.changed_in_place:
+            choice = "keep"
+        if choice != "rebuild":
+            decisions[n] = choice
+        if choice == "offload" and data.draw(st.booleans(), label=f"prefetch {n}"):
+            prefetch[n] = first_backward
+    plan = Plan(fingerprint=profile.fingerprint, strategy="random", decisions=decisions,
+                prefetch=prefetch)
+    result, runtime = planned_step(model, batch, plan, profile)
+    assert_identical(result, reference)
+    assert_runs_as_simulated(profile, plan, runtime.stats)
+    assert runtime.values.host == {} and runtime.values.back == {}
+    assert runtime.values.held == {}
+
+
+class _ChangedInPlace(torch.nn.Module):
+    """A block input autograd does not save, changed in place after it is made."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.a(x)
+        h.add_(1.0)
+        return {"loss": self.b(torch.tanh(h)).pow(2).mean()}
+
+
+def test_checkpoints_are_kept_or_offloaded_never_recomputed() -> None:
+    """A plan keeps or offloads a tensor autograd does not save (and may prefetch it when
+    offloaded), never recomputes it, and never offloads one forward changes in place
+    later (its copy would not be the value a rebuild reads): one-line refusals."""
+    profile = setup("llama-7b-tiny")[0]
+    name = sorted(profile.checkpointable)[0]
+    first_backward = next(op.index for op in profile.ops if op.phase == "backward")
+
+    def plan(decision: str, prefetch: dict[str, int] | None = None) -> Plan:
+        return Plan(fingerprint=profile.fingerprint, strategy="x", decisions={name: decision},
+                    prefetch=prefetch or {})
+
+    plan("offload", {name: first_backward}).check(profile)
+    plan("keep").check(profile)
+    with pytest.raises(InputError, match=f"plan recomputes '{re.escape(name)}', which autograd"):
+        plan("recompute").check(profile)
+    with pytest.raises(InputError, match="a checkpoint it does not offload"):
+        plan("keep", {name: first_backward}).check(profile)
+    torch.manual_seed(0)
+    changed = slackswap.profile(_ChangedInPlace(), torch.randn(8, 64))
+    with pytest.raises(InputError, match="'a:addmm:0', a checkpoint forward changes in place"):
+        Plan(fingerprint=changed.fingerprint, strategy="x",
+             decisions={"a:addmm:0": "offload"}).check(changed)
 
 
 def test_a_planned_step_moves_and_rebuilds() -> None:

@@ -73,11 +73,22 @@ class Plan(JsonFile, pydantic.BaseModel):
             raise InputError(
                 f"plan moves '{fixed[0]}', a batch input; only activations can be planned"
             )
-        moved = [n for n, d in self.decisions.items() if d != Decision.KEEP]
-        if bad := [n for n in (*moved, *self.prefetch) if n in profile.checkpointable]:
+        checkpoints = profile.checkpointable
+        if bad := [n for n, d in self.decisions.items()
+                   if d == Decision.RECOMPUTE and n in checkpoints]:
             raise InputError(
-                f"plan moves '{bad[0]}', which autograd does not save; such tensors can "
-                "only be kept (as checkpoints)"
+                f"plan recomputes '{bad[0]}', which autograd does not save; such tensors "
+                "are kept or offloaded as checkpoints, or left out (rebuilt when needed)"
+            )
+        if bad := [n for n in self.prefetch if n in checkpoints
+                   and self.decisions.get(n) != Decision.OFFLOAD]:
+            raise InputError(f"plan prefetches '{bad[0]}', a checkpoint it does not offload")
+        changed = profile.changed_in_place
+        if bad := [n for n, d in self.decisions.items() if d == Decision.OFFLOAD
+                   and n in checkpoints and checkpoints[n].id in changed]:
+            raise InputError(
+                f"plan offloads '{bad[0]}', a checkpoint forward changes in place after "
+                "making it; its copy could not be exact: keep it as a checkpoint instead"
             )
         known = profile.by_name.keys() | profile.checkpointable.keys()
         unknown = [n for n in (*self.decisions, *self.prefetch) if n not in known]

@@ -121,13 +121,18 @@ class StepProfile(JsonFile, _Record):
                          and self.ops[t.producer].phase == "forward")
 
     @cached_property
+    def changed_in_place(self) -> frozenset[int]:
+        """Tensors a forward op other than their producer writes in place."""
+        return frozenset(t for op in self.ops if op.phase == "forward" and op.inplace
+                         for t in op.outputs if self.tensors[t].producer != op.index)
+
+    @cached_property
     def recomputable(self) -> frozenset[str]:
         """Saved activations a plan may recompute: every op that wrote them in forward (the
         producer, then in-place ops) is replayable, and so, transitively, is every input
         those ops read that a rebuild may have to make again (one autograd never saved, or
         one changed in place later, read at an earlier value)."""
-        mutated = {t for op in self.ops if op.phase == "forward" and op.inplace
-                   for t in op.outputs if self.tensors[t].producer != op.index}
+        mutated = self.changed_in_place
         ok: dict[int, bool] = {}
         for op in self.ops:
             if op.phase != "forward":

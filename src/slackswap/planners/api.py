@@ -26,6 +26,7 @@ STRATEGIES: dict[str, Callable[[PlanContext], Attempt | None]] = {
     "slackswap": slackswap,
     "recompute-only": baselines.recompute_only,
     "checkpoint-blocks": baselines.checkpoint_blocks,
+    "checkpoint-offload": baselines.checkpoint_offload,
     "offload-only": baselines.offload_only,
     "capuchin": baselines.capuchin,
     "module-policy": baselines.module_policy,

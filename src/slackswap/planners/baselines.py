@@ -9,7 +9,8 @@ from slackswap.planners.recompute import choose_recompute, kernel_cost, rebuild_
 from slackswap.planners.search import Attempt, fit_margin, or_uniform, smallest_fitting
 from slackswap.planners.slack import eviction_credit, offload_within_slack
 
-__all__ = ["recompute_only", "checkpoint_blocks", "offload_only", "capuchin", "module_policy"]
+__all__ = ["recompute_only", "checkpoint_blocks", "checkpoint_offload", "offload_only", "capuchin",
+           "module_policy"]
 
 
 def recompute_only(ctx: PlanContext) -> Attempt | None:
@@ -56,6 +57,20 @@ def checkpoint_blocks(ctx: PlanContext) -> Attempt | None:
         return ctx.plan("checkpoint-blocks", decisions)
 
     return smallest_fitting(ctx, make, 0, layers)
+
+
+def checkpoint_offload(ctx: PlanContext) -> Attempt | None:
+    """Recompute every transformer block from its inputs, offloaded to the host and
+    reloaded for its rebuild (torchtune's activation checkpointing of every layer with
+    ``OffloadActivations``; Megatron's offload of checkpointed module inputs)."""
+    layers = len(ctx.profile.layers)
+    if not layers:
+        return None
+    decisions = {c.name: Decision.RECOMPUTE for c in ctx.candidates if c.layer is not None}
+    for layer in range(layers):
+        decisions.update({n: Decision.OFFLOAD for n in _block_inputs(ctx, layer)})
+    plan = ctx.plan("checkpoint-offload", decisions)
+    return plan, ctx.simulate(plan)
 
 
 def offload_only(ctx: PlanContext) -> Attempt | None:

@@ -32,7 +32,9 @@ NOTE [why this is a bound]
       forward as a checkpoint (k_u), which then occupies memory at every forward point
       past u's last forward use, at every backward point j before a rebuild that reads
       it when u is never rebuilt (w_uj >= r_i - z_u for readers i needed after j), and
-      at the op whose rebuild reads it;
+      at the op whose rebuild reads it; or offloaded as a checkpoint (f_u), which then
+      crosses both links before the first rebuild that reads it (and is not counted in
+      forward memory: a relaxation);
     - time: the step is at least the sum of op times, plus each re-run producer once
       (q_P >= r_i and q_P >= z_u for its outputs: one run makes them all), plus idle.
 
@@ -152,9 +154,13 @@ class _BoundLP:
                               | {self.unsaved[u].producer for u in self.chain})
         self.Q = self.W + m * kb
         self.V = self.Q + len(self.made_by)
-        self.cols = self.V + len(self.made_by)
+        self.F = self.V + len(self.made_by)  # f_u: u offloaded as a checkpoint
+        self.cols = self.F + m
         self.q = {op: k for k, op in enumerate(self.made_by)}
         self.readers: dict[int, list[int]] = {u: [] for u in self.chain}  # rebuilt from u
+        # never-saved tensors a rebuild of another never-saved tensor may read
+        self.feeds_chain = {w for u in self.chain for w in self.unsaved_inputs(
+            self.unsaved[u].producer) if w in self.chain}
         for i, t in enumerate(acts):
             for u in self.unsaved_inputs(t.producer):
                 self.readers[u].append(i)
@@ -174,6 +180,11 @@ class _BoundLP:
         # keeps it) or recompute one no replay rebuilds exactly (``PlanContext.plan``)
         self.upper = np.ones(self.cols)
         self.upper[self.SF] = self.upper[self.SB] = np.inf  # idle time is unbounded
+        offloadable = {t.id for t in p.checkpointable.values()
+                       if t.bytes >= MIN_PLANNED_BYTES and t.id not in p.changed_in_place}
+        for u, col in self.chain.items():
+            if u not in offloadable:
+                self.upper[self.F + col] = 0.0
         recomputable = p.recomputable
         for i, t in enumerate(acts):
             if t.bytes < MIN_PLANNED_BYTES:
@@ -203,22 +214,24 @@ class _BoundLP:
         R, OFF, Z, K = self.R, self.OFF, self.Z, self.K
         for i in range(self.n):
             self.row([(R + i, 1.0), (OFF + i, 1.0)], 1.0)
-            for u in self.unsaved_inputs(self.acts[i].producer):  # r_i <= z_u + k_u
-                self.row([(R + i, 1.0), (Z + self.chain[u], -1.0), (K + self.chain[u], -1.0)],
+            for u in self.unsaved_inputs(self.acts[i].producer):  # r_i <= z_u + k_u + f_u
+                col = self.chain[u]
+                self.row([(R + i, 1.0), (Z + col, -1.0), (K + col, -1.0), (self.F + col, -1.0)],
                          0.0)
         for i, t in enumerate(self.acts):  # q_P >= r_i, v_P >= q_P
             self.row([(R + i, 1.0), (self.Q + self.q[t.producer], -1.0)], 0.0)
-        for u, col in self.chain.items():  # q_P >= z_u, v_P >= k_u
+        for u, col in self.chain.items():  # q_P >= z_u, v_P >= k_u, v_P >= f_u
             k = self.q[self.unsaved[u].producer]
             self.row([(Z + col, 1.0), (self.Q + k, -1.0)], 0.0)
             self.row([(K + col, 1.0), (self.V + k, -1.0)], 0.0)
+            self.row([(self.F + col, 1.0), (self.V + k, -1.0)], 0.0)
         for k in range(len(self.made_by)):
             self.row([(self.Q + k, 1.0), (self.V + k, -1.0)], 0.0)
         for u, col in self.chain.items():  # z_u <= z_w + k_w: rebuilding u needs w too
             for w in (w for w in self.unsaved_inputs(self.unsaved[u].producer)
                       if w in self.chain):
                 self.row([(Z + col, 1.0), (Z + self.chain[w], -1.0),
-                          (K + self.chain[w], -1.0)], 0.0)
+                          (K + self.chain[w], -1.0), (self.F + self.chain[w], -1.0)], 0.0)
 
     def memory_rows(self, thresholds: int) -> None:
         """At each point, the evictions cover the excess; what is off the device there
@@ -242,8 +255,8 @@ class _BoundLP:
                     now = [i for i in self.readers[u] if acts[i].first_backward_use == pt.op]
                     if later or now:
                         kept.append((W + col * kb + jb, self.unsaved[u].bytes * gb))
-                    for i in later:
-                        self.row([(R + i, 1.0), (self.Z + col, -1.0),
+                    for i in later:  # (an offloaded one is back only for the rebuild)
+                        self.row([(R + i, 1.0), (self.Z + col, -1.0), (self.F + col, -1.0),
                                   (W + col * kb + jb, -1.0)], 0.0)
                     for i in now:
                         self.row([(R + i, 1.0), (W + col * kb + jb, -1.0)], 0.0)
@@ -290,19 +303,42 @@ class _BoundLP:
     def transfer_rows(self, thresholds: int, max_points: int) -> None:
         """Every offload goes both ways, away or not at any point: what is made at or
         after tau and first needed by op j crosses each link between the two, and each
-        tensor's reload starts after its copy out has landed."""
-        uses = sorted({t.first_backward_use for t in self.acts})
+        tensor's reload starts after its copy out has landed. An offloaded checkpoint
+        counts where a rebuild that reads it runs by j (g >= f_u + r_i - 1)."""
+        link = self.ctx.hw.host_link
         late = [(self.SF, -1e3), (self.SB, -1e3)] + self.recompute
+        checkpoints = []  # (f column, made, D2H, H2D, readers)
+        for u, col in self.chain.items():
+            if self.upper[self.F + col] and u not in self.feeds_chain:
+                t = self.unsaved[u]
+                checkpoints.append((self.F + col, self.ctx.op_end[t.producer],
+                                    link.latency_s + t.bytes / link.d2h_bandwidth,
+                                    link.latency_s + t.bytes / link.h2d_bandwidth,
+                                    self.readers[u]))
+        uses = sorted({t.first_backward_use for t in self.acts})
         for j in uses[:: max(len(uses) // max_points, 1)]:
-            members = [i for i in range(self.n) if self.acts[i].first_backward_use <= j]
-            for tau in _picks(sorted({self.produced[i] for i in members}), thresholds):
-                chosen = [i for i in members if self.produced[i] >= tau]
-                for times in (self.d2h, self.h2d):
-                    self.row([(self.OFF + i, times[i] * 1e3) for i in chosen] + late,
+            moves = [(self.OFF + i, self.produced[i], self.d2h[i], self.h2d[i])
+                     for i in range(self.n) if self.acts[i].first_backward_use <= j]
+            for f, made, out, back, readers in checkpoints:
+                early = [i for i in readers if self.acts[i].first_backward_use <= j]
+                if early:
+                    g = self.column()
+                    for i in early:
+                        self.row([(f, 1.0), (self.R + i, 1.0), (g, -1.0)], 1.0)
+                    moves.append((g, made, out, back))
+            for tau in _picks(sorted({m[1] for m in moves}), thresholds):
+                chosen = [m for m in moves if m[1] >= tau]
+                for way in (2, 3):
+                    self.row([(m[0], m[way] * 1e3) for m in chosen] + late,
                              (self.starts[j] - tau) * 1e3)
         for i, t in enumerate(self.acts):  # one tensor's two copies, one after the other
             self.row([(self.OFF + i, (self.d2h[i] + self.h2d[i]) * 1e3)] + late,
                      (self.starts[t.first_backward_use] - self.produced[i]) * 1e3)
+        for f, made, out, back, readers in checkpoints:  # (when a rebuild reads it)
+            for i in readers:
+                trip = (out + back) * 1e3
+                self.row([(f, trip), (self.R + i, trip)] + late,
+                         (self.starts[self.acts[i].first_backward_use] - made) * 1e3 + trip)
 
     def timing_rows(self) -> None:
         """Reload timing at every backward point: an activation once back stays back (it

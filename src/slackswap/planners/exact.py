@@ -84,7 +84,7 @@ def _every_point(ctx: PlanContext) -> tuple[list[Pressure], list[Pressure]]:
 def _plan_of(ctx: PlanContext, lp: _BoundLP) -> Plan:
     """The program's decisions, each offloaded activation reloaded at the op after the
     last backward point it is away at (or at the start of backward), and the
-    never-saved tensors it keeps as checkpoints."""
+    never-saved tensors it keeps or offloads as checkpoints."""
     x, decisions, prefetch = lp.x, {}, {}
     for i, t in enumerate(lp.acts):
         if x[lp.R + i] > 0.5:
@@ -102,4 +102,6 @@ def _plan_of(ctx: PlanContext, lp: _BoundLP) -> Plan:
         name = lp.unsaved[u].name
         if x[lp.K + col] > 0.5 and name in checkpointable:
             decisions[name] = Decision.KEEP
+        elif x[lp.F + col] > 0.5 and name in checkpointable:
+            decisions[name] = Decision.OFFLOAD
     return ctx.plan("exact", decisions, prefetch)

@@ -53,7 +53,7 @@ PAIR_SEARCH_CANDIDATES = 10  # steps this small also try pairs of moves
 SEARCH_SIMULATIONS = 24  # the local search's budget: NOTE [starting points]
 # recompute-only is left out: its cover is this planner's with no slack spent
 STARTS = (baselines.capuchin, baselines.offload_only, baselines.checkpoint_blocks,
-          baselines.module_policy)
+          baselines.checkpoint_offload, baselines.module_policy)
 
 
 def slackswap(ctx: PlanContext) -> Attempt | None:

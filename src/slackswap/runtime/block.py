@@ -100,7 +100,9 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
             free_before = offload_deadlines(profile, plan)
         self._watch = (watch_for(profile, plan)
                        if profile is not None and can_watch(profile, device) else None)
-        self.decisions = {n: d for n, d in plan.decisions.items() if d != Decision.KEEP}
+        # an offloaded checkpoint no rebuild reads is not copied: the step has no use for it
+        self.decisions = {n: d for n, d in plan.decisions.items() if d != Decision.KEEP and (
+            profile is None or n not in profile.checkpointable or n in self._checkpoints)}
         # NOTE [buffers held by events]: host buffers are reused from step to step
         self.values = SavedValues(self.decisions, verify, self._watch, first_use, prefetch,
                                   copies_for(plan, offloaded), produced_at, free_before)

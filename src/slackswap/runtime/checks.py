@@ -69,8 +69,9 @@ def prepare(profile: StepProfile, plan: Plan) -> Prepared:
             prefetch=order,
             offloaded_bytes=sum(
                 t.bytes for n, d in plan.decisions.items()
-                if d == Decision.OFFLOAD and (t := profile.by_name.get(n)) is not None
-                and t.bytes >= MIN_PLANNED_BYTES),
+                if d == Decision.OFFLOAD and (t := (profile.by_name.get(n)
+                                                    or profile.checkpointable.get(n)))
+                is not None and t.bytes >= MIN_PLANNED_BYTES),
             produced_at={n: t.producer for n, t in profile.by_name.items()
                          if t.producer is not None},
         )
@@ -91,10 +92,11 @@ def offload_deadlines(profile: StepProfile, plan: Plan) -> dict[str, int]:
 
 
 def checkpoint_releases(profile: StepProfile, plan: Plan) -> dict[str, int]:
-    """Unsaved tensors the plan keeps as checkpoints for rebuilds, and the backward op
-    after whose rebuilds each may go: where the simulator's schedule frees it."""
+    """Unsaved tensors the plan keeps or offloads as checkpoints for rebuilds, and the
+    backward op after whose rebuilds each may go: where the simulator's schedule frees
+    it (or its reload). An offloaded one no rebuild reloads is left out: not copied."""
     kept = {profile.checkpointable[n].id: n for n, d in plan.decisions.items()
-            if d == Decision.KEEP and n in profile.checkpointable}
+            if d != Decision.RECOMPUTE and n in profile.checkpointable}
     if not kept:
         return {}
     schedule = build_schedule(profile, plan)

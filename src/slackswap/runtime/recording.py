@@ -283,7 +283,7 @@ class Recorder:
                 outputs[i] = node
                 release = self.checkpoints.get(name)
                 if release is not None:  # autograd does not save it: the runtime keeps it
-                    self.values.hold_checkpoint(key, release, t)
+                    self.values.hold_checkpoint(key, release, t, name)
             elif mutable:
                 node.steps.append(Step(func, step_args, step_kwargs, i, rng, outputs, grad))
 

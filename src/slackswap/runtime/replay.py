@@ -183,8 +183,10 @@ class Replayer:
         if base is not None:
             return base
         if vkey in values.host:
-            # backward unpacks it later; the rebuild reads it now
+            # backward unpacks it later, or it is an offloaded checkpoint: read it now
             base = values.copies.ready(values.reload(vkey, node.name, node.device), values.stats)
+            if vkey in values.host_checkpoints:  # back until its release, as simulated
+                values.bring_back(vkey, base)
         else:
             base = self.rebuild(node, upto)
         values.group[vkey] = base

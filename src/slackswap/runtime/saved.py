@@ -134,6 +134,10 @@ class SavedValues:
         self.group, self.group_position = {}, None
         # checkpoints held for rebuilds: storage -> (release position, tensor)
         self.kept_checkpoints: dict[int, tuple[int, torch.Tensor]] = {}
+        for vkey in getattr(self, "host_checkpoints", {}):  # a step that never ran backward
+            self._drop_host_checkpoint(vkey)
+        # offloaded checkpoints: value -> release position (the host copy is in ``host``)
+        self.host_checkpoints: dict[Value, int] = {}
         self.offloaded: dict[str, Value] = {}  # activation id -> value, this step
         self.next_prefetch = 0
         self.held: dict[Any, int] = {}  # saved values resident on the device -> bytes
@@ -218,10 +222,28 @@ class SavedValues:
         node.name = name
         return node
 
-    def hold_checkpoint(self, key: int, release: int, t: torch.Tensor) -> None:
-        """A tensor autograd does not save, kept for rebuilds until ``release``."""
+    def hold_checkpoint(self, key: int, release: int, t: torch.Tensor, name: str) -> None:
+        """A tensor autograd does not save, just made, kept for rebuilds until
+        ``release``: on the device, or, when the plan offloads it, as a host copy of its
+        value now (its node's first step) that a rebuild reloads (``Replayer``)."""
+        nbytes = t.untyped_storage().nbytes()
+        if self.decisions.get(name) == Decision.OFFLOAD and nbytes >= MIN_PLANNED_BYTES:
+            vkey = (key, 1)
+            with self._quiet():
+                self.host[vkey] = self.copies.offload(t, self.stats)
+            self.host_checkpoints[vkey] = release
+            self.offloaded[name] = vkey
+            self.stats.offloaded_bytes += nbytes
+            return
         self.kept_checkpoints[key] = (release, t)
-        self.hold((key, None), t.untyped_storage().nbytes())
+        self.hold((key, None), nbytes)
+
+    def _drop_host_checkpoint(self, vkey: Value) -> None:
+        host = self.host.pop(vkey, None)
+        if host is not None:
+            self.copies.give_back(host)
+        if self.back.pop(vkey, None) is not None:
+            self.release(vkey)
 
     def handle_gone(self, vkey: Value, kept: bool) -> None:
         """Autograd freed a packed handle (its node ran, or the graph was dropped): once
@@ -358,7 +380,8 @@ class SavedValues:
                 break
             self.next_prefetch += 1
             vkey = self.offloaded.get(name)
-            waiting = vkey is not None and self.pending.get(vkey, 0) > 0
+            waiting = vkey is not None and (self.pending.get(vkey, 0) > 0
+                                            or vkey in self.host_checkpoints)
             if waiting and vkey in self.host and vkey not in self.back:
                 self.bring_back(vkey, self.reload(vkey, name, device))
                 self.stats.prefetched += 1
@@ -369,6 +392,10 @@ class SavedValues:
             if position is None or last < position:
                 del self.kept_checkpoints[key]
                 self.release((key, None))
+        for vkey, last in list(self.host_checkpoints.items()):
+            if position is None or last < position:
+                del self.host_checkpoints[vkey]
+                self._drop_host_checkpoint(vkey)
 
 
 _SAME_SIZE_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -66,7 +66,7 @@ def _watch_for(profile: StepProfile, plan: Plan) -> Watch:
     recompute = {ids[n] for n, d in plan.decisions.items() if d == Decision.RECOMPUTE and n in ids}
     moved = {ids[n] for n, d in plan.decisions.items() if d != Decision.KEEP and n in ids}
     checkpoints = {ids[n] for n, d in plan.decisions.items()
-                   if d == Decision.KEEP and n in profile.checkpointable}
+                   if d != Decision.RECOMPUTE and n in profile.checkpointable}
     writers: dict[int, list[int]] = {}
     for op in ops:
         for t in op.outputs:

@@ -108,10 +108,11 @@ class _Builder:
             if t.producer is not None and t.name is not None:
                 small = t.bytes < MIN_PLANNED_BYTES  # never moved
                 self.decision[t.id] = keep if small else plan.decisions.get(t.name, keep)
-        for name, d in plan.decisions.items():  # unsaved tensors kept as checkpoints
-            if name in profile.checkpointable:
-                self.decision[profile.checkpointable[name].id] = d
-        self.prefetch = {profile.by_name[n].id: i for n, i in plan.prefetch.items()}
+        for name, d in plan.decisions.items():  # unsaved tensors kept or offloaded as
+            if (t := profile.checkpointable.get(name)) is not None:  # checkpoints
+                self.decision[t.id] = keep if t.bytes < MIN_PLANNED_BYTES else d
+        named = profile.by_name | profile.checkpointable
+        self.prefetch = {named[n].id: i for n, i in plan.prefetch.items()}
         self.first_backward = next(
             (op.index for op in self.ops if op.phase == "backward"), len(self.ops)
         )
@@ -266,6 +267,22 @@ class _Builder:
         self.live[t.id] = rid
         return rid
 
+    def _drop_unread_checkpoints(self) -> None:
+        """An offloaded checkpoint no rebuild reloads is not copied (as in the runtime):
+        its device memory goes after its last forward use."""
+        unread = {id(c) for c in self.d2h if c.tensor not in self.reload_of
+                  and self.tensors[c.tensor].name in self.p.checkpointable}
+        if not unread:
+            return
+        old = self.d2h
+        for c in old:
+            if id(c) in unread:
+                self.res[c.residency].holds -= 1
+        self.d2h = [c for c in old if id(c) not in unread]
+        index = {id(c): i for i, c in enumerate(self.d2h)}
+        for copy in self.h2d:
+            copy.d2h = index[id(old[copy.d2h])]
+
     def _backward(self) -> None:
         needed_at: dict[int, list[int]] = {}
         for t in self.p.saved_activations:
@@ -295,6 +312,7 @@ class _Builder:
     def build(self) -> Schedule:
         self._forward()
         self._backward()
+        self._drop_unread_checkpoints()
         for rid, pos in self.members:  # held until the group after ``pos`` begins
             r = bisect.bisect_right(self.resets, pos)
             if r < len(self.resets):
