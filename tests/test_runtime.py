@@ -175,7 +175,7 @@ def test_the_runtime_does_what_the_simulator_schedules(name: str, kind: str) -> 
     assert_runs_as_simulated(profile, plan, stats_of(model, batch, plan, profile))
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), name=st.sampled_from(MODELS))
 def test_offloaded_checkpoints_are_bit_identical(data, name: str) -> None:
     """Every block recomputed, the tensors autograd does not save each kept, offloaded
