@@ -105,8 +105,10 @@ class _BoundLP:
 
     Columns: r (n), o (n), d (n * kp: offloaded i is off the device at point k), s_f,
     s_b, z (m), k (m), w (m * kb: checkpoint u still waits for a rebuild at backward
-    point j). Rows are ``sum(coef * x) <= bound``, in gigabytes and milliseconds, which
-    keeps HiGHS's tolerances meaningful.
+    point j), q and v (per producer a rebuild may re-run: re-run, watched), f (m: u
+    offloaded as a checkpoint), then helper columns in [0, 1] the row families add
+    (``column``). Rows are ``sum(coef * x) <= bound``, in gigabytes and milliseconds,
+    which keeps HiGHS's tolerances meaningful.
     """
 
     GB = 1e-9
@@ -124,7 +126,6 @@ class _BoundLP:
                                           if c < ctx.first_backward)]) for t in acts]
         self.produced = [ctx.op_end[t.producer] for t in acts]  # eager keep-all: none earlier
         self.starts = _kernel_starts(ctx)  # deadlines: none later, but for its idle time
-        self.cost = [p.ops[t.producer].time_s for t in acts]
         self.d2h = [link.latency_s + t.bytes / link.d2h_bandwidth for t in acts]
         self.h2d = [link.latency_s + t.bytes / link.h2d_bandwidth for t in acts]
         # Tensors autograd never saved: rebuilding an activation made from one needs it
