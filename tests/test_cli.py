@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -156,6 +157,10 @@ def test_plan_command(tmp_path) -> None:
     code, stdout, _ = run("plan", "llama-7b-tiny", "--budget", "0.8", "--strategy",
                           "checkpoint-blocks")
     assert code == 0 and "checkpoint-blocks" in stdout
+    code, stdout, _ = run("plan", "llama-7b-tiny", "--budget", "0.8", "--strategy",
+                          "checkpoint-offload")
+    assert code == 0 and re.search(r"checkpoints \(.*\): keep 0 B\s+offload 16\.00 KiB",
+                                   " ".join(stdout.split()))
 
 
 @pytest.mark.parametrize(("args", "message"), [

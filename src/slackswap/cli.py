@@ -327,7 +327,7 @@ def _print_profile(p: StepProfile, output: str | None) -> None:
 
 
 def _print_plan(prof: StepProfile, chosen: Any, result: Any, output: str | None) -> None:
-    from slackswap.planners.summary import decision_bytes
+    from slackswap.planners.summary import checkpoint_bytes, decision_bytes
 
     out = Console()
     totals = decision_bytes(prof, chosen, by="total")["total"]
@@ -336,6 +336,10 @@ def _print_plan(prof: StepProfile, chosen: Any, result: Any, output: str | None)
               f"{result.retention:.2%}, peak {format_bytes(result.peak_bytes)} "
               f"(keep-all {format_bytes(result.keep_all_peak_bytes)})")
     out.print("  ".join(f"{d} {format_bytes(b)}" for d, b in totals.items()))
+    checkpoints = checkpoint_bytes(prof, chosen)
+    if any(checkpoints.values()):
+        out.print("checkpoints (not saved by autograd, read by rebuilds): " + "  ".join(
+            f"{d} {format_bytes(b)}" for d, b in checkpoints.items()))
     for by, title in (("kind", "op kind"), ("layer", "layer")):
         table = Table(title=f"Saved activation bytes by {title}")
         for col in (title, "keep", "offload", "recompute"):

@@ -24,7 +24,7 @@ from slackswap.errors import InputError
 from slackswap.planners import STRATEGIES, plan_in_context
 from slackswap.planners.bound import retention_bound
 from slackswap.planners.context import PlanContext
-from slackswap.planners.summary import decision_bytes
+from slackswap.planners.summary import checkpoint_bytes, decision_bytes
 from slackswap.sim.outputs import write_trace
 
 __all__ = ["PAPER", "WORKLOADS", "reproduce", "cached_profile", "SWEEP", "steps", "REFERENCES",
@@ -87,11 +87,12 @@ def _strategy_entry(ctx: PlanContext, strategy: str) -> tuple[dict[str, Any], An
                 "offloaded_bytes": 0, "recomputed_bytes": 0, "plan_time_s": elapsed}, None
     plan, result = attempt
     totals = decision_bytes(ctx.profile, plan, by="total").get("total", {})
+    checkpoints = checkpoint_bytes(ctx.profile, plan)
     return {
         "retention": result.retention if result.feasible else 0.0,
         "peak_bytes": result.peak_bytes,
         "feasible": result.feasible,
-        "offloaded_bytes": totals.get("offload", 0),
+        "offloaded_bytes": totals.get("offload", 0) + checkpoints["offload"],
         "recomputed_bytes": totals.get("recompute", 0),
         "plan_time_s": elapsed,
     }, attempt

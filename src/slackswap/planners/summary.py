@@ -7,7 +7,7 @@ from collections import defaultdict
 from slackswap.core.plan import Decision, Plan
 from slackswap.core.profile import StepProfile
 
-__all__ = ["decision_bytes"]
+__all__ = ["decision_bytes", "checkpoint_bytes"]
 
 
 def decision_bytes(profile: StepProfile, plan: Plan, by: str = "kind") -> dict[str, dict[str, int]]:
@@ -27,3 +27,14 @@ def decision_bytes(profile: StepProfile, plan: Plan, by: str = "kind") -> dict[s
             key = "total"
         out[key][decision] += t.bytes
     return dict(out)
+
+
+def checkpoint_bytes(profile: StepProfile, plan: Plan) -> dict[str, int]:
+    """Bytes of the tensors autograd does not save that the plan keeps or offloads as
+    checkpoints for rebuilds (the rest are rebuilt when a rebuild needs them)."""
+    out = {Decision.KEEP: 0, Decision.OFFLOAD: 0}
+    for name, decision in plan.decisions.items():
+        t = profile.checkpointable.get(name)
+        if t is not None and decision in out:
+            out[decision] += t.bytes
+    return out
