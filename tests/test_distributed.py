@@ -133,6 +133,19 @@ def _uniform(plan: Plan, decision: str) -> Plan:
     return uniform
 
 
+def _checkpoints_offloaded(plan: Plan) -> Plan:
+    """Every activation recomputed, every tensor autograd does not save offloaded as a
+    checkpoint (but those changed in place later, which are kept)."""
+    profile = plan._profile
+    decisions = {n: "recompute" for n in plan.decisions if n in profile.recomputable}
+    decisions.update({n: "offload" if t.id not in profile.changed_in_place else "keep"
+                      for n, t in profile.checkpointable.items()})
+    offloaded = Plan(fingerprint=plan.fingerprint, strategy="checkpoints-offloaded",
+                     decisions=decisions)
+    offloaded._profile = profile
+    return offloaded
+
+
 def _check(rank: int, wrapper: str, name: str) -> None:
     model, batch = _model(name)
     reference = _train(_wrap(copy.deepcopy(model), wrapper), batch, None)
@@ -140,7 +153,8 @@ def _check(rank: int, wrapper: str, name: str) -> None:
     # planned on rank 0, broadcast, checked on every rank
     budget = 0.7 if wrapper == "fsdp2-bf16" else 0.5  # a bf16 step has less to move
     planned = slackswap.plan(net, batch, budget=budget, group=dist.group.WORLD)
-    for plan in (planned, _uniform(planned, "recompute"), _uniform(planned, "offload")):
+    for plan in (planned, _uniform(planned, "recompute"), _uniform(planned, "offload"),
+                 _checkpoints_offloaded(planned)):
         net = _wrap(copy.deepcopy(model), wrapper)
         losses, grads, gathers = _train(net, batch, plan)
         where = f"rank {rank}, {wrapper}, {name}, {plan.strategy}"
