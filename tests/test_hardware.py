@@ -19,7 +19,8 @@ if sys.version_info >= (3, 11):
 else:
     import tomli as tomllib
 
-PRESETS = ["a100-80gb", "a100-40gb", "h100-pcie", "h200", "gh200", "dgx-a100", "dgx-h200"]
+PRESETS = ["a100-80gb", "a100-40gb", "h100-pcie", "h100-sxm", "h200", "gh200", "dgx-a100",
+           "dgx-h200"]
 NODES = {"dgx-a100": "a100-80gb", "dgx-h200": "h200"}  # node preset -> its GPU's preset
 
 
