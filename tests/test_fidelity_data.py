@@ -1,0 +1,57 @@
+"""benchmarks/published/runs.toml: every row parses, has its configuration and a source,
+and the rows span the GPUs and workload families issue 13 asks for (no model is built)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from slackswap.core.hardware import load_hardware
+from slackswap.errors import InputError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _fidelity() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("fidelity", ROOT / "benchmarks" / "fidelity.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["fidelity"] = module  # dataclasses resolve annotations through it
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_row_parses_with_a_source_and_a_preset() -> None:
+    runs = _fidelity().load_runs()
+    assert len(runs) >= 10
+    for run in runs:
+        assert run.source_repo and run.source_file and run.source_where, run.id
+        assert run.published_per_gpu > 0, run.id
+        assert load_hardware(run.hardware).name == run.hardware
+        assert run.micro_batch > 0 and run.seq > 0 and run.gpus > 0 and run.grad_accum > 0
+    assert {r.hardware for r in runs} >= {"a100-80gb", "h100-sxm", "h200"}
+    assert {r.family for r in runs} >= {"bert", "gpt2", "llama"}
+
+
+def test_published_figures_become_per_gpu_throughput() -> None:
+    runs = {r.id: r for r in _fidelity().load_runs()}
+    assert runs["gpt3-1.3b-flash-a100"].published_per_gpu == 169000 / 8  # tokens/s of 8 GPUs
+    # 164 model TFLOP/s per A100 over 72 l h^2 (1 + s/6h + V/16lh) FLOPs per token
+    assert runs["gpt2-xl-flash-a100"].published_per_gpu == pytest.approx(16153, rel=1e-3)
+    assert runs["bert-large-p2-a100"].published_per_gpu == 210
+
+
+def test_a_row_without_its_source_is_refused(tmp_path: Path) -> None:
+    fidelity = _fidelity()
+    text = (ROOT / "benchmarks" / "published" / "runs.toml").read_text()
+    rows = text.split("\n[[run]]\n")
+    first = rows[0] + "\n[[run]]\n" + rows[1]
+    bad = tmp_path / "runs.toml"
+    bad.write_text("\n".join(line for line in first.splitlines()
+                             if not line.startswith("source_where")))
+    with pytest.raises(InputError, match="source"):
+        fidelity.load_runs(bad)
