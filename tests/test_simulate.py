@@ -31,6 +31,11 @@ from slackswap.sim.simulate import offload_frees
 
 SETTINGS = settings(max_examples=150, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
+# the reference preset, read once: a random case overrides its link and host costs (reading
+# the file for each case took longer than simulating it)
+PRESET = load_hardware("a100-80gb")
+LINK = [f"host_link.{k}" for k in ("d2h_bandwidth", "h2d_bandwidth", "duplex_d2h_bandwidth",
+                                   "duplex_h2d_bandwidth", "latency_s")]
 
 
 def _case(seed: int, with_limit: bool):
@@ -41,20 +46,13 @@ def _case(seed: int, with_limit: bool):
     link = (d2h, h2d, d2h * rng.uniform(0.3, 1), h2d * rng.uniform(0.3, 1),
             rng.choice([0.0, 1e-6, 2e-5]))
     limit = None
-    if with_limit:
-        limit = int(profile.keep_all_peak * rng.uniform(0.3, 1.1))
+    if with_limit:  # from the working set, below which simulate refuses, to above the peak
+        limit = int(rng.uniform(profile.working_set[0], 1.1 * profile.keep_all_peak))
     # no host, the preset's, or one that costs as much as the kernels (host-bound steps)
     host = rng.choice([NO_HOST, None, {k: rng.choice([0.0, rng.uniform(0, 5e-4)])
                                        for k in NO_HOST}])
-    return profile, plan, link_hardware(*link, host=host), limit
-
-
-def _simulate(profile, plan, hw, limit):
-    try:
-        return simulate(profile, plan, hw, limit)
-    except InputError as e:  # a limit below the irreducible working set
-        assert "irreducible working set" in str(e)
-        return None
+    figures = dict(zip(LINK, link, strict=True)) | {f"host.{k}": v for k, v in (host or {}).items()}
+    return profile, plan, load_hardware(PRESET, figures), limit
 
 
 def independent_keep_all_peak(profile) -> int:
@@ -79,20 +77,19 @@ def independent_keep_all_peak(profile) -> int:
 @given(seed=st.integers(0, 10**9), with_limit=st.booleans())
 def test_invariants(seed: int, with_limit: bool) -> None:
     profile, plan, hw, limit = _case(seed, with_limit)
-    result = _simulate(profile, plan, hw, limit)
-    if result is None:
-        return
+    result = simulate(profile, plan, hw, limit)
     run = result.run
     sched, tl = run.schedule, run.timeline
     # memory never negative, never above the limit
     assert all(used >= 0 for _, used in tl.memory)
     if limit is not None:
         assert result.peak_bytes <= limit
-    if not result.feasible:
-        assert "short by" in result.infeasible_reason
-        return
-    assert tl.memory[-1][1] == 0  # everything is freed by the end
-    # no op starts before every input it reads is resident, nor after it is freed
+    # every reload is made for the item that waits for it first, which reads it
+    for h, copy in enumerate(sched.h2d):
+        item = sched.items[copy.need_item]
+        assert copy.residency in item.reads and h in item.needs
+    # no op starts before every input it reads is resident, nor after it is freed (a
+    # blocked run too: its last readers may not have run)
     h2d_end = {s.index: s.end for s in tl.spans if s.stream == "h2d"}
     reload_of = {c.residency: h for h, c in enumerate(sched.h2d)}
     for span in tl.spans:
@@ -100,9 +97,13 @@ def test_invariants(seed: int, with_limit: bool) -> None:
             continue
         for rid in sched.items[span.index].reads:
             assert tl.alloc_time[rid] <= span.start
-            assert tl.free_time[rid] >= span.end
+            assert tl.free_time.get(rid, math.inf) >= span.end
             if rid in reload_of:
                 assert h2d_end[reload_of[rid]] <= span.start
+    if not result.feasible:
+        assert "short by" in result.infeasible_reason
+        return
+    assert tl.memory[-1][1] == 0  # everything is freed by the end
     # every offloaded activation is back before its first backward use
     start_of_op = {sched.items[s.index].op: s.start for s in tl.spans
                    if s.stream == "compute" and not sched.items[s.index].recompute
@@ -172,29 +173,42 @@ def test_free_link_offload_equals_keep_all(seed: int) -> None:
 @given(seed=st.integers(0, 10**9), with_limit=st.booleans())
 def test_deterministic(seed: int, with_limit: bool) -> None:
     profile, plan, hw, limit = _case(seed, with_limit)
-    first = _simulate(profile, plan, hw, limit)
-    second = _simulate(profile, plan, hw, limit)
-    if first is not None:
-        assert first.model_dump_json() == second.model_dump_json()
-        assert json.dumps(chrome_trace(first)) == json.dumps(chrome_trace(second))
+    first = simulate(profile, plan, hw, limit)
+    second = simulate(profile, plan, hw, limit)
+    assert first.model_dump_json() == second.model_dump_json()
+    assert json.dumps(chrome_trace(first)) == json.dumps(chrome_trace(second))
 
 
 # -- an independent SimPy model agrees -------------------------------------------------
 
 
-@pytest.mark.parametrize("seed", range(300))
-def test_agrees_with_simpy_reference(seed: int) -> None:
+SIMPY_SEEDS = range(300)  # odd seeds draw a memory limit
+
+
+@pytest.fixture(scope="module")
+def limited_runs():
+    """Whether each limited SimPy case ran to the end. The limits are drawn where simulate
+    accepts them (no case is refused), and most runs under them finish: checked once every
+    limited case has run."""
+    finished: dict[int, bool] = {}
+    yield finished
+    if len(finished) == len(SIMPY_SEEDS) // 2:
+        assert sum(finished.values()) >= 0.6 * len(finished), finished
+
+
+@pytest.mark.parametrize("seed", SIMPY_SEEDS)
+def test_agrees_with_simpy_reference(seed: int, limited_runs: dict[int, bool]) -> None:
     profile, plan, hw, limit = _case(seed, with_limit=seed % 2 == 1)
-    result = _simulate(profile, plan, hw, limit)
-    if result is None:
-        return
+    result = simulate(profile, plan, hw, limit)
+    if limit is not None:
+        limited_runs[seed] = result.feasible
     starts: dict = {}
     step, peak = reference_run(result.run.schedule, hw.host_link,
                                math.inf if limit is None else limit, result.run.host, starts)
-    if not result.feasible:
+    if result.feasible:
+        assert result.step_time_s == pytest.approx(step, rel=1e-9, abs=1e-15)
+    else:  # both stop at the same point: the same spans started, the same peak
         assert step == math.inf
-        return
-    assert result.step_time_s == pytest.approx(step, rel=1e-9, abs=1e-15)
     assert result.peak_bytes == peak
     engine = {(s.stream, s.index): s.start for s in result.run.timeline.spans}
     assert engine == pytest.approx(starts, rel=1e-9, abs=1e-15)
@@ -331,6 +345,22 @@ def test_tensors_under_a_kibibyte_are_never_moved() -> None:
         assert r.d2h_bytes == r.h2d_bytes == 0 and r.recompute_s == 0.0
 
 
+def test_a_prefetch_makes_no_reload_that_nothing_reads() -> None:
+    """Reloads are made where backward needs a tensor; a prefetch point only moves one.
+    A saved tensor backward never unpacks, offloaded and prefetched, and a prefetched
+    tensor the plan keeps: neither comes back, and the step frees everything."""
+    tensors = [T(2048, saved=True), T(4096, saved=True, first_backward_use=2), T(10)]
+    ops = [Op("forward", 1e-3, [], [0]), Op("forward", 1e-3, [0], [1]),
+           Op("backward", 1e-3, [1], [2])]
+    profile = build(ops, tensors)
+    plan = Plan(fingerprint=profile.fingerprint, strategy="hand",
+                decisions={"t0": "offload", "t1": "keep"}, prefetch={"t0": 2, "t1": 2})
+    r = simulate(profile, plan, GPU_ONLY, memory_limit=6144)
+    sched, tl = r.run.schedule, r.run.timeline
+    assert r.feasible and [c.tensor for c in sched.d2h] == [0] and sched.h2d == []
+    assert tl.memory[-1][1] == 0 and set(tl.free_time) == set(range(len(sched.residencies)))
+
+
 def _two_megabytes():
     """f0 -> A, f1 -> B (1 MB each, saved); backward: b0 reads B, b1 reads A."""
     ms = 1e-3
@@ -380,8 +410,8 @@ def test_offload_frees_name_the_op_before_which_the_copy_is_done() -> None:
 def test_offload_frees_are_where_the_simulated_step_frees(seed: int, with_limit: bool) -> None:
     profile, plan, hw, limit = _case(seed, with_limit)
     plan = plan.model_copy(update={"budget_bytes": limit})
-    result = _simulate(profile, plan, hw, limit)
-    if result is None or not result.feasible:
+    result = simulate(profile, plan, hw, limit)
+    if not result.feasible:
         return
     frees = offload_frees(profile, plan, hw)
     tl, sched = result.run.timeline, result.run.schedule

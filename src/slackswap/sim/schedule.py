@@ -317,13 +317,14 @@ class _Builder:
             r = bisect.bisect_right(self.resets, pos)
             if r < len(self.resets):
                 self.uses[rid].append(self.first_item[self.resets[r]] - 1)
+        # Every residency has a reader, and its last reader frees it: a computed one is
+        # read by the item that makes it, a reload by the item ``_ensure`` made it for
+        # (reloads are made only on demand: a prefetch point moves one, never makes one).
         for rid, items in self.uses.items():
-            last = max(items) if items else None
-            if last is None:  # a reload nobody read: free it once it lands
-                continue
-            self.items[last].frees.append(rid)
-        for copy in self.h2d:  # the first item that waits for it
-            copy.need_item = min(self.uses[copy.residency], default=copy.need_item)
+            assert items, f"residency {rid} (tensor {self.res[rid].tensor}) has no reader"
+            self.items[max(items)].frees.append(rid)
+        for copy in self.h2d:  # the first item that reads it: a rebuild for the same op,
+            copy.need_item = min(self.uses[copy.residency])  # if one came after the reload
         self.h2d.sort(key=lambda c: (c.issue_position, c.need_item))
         for h, copy in enumerate(self.h2d):
             self.reload_of[copy.tensor] = h
