@@ -68,6 +68,21 @@ def test_cached_profiles_keep_overrides_apart(tmp_path, monkeypatch) -> None:
     assert len(list((tmp_path / "profiles").iterdir())) == 2
 
 
+def test_a_changed_profiler_never_reuses_a_cached_profile(tmp_path, monkeypatch) -> None:
+    """The cache key covers the profiler's source: an edited cost model in a checkout
+    whose version did not move makes a new profile, not a stale one."""
+    import slackswap.reproduce as reproduce
+
+    monkeypatch.setenv("SLACKSWAP_CACHE", str(tmp_path))
+    hw = load_hardware("a100-80gb")
+    cached_profile("gpt2-xl-tiny", hw)
+    cached_profile("gpt2-xl-tiny", hw)
+    assert len(list((tmp_path / "profiles").iterdir())) == 1
+    monkeypatch.setattr(reproduce, "_profiler_digest", lambda: "edited")
+    cached_profile("gpt2-xl-tiny", hw)
+    assert len(list((tmp_path / "profiles").iterdir())) == 2
+
+
 def _by_layer(name: str) -> tuple:
     model, batch = build_model(name)
     p = profile(model, batch, "a100-80gb", name=name)

@@ -8,6 +8,7 @@ retention-against-budget plot per workload too.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -52,9 +53,11 @@ def _without_host(hw: Hardware) -> dict[str, Any]:
 def cached_profile(name: str, hw: Hardware) -> StepProfile:
     """The analytic profile of preset ``name`` on ``hw``, from the cache when it is there.
 
-    The key is the model's fingerprint, the hardware preset's content and the SlackSwap
-    version, so a changed model, preset or profiler never reuses a stale profile. The
-    host's costs are left out: they price no op (the simulator reads them from ``hw``).
+    The key is the model's fingerprint, the hardware preset's content, the SlackSwap
+    version and the source of the code that makes a profile (``_profiler_digest``), so a
+    changed model, preset or profiler never reuses a stale profile, even in a checkout
+    whose version has not moved. The host's costs are left out: they price no op (the
+    simulator reads them from ``hw``).
     """
     from importlib.metadata import version
 
@@ -65,7 +68,7 @@ def cached_profile(name: str, hw: Hardware) -> StepProfile:
     model, batch = build_model(name)
     key = hashlib.sha256(
         f"{fingerprint(model, batch)}|{hw.model_dump_json(exclude=_without_host(hw))}|"
-        f"{version('slackswap')}".encode()
+        f"{version('slackswap')}|{_profiler_digest()}".encode()
     ).hexdigest()[:24]
     path = _cache_dir() / f"{name}-{hw.name}-{key}.json"
     if path.exists():
@@ -76,6 +79,20 @@ def cached_profile(name: str, hw: Hardware) -> StepProfile:
     result = profile(model, batch, hw, name=name)
     dump_model(result, path)
     return result
+
+
+@functools.cache
+def _profiler_digest() -> str:
+    """A digest of the source of the modules a profile depends on: the profiler, the
+    cost model, the data model and the model presets."""
+    root = Path(__file__).parent
+    files = sorted([*(root / "profiling").glob("*.py"), root / "core" / "costmodel.py",
+                    root / "core" / "profile.py", root / "core" / "hardware.py",
+                    *(root / "models").glob("*.py")])
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def _strategy_entry(ctx: PlanContext, strategy: str) -> tuple[dict[str, Any], Any]:
