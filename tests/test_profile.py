@@ -204,3 +204,14 @@ def test_a_batch_that_requires_grad_is_left_as_it_was(mode: str) -> None:
     (grad,) = torch.autograd.grad(model(x).sum(), x, create_graph=True)
     grad.square().sum().backward()
     assert x.grad is not None
+
+
+# -- pricing: views, causal attention, the stack (NOTE [stacks]) ----------------------
+
+
+def test_unsafe_view_is_a_view() -> None:
+    """matmul's ``_unsafe_view`` shares its input's storage: it launches no kernel."""
+    views = [op for op in analytic("llama-7b-tiny").ops if op.kind == "_unsafe_view"]
+    assert views
+    for op in views:
+        assert op.category == "free" and op.time_s == 0 and set(op.outputs) <= set(op.inputs)

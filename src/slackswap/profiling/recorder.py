@@ -34,10 +34,13 @@ _DTYPE_NAMES = {
     torch.int64: "int64", torch.int32: "int32", torch.int8: "int8", torch.uint8: "uint8",
     torch.bool: "bool", torch.uint64: "uint64",
 }
-# Ops that allocate or reinterpret memory without launching a kernel.
+# Ops that allocate or reinterpret memory without launching a kernel. ``_unsafe_view`` is
+# a view that autograd does not track as one (matmul folds and unfolds batch dimensions
+# with it): its output shares its input's storage, so it moves no bytes.
 _FREE = {
     "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
     "_local_scalar_dense", "lift_fresh", "lift_fresh_copy", "resize_", "set_",
+    "_unsafe_view",
 }
 # Fused attention kernels: kind -> positions of the query, ``is_causal`` and ``dropout_p``
 # arguments (``None`` where a kernel takes no dropout).
