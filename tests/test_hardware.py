@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from slackswap.core.costmodel import op_time, step_efficiency
+from slackswap.core.costmodel import OpDetail, op_time, step_efficiency, step_times
 from slackswap.core.hardware import hardware_presets, load_hardware, on_node
-from slackswap.core.profile import OpRecord
+from slackswap.core.profile import OpRecord, TensorRecord
 from slackswap.errors import InputError
 
 if sys.version_info >= (3, 11):
@@ -119,17 +119,19 @@ def test_tiny_kernel_and_free_ops() -> None:
 
 
 @given(st.sampled_from(["matmul", "memory", "attention_forward", "attention_backward"]),
-       st.floats(0, 1e15), st.integers(0, 2**40), st.sampled_from(PRESETS))
+       st.floats(0, 1e15), st.integers(0, 2**40), st.sampled_from(PRESETS), st.booleans())
 def test_time_between_best_and_worst_roofline(category: str, flops: float, nbytes: int,
-                                              name: str) -> None:
+                                              name: str, causal: bool) -> None:
     """Every op takes between its roofline at best and at worst efficiency of the preset."""
     hw = load_hardware(name)
     c, m = hw.compute, hw.memory
     mem_eff = [e for _, e in m.bandwidth_efficiency]
     comp_eff = {
         "matmul": [min(e, c.matmul_efficiency_cap) for _, e in c.matmul_efficiency],
-        "attention_forward": [c.attention_forward_efficiency],
-        "attention_backward": [c.attention_backward_efficiency],
+        "attention_forward": [c.attention_forward_efficiency,
+                              c.attention_causal_forward_efficiency or 1],
+        "attention_backward": [c.attention_backward_efficiency,
+                               c.attention_causal_backward_efficiency or 1],
     }.get(category)
     f = flops if comp_eff else 0.0
     peak = hw.peak("bf16")
@@ -139,8 +141,91 @@ def test_time_between_best_and_worst_roofline(category: str, flops: float, nbyte
 
     best = roof(max(comp_eff or [1]), max(mem_eff))
     worst = roof(min(comp_eff or [1]), min(mem_eff))
-    t = op_time(_op(category, flops, nbytes), hw)
+    t = op_time(_op(category, flops, nbytes), hw, causal=causal)
     assert best * (1 - 1e-12) <= t <= worst * (1 + 1e-12)
+
+
+def test_causal_attention_has_its_own_efficiency() -> None:
+    """A causal attention kernel runs at the preset's causal figure (its FLOPs already
+    halved); a preset without one uses the figure without the mask."""
+    flops = 1e12  # compute-bound: a few MB moved
+    h100, a100 = load_hardware("h100-sxm"), load_hardware("a100-80gb")
+    for hw, kind, plain, masked in (
+            (h100, "attention_forward", h100.compute.attention_forward_efficiency,
+             h100.compute.attention_causal_forward_efficiency),
+            (h100, "attention_backward", h100.compute.attention_backward_efficiency,
+             h100.compute.attention_causal_backward_efficiency),
+            (a100, "attention_backward", a100.compute.attention_backward_efficiency,
+             a100.compute.attention_backward_efficiency)):  # a100: no causal figure
+        op = _op(kind, flops, 1 << 22)
+        assert op_time(op, hw) == pytest.approx(flops / (989e12 if hw is h100 else 312e12)
+                                                / plain)
+        assert op_time(op, hw, causal=True) == pytest.approx(
+            flops / (989e12 if hw is h100 else 312e12) / masked)
+    assert a100.compute.attention_causal_backward_efficiency is None
+
+
+def test_the_stack_is_a_hardware_setting() -> None:
+    eager = load_hardware("a100-80gb")
+    assert eager.stack == "eager" and "eager" in eager.sources["stack"]
+    fused = load_hardware("a100-80gb", overrides={"stack": "fused"})
+    assert fused.stack == "fused" and fused.name == "a100-80gb+1 override"
+    assert fused.compute == eager.compute and "stack='fused'" in fused.description
+    with pytest.raises(InputError, match="stack"):
+        load_hardware("a100-80gb", overrides={"stack": "compiled"})
+    with pytest.raises(InputError, match="unknown hardware field 'stacks'"):
+        load_hardware("a100-80gb", overrides={"stacks": "fused"})
+
+
+def _tensor(tid: int, nbytes: int, producer: int | None, consumers: list[int],
+            saved: bool = False, kind: str = "activation") -> TensorRecord:
+    phase_split = 3  # ops 0-2 forward, 3 on backward
+    return TensorRecord(id=tid, kind=kind, bytes=nbytes, dtype="bf16", shape=[nbytes // 2],
+                        producer=producer, saved=saved,
+                        forward_consumers=[c for c in consumers if c < phase_split],
+                        backward_consumers=[c for c in consumers if c >= phase_split])
+
+
+def _step(saved_middle: bool) -> tuple[list[OpRecord], list[TensorRecord], list[OpDetail]]:
+    """x -> mul -> y -> add -> z -> matmul -> w (forward), then a mul of w in backward."""
+    n = 64 << 20
+    tensors = [_tensor(0, n, None, [0]), _tensor(1, n, 0, [1, 3] if saved_middle else [1],
+                                                  saved=saved_middle),
+               _tensor(2, n, 1, [2]), _tensor(3, n, 2, [3]), _tensor(4, n, 3, [])]
+    io = [([0], [1], "memory"), ([1], [2], "memory"), ([2], [3], "matmul"),
+          ([3, 1] if saved_middle else [3], [4], "memory")]
+    ops, details = [], []
+    for i, (ins, outs, category) in enumerate(io):
+        ops.append(OpRecord(index=i, name="x", kind="x", phase="forward" if i < 3 else
+                            "backward", module="", category=category, dtype="bf16",
+                            flops=2e12 if category == "matmul" else 0,
+                            bytes_read=n * len(ins), bytes_written=n * len(outs), time_s=0,
+                            inputs=ins, outputs=outs))
+        details.append(OpDetail(reads={t: n for t in ins}, writes={t: n for t in outs}))
+    return ops, tensors, details
+
+
+@pytest.mark.parametrize("saved_middle", [False, True])
+def test_the_fused_stack_moves_only_what_enters_and_outlives_a_run(saved_middle: bool) -> None:
+    """NOTE [stacks]: mul and add between two compute kernels are one kernel that reads x
+    and writes z, and y only when autograd saves it; the matmul and the lone backward op
+    are priced as in the eager stack."""
+    ops, tensors, details = _step(saved_middle)
+    eager_hw = load_hardware("a100-80gb")
+    fused_hw = load_hardware("a100-80gb", overrides={"stack": "fused"})
+    eager = step_times(ops, tensors, eager_hw, details)
+    fused = step_times(ops, tensors, fused_hw, details)
+    m, n = eager_hw.memory, 64 << 20
+
+    def kernel(nbytes: int) -> float:
+        return nbytes / (m.hbm_bandwidth * step_efficiency(m.bandwidth_efficiency, nbytes))
+
+    assert eager[:2] == [pytest.approx(kernel(2 * n))] * 2
+    moved = (3 if saved_middle else 2) * n
+    assert fused[0] + fused[1] == pytest.approx(kernel(moved))
+    assert fused[0] == pytest.approx(fused[1])  # shared as their eager times are
+    assert fused[2:] == eager[2:] == [op_time(ops[2], eager_hw), op_time(ops[3], eager_hw)]
+    assert step_times(ops, tensors, fused_hw) == eager  # no details: priced op by op
 
 
 def test_step_efficiency() -> None:
@@ -183,9 +268,11 @@ def test_ranks_share_the_links_and_the_host_memory_bandwidth(gpus: int) -> None:
 
 def test_dram_caps_a_rank_whose_link_is_its_own() -> None:
     """dgx-h200: a PCIe 5.0 link per GPU, 563.2 GB/s of DRAM for 8: 70.4 GB/s each,
-    below the 76.6 GB/s both directions of one link carry at once."""
+    below what both directions of one link carry at once."""
+    link = load_hardware("h200").host_link
+    assert link.d2h_bandwidth < 563.2e9 / 8 < link.duplex_d2h_bandwidth + link.duplex_h2d_bandwidth
     hw = on_node(load_hardware("dgx-h200"), 8)
-    assert hw.host_link.d2h_bandwidth == 52.8e9  # one direction fits the share
+    assert hw.host_link.d2h_bandwidth == link.d2h_bandwidth  # one direction fits the share
     assert (hw.host_link.duplex_d2h_bandwidth + hw.host_link.duplex_h2d_bandwidth
             == pytest.approx(563.2e9 / 8))
 

@@ -215,3 +215,45 @@ def test_unsafe_view_is_a_view() -> None:
     assert views
     for op in views:
         assert op.category == "free" and op.time_s == 0 and set(op.outputs) <= set(op.inputs)
+
+
+@functools.cache
+def _one_block(name: str, stack: str) -> StepProfile:
+    from slackswap.core.hardware import load_hardware
+    from slackswap.models import with_layers
+
+    preset = with_layers(name, 1)
+    model, example = build_model(preset)
+    return slackswap.profile(model, example, load_hardware("h100-sxm", {"stack": stack}),
+                             name=preset)
+
+
+@pytest.mark.parametrize(("name", "causal"), [("gpt2-xl", True), ("bert-large", False)])
+def test_attention_is_priced_causal_or_not(name: str, causal: bool) -> None:
+    """One full-width block: each attention kernel at its roofline with the preset's
+    efficiency for its mask (these kernels are compute-bound)."""
+    from slackswap.core.hardware import load_hardware
+
+    c = load_hardware("h100-sxm").compute
+    eff = {"attention_forward": (c.attention_causal_forward_efficiency if causal
+                                 else c.attention_forward_efficiency),
+           "attention_backward": (c.attention_causal_backward_efficiency if causal
+                                  else c.attention_backward_efficiency)}
+    kernels = [op for op in _one_block(name, "eager").ops if op.category in eff]
+    assert len(kernels) == 2
+    for op in kernels:
+        assert op.time_s == pytest.approx(op.flops / (989e12 * eff[op.category]))
+
+
+def test_the_fused_stack_changes_memory_bound_times_only() -> None:
+    """The same trace, the same compute kernels; memory-bound runs cost less in all (no
+    run moves more than its ops did one by one)."""
+    eager, fused = _one_block("gpt2-xl", "eager"), _one_block("gpt2-xl", "fused")
+    assert [o.model_dump(exclude={"time_s"}) for o in eager.ops] == [
+        o.model_dump(exclude={"time_s"}) for o in fused.ops]
+    assert eager.tensors == fused.tensors
+    for e, f in zip(eager.ops, fused.ops, strict=True):
+        if e.category != "memory":
+            assert e.time_s == f.time_s
+    memory = [sum(o.time_s for o in p.ops if o.category == "memory") for p in (eager, fused)]
+    assert 0 < memory[1] < 0.8 * memory[0]

@@ -1,13 +1,16 @@
-"""Roofline time of one op on a hardware preset, with size-dependent efficiency tables."""
+"""Roofline time of the ops of a step on a hardware preset, with size-dependent efficiency
+tables, and the software stack that decides which memory-bound ops are separate kernels."""
 
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from slackswap.core.hardware import Hardware
-from slackswap.core.profile import OpRecord
+from slackswap.core.profile import OpRecord, TensorRecord
 
-__all__ = ["op_time", "step_efficiency"]
+__all__ = ["OpDetail", "op_time", "step_efficiency", "step_times"]
 
 
 def step_efficiency(table: list[tuple[float, float]], size: float) -> float:
@@ -15,24 +18,126 @@ def step_efficiency(table: list[tuple[float, float]], size: float) -> float:
     return table[max(bisect_right([row[0] for row in table], size) - 1, 0)][1]
 
 
-def op_time(op: OpRecord, hw: Hardware) -> float:
-    """Seconds ``op`` takes on ``hw``: the slower of its compute and memory roofs.
+@dataclass(frozen=True)
+class OpDetail:
+    """What the profiler saw of one op beyond its record: the bytes it read of each input
+    tensor and wrote of each output (by tensor id), and whether an attention kernel ran
+    with a causal mask. The fused stack prices runs of ops from it (NOTE [stacks])."""
+
+    reads: dict[int, int] = field(default_factory=dict)
+    writes: dict[int, int] = field(default_factory=dict)
+    causal: bool = False
+
+
+def _memory_s(moved: float, hw: Hardware) -> float:
+    m = hw.memory
+    return moved / (m.hbm_bandwidth * step_efficiency(m.bandwidth_efficiency, moved))
+
+
+def op_time(op: OpRecord, hw: Hardware, *, causal: bool = False) -> float:
+    """Seconds ``op`` takes on ``hw`` as a kernel of its own: the slower of its compute and
+    memory roofs. ``causal``: an attention kernel ran with a causal mask (its FLOPs are
+    already halved; the preset says how much of the peak such a kernel reaches).
 
     Every kernel takes at least the preset's minimum kernel time; views and bare
     allocations launch no kernel and take none.
     """
     if op.category == "free":
         return 0.0
-    c, m = hw.compute, hw.memory
-    moved = op.bytes_read + op.bytes_written
-    memory_s = moved / (m.hbm_bandwidth * step_efficiency(m.bandwidth_efficiency, moved))
+    c = hw.compute
+    memory_s = _memory_s(op.bytes_read + op.bytes_written, hw)
     if op.category == "matmul":
         eff = min(step_efficiency(c.matmul_efficiency, op.flops), c.matmul_efficiency_cap)
     elif op.category == "attention_forward":
-        eff = c.attention_forward_efficiency
+        eff = (c.attention_causal_forward_efficiency if causal else None) or (
+            c.attention_forward_efficiency)
     elif op.category == "attention_backward":
-        eff = c.attention_backward_efficiency
+        eff = (c.attention_causal_backward_efficiency if causal else None) or (
+            c.attention_backward_efficiency)
     else:  # memory-bound: elementwise and reductions are priced by bytes moved
         eff = 0.0
     compute_s = op.flops / (hw.peak(op.dtype) * eff) if eff > 0 else 0.0
     return max(compute_s, memory_s, c.min_kernel_time_s)
+
+
+# NOTE [stacks]
+#     Which memory-bound ops run as kernels of their own depends on the software stack,
+#     ``Hardware.stack``:
+#     - ``eager`` (the default; the product's runtime runs models eagerly): every aten op
+#       the profiler records is one kernel that reads its inputs from HBM and writes its
+#       outputs back.
+#     - ``fused``: each run of consecutive memory-bound ops of one phase, between two
+#       compute kernels (matmul, attention), is one kernel, as a fusing compiler
+#       (TorchInductor, nvFuser) generates for pointwise and reduction ops. It reads each
+#       tensor that comes from outside the run once, and writes only what outlives it:
+#       tensors autograd saves, tensors read by an op outside the run, model state
+#       (gradients, parameters, buffers) and tensors it changes in place that were made
+#       before it. Intermediates used only inside the run never reach HBM. It is the
+#       most a compiler can fuse between compute kernels: a stack that fuses only some
+#       patterns by hand lies between the two. Saved tensors stay as eager autograd saves
+#       them (a compiler may recompute some instead).
+#     The run's time is one kernel's (its bytes at the preset's bandwidth for that size,
+#     at least one minimum kernel time), shared among its ops in proportion to their
+#     eager memory times, so a plan that recomputes part of a run pays its share. Views
+#     and allocations take no time in either stack.
+def step_times(ops: Sequence[OpRecord], tensors: Sequence[TensorRecord], hw: Hardware,
+               details: Sequence[OpDetail] | None = None) -> list[float]:
+    """Seconds each op of a step takes on ``hw`` under its stack (NOTE [stacks]);
+    ``details`` (one per op, from the profiler) give the causal flag of attention kernels
+    and the per-tensor bytes the fused stack needs; without them ops are priced eagerly
+    and attention as non-causal."""
+    if details is not None and len(details) != len(ops):
+        raise ValueError(f"{len(details)} op details for {len(ops)} ops")
+    causal = [d.causal for d in details] if details is not None else [False] * len(ops)
+    times = [op_time(op, hw, causal=c) for op, c in zip(ops, causal, strict=True)]
+    if hw.stack == "eager" or details is None:
+        return times
+    for run in _memory_runs(ops):
+        _price_run(run, ops, tensors, hw, details, times)
+    return times
+
+
+def _memory_runs(ops: Sequence[OpRecord]) -> list[list[int]]:
+    """Maximal runs of memory-bound ops (views and allocations inside them) of one phase
+    between compute kernels; only runs of two or more kernels fuse anything."""
+    runs: list[list[int]] = []
+    current: list[int] = []
+    for i, op in enumerate(ops):
+        if op.category in ("memory", "free") and (not current
+                                                  or ops[current[0]].phase == op.phase):
+            current.append(i)
+            continue
+        runs.append(current)
+        current = [i] if op.category in ("memory", "free") else []
+    runs.append(current)
+    return [r for r in runs if sum(ops[i].category == "memory" for i in r) > 1]
+
+
+_STATE = ("gradient", "parameter", "buffer")  # model state: always written
+
+
+def _price_run(run: list[int], ops: Sequence[OpRecord], tensors: Sequence[TensorRecord],
+               hw: Hardware, details: Sequence[OpDetail], times: list[float]) -> None:
+    inside = set(run)
+    reads: dict[int, int] = {}
+    writes: dict[int, int] = {}
+    for i in run:
+        if ops[i].category == "free":
+            continue
+        for tid, nbytes in details[i].reads.items():
+            if tensors[tid].producer not in inside:
+                reads[tid] = max(reads.get(tid, 0), nbytes)
+        for tid, nbytes in details[i].writes.items():
+            t = tensors[tid]
+            outlives = (t.producer not in inside or t.saved or t.kind in _STATE
+                        or any(c not in inside
+                               for c in (*t.forward_consumers, *t.backward_consumers)))
+            if outlives:
+                writes[tid] = max(writes.get(tid, 0), nbytes)
+    kernel_s = max(_memory_s(sum(reads.values()) + sum(writes.values()), hw),
+                   hw.compute.min_kernel_time_s)
+    members = [i for i in run if ops[i].category == "memory"]
+    weights = [_memory_s(ops[i].bytes_read + ops[i].bytes_written, hw) for i in members]
+    total = sum(weights)
+    for i, w in zip(members, weights, strict=True):
+        times[i] = kernel_s * (w / total if total > 0 else 1 / len(members))

@@ -49,6 +49,9 @@ class Compute(_Strict):
     matmul_efficiency_cap: Fraction
     attention_forward_efficiency: Fraction
     attention_backward_efficiency: Fraction
+    # with a causal mask (FLOPs counted causally); None: as without one
+    attention_causal_forward_efficiency: Fraction | None = None
+    attention_causal_backward_efficiency: Fraction | None = None
     min_kernel_time_s: Positive
 
     _table = pydantic.field_validator("matmul_efficiency")(_check_table)
@@ -160,6 +163,8 @@ class Hardware(_Strict):
     name: str
     description: str = ""
     kernels: Literal["cuda", "native"] = "cuda"
+    # which memory-bound ops are kernels of their own (NOTE [stacks] in core/costmodel.py)
+    stack: Literal["eager", "fused"] = "eager"
     compute: Compute
     memory: Memory
     host_link: HostLink
@@ -284,6 +289,7 @@ def on_node(hw: Hardware, gpus: int) -> Hardware:
 #     results never pass it off as the preset, and ``cached_profile`` hashes its content,
 #     so profiles made with and without the overrides never mix.
 _OVERRIDABLE = ("compute", "memory", "host_link", "host", "node")
+_OVERRIDABLE_TOP = ("stack",)  # fields outside the tables: ``--set stack=fused``
 
 
 def with_overrides(hw: Hardware, overrides: Mapping[str, Any]) -> Hardware:
@@ -294,11 +300,15 @@ def with_overrides(hw: Hardware, overrides: Mapping[str, Any]) -> Hardware:
     data = hw.model_dump()
     for key, value in overrides.items():
         table, *path = key.split(".")
-        where = data.get(table) if table in _OVERRIDABLE else None
+        if key in _OVERRIDABLE_TOP:
+            table, path, where = key, [key], data
+        else:
+            where = data.get(table) if table in _OVERRIDABLE else None
         if not path or not isinstance(where, dict):
             tables = ", ".join(t for t in _OVERRIDABLE if data.get(t) is not None)
             raise InputError(f"unknown hardware field '{key}'; use TABLE.FIELD with TABLE one "
-                             f"of {tables} (as in the hardware file)")
+                             f"of {tables} (as in the hardware file), or "
+                             f"{', '.join(_OVERRIDABLE_TOP)}")
         for part in path[:-1]:
             where = where.get(part)
             if not isinstance(where, dict):

@@ -16,6 +16,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from slackswap.core.costmodel import OpDetail
 from slackswap.core.profile import OpCategory, OpRecord, TensorKind, TensorRecord
 from slackswap.errors import NESTED_BACKWARD, InputError
 from slackswap.profiling.kernels import attention_flops
@@ -68,6 +69,22 @@ def _attention_dropout(kind: str, args: tuple) -> float:
     return float(args[position])
 
 
+def _attention_causal(kind: str, args: tuple, kwargs: dict) -> bool:
+    """An attention kernel's ``is_causal`` argument; False for any other op."""
+    if kind not in _ATTENTION:
+        return False
+    position = _ATTENTION[kind][1]
+    return bool(args[position]) if len(args) > position else bool(kwargs.get("is_causal"))
+
+
+def _by_tensor(ids: list[int], nbytes: list[int]) -> dict[int, int]:
+    """Bytes per tensor id (a tensor passed twice counts once, at its larger size)."""
+    out: dict[int, int] = {}
+    for tid, n in zip(ids, nbytes, strict=True):
+        out[tid] = max(out.get(tid, 0), n)
+    return out
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
 
@@ -90,6 +107,7 @@ class StepRecorder(TorchDispatchMode):
         self.phase = "forward"
         self.ops: list[OpRecord] = []
         self.tensors: list[TensorRecord] = []
+        self.details: list[OpDetail] = []  # one per op, for the cost model
         self._ids: dict[int, tuple[StorageWeakRef, int]] = {}
         self._unpacked: list[int] = []
         # forward only: the tensor saved at each pack with the ops run before it, and the
@@ -186,19 +204,23 @@ class StepRecorder(TorchDispatchMode):
         out_ids = [self._id(t, "activation", index) for t in outputs]
         random = is_random(func) or _attention_dropout(kind, args) > 0
         floats = [t.dtype for t in inputs + outputs if t.is_floating_point()]
+        read = [min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
+                for t in inputs]
+        written = [t.numel() * t.element_size() for t in outputs]
         self.ops.append(
             OpRecord(
                 index=index, name=str(func), kind=kind, phase=self.phase,
                 module=self.module_path(), category=self._category(kind),
                 dtype=dtype_name(floats[0]) if floats else "fp32",
                 flops=self._flops(func, kind, args, kwargs, out),
-                bytes_read=sum(min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
-                               for t in inputs),
-                bytes_written=sum(t.numel() * t.element_size() for t in outputs),
+                bytes_read=sum(read), bytes_written=sum(written),
                 time_s=seconds, inputs=in_ids, outputs=out_ids, random=random,
                 inplace=func._schema.is_mutable, replayable=is_replayable(func),
             )
         )
+        self.details.append(OpDetail(reads=_by_tensor(in_ids, read),
+                                     writes=_by_tensor(out_ids, written),
+                                     causal=_attention_causal(kind, args, kwargs)))
         consumers = "forward_consumers" if self.phase == "forward" else "backward_consumers"
         for tid in dict.fromkeys(in_ids):
             getattr(self.tensors[tid], consumers).append(index)
@@ -225,9 +247,9 @@ class StepRecorder(TorchDispatchMode):
     @staticmethod
     def _flops(func, kind: str, args, kwargs, out) -> float:
         if kind in _ATTENTION:
-            qi, ci, _ = _ATTENTION[kind]
+            qi = _ATTENTION[kind][0]
             q, k, v = args[qi:qi + 3]
-            causal = bool(args[ci]) if len(args) > ci else bool(kwargs.get("is_causal", False))
+            causal = _attention_causal(kind, args, kwargs)
             flops = attention_flops(q.shape, k.shape, v.shape, causal)
             return flops * _ATTENTION_BACKWARD_RATIO if kind.endswith("backward") else flops
         counter = flop_registry.get(func.overloadpacket)

@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.func import functional_call
 
-from slackswap.core.costmodel import op_time
+from slackswap.core.costmodel import step_times
 from slackswap.core.hardware import Hardware, load_hardware
 from slackswap.core.profile import StepProfile
 from slackswap.errors import InputError, ProfileError, SlackSwapError
@@ -71,8 +71,7 @@ def profile(
     held_fingerprint, state_bytes = _AS_HELD.get(id(model)) or _as_held(model)
     if mode == "analytic":
         rec, device = _trace_analytic(model, batch, loss_fn, name, kernels or hw.kernels)
-        for op in rec.ops:
-            op.time_s = op_time(op, hw)
+        _price(rec, hw)
         used_kernels = kernels or hw.kernels
     elif mode in ("measured", "traced"):
         # NOTE [FSDP2's hooks are not the step]: a sharded model runs as its unsharded self
@@ -81,8 +80,7 @@ def profile(
                                           warmup if mode == "measured" else 0)
         used_kernels = "cuda" if device.startswith("cuda") else "native"
         if mode == "traced":
-            for op in rec.ops:
-                op.time_s = op_time(op, hw)
+            _price(rec, hw)
     else:
         raise InputError(f"unknown profiling mode '{mode}'; use 'analytic', 'measured' or "
                          "'traced'")
@@ -101,6 +99,13 @@ def profile(
         saves=rec.saves,
         module_events=rec.module_events,
     )
+
+
+def _price(rec: StepRecorder, hw: Hardware) -> None:
+    """Each recorded op's time on ``hw`` by the cost model, under the hardware's stack."""
+    times = step_times(rec.ops, rec.tensors, hw, rec.details)
+    for op, seconds in zip(rec.ops, times, strict=True):
+        op.time_s = seconds
 
 
 _AS_HELD: dict[int, tuple[str, int]] = {}  # model -> what _as_held said before gathering
