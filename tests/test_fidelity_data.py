@@ -55,3 +55,25 @@ def test_a_row_without_its_source_is_refused(tmp_path: Path) -> None:
                              if not line.startswith("source_where")))
     with pytest.raises(InputError, match="source"):
         fidelity.load_runs(bad)
+
+
+def test_each_row_has_a_stack_an_optimizer_share_and_a_ratio_before() -> None:
+    fidelity = _fidelity()
+    runs = fidelity.load_runs()
+    before = fidelity.load_before()
+    assert {r.id for r in runs} == set(before)  # every row's ratio before calibration
+    for run in runs:
+        assert run.simulated_stack in ("eager", "fused")
+        assert 1 <= run.optimizer_shards <= run.gpus
+    # the runs whose stack fuses their memory-bound ops are simulated fused
+    assert {r.id for r in runs if r.simulated_stack == "fused"} >= {
+        "bert-large-p1-a100", "bert-large-p2-a100", "gpt2-xl-flash-a100"}
+
+
+def test_a_row_with_an_unknown_stack_is_refused(tmp_path: Path) -> None:
+    fidelity = _fidelity()
+    text = (ROOT / "benchmarks" / "published" / "runs.toml").read_text()
+    bad = tmp_path / "runs.toml"
+    bad.write_text(text.replace('simulated_stack = "fused"', 'simulated_stack = "compiled"', 1))
+    with pytest.raises(InputError, match="simulated_stack"):
+        fidelity.load_runs(bad)
