@@ -13,7 +13,7 @@ from slackswap.sim import simulate
 __all__ = [
     "Hardware", "OpRecord", "Plan", "SimResult", "StepProfile", "TensorRecord",
     "InputError", "ProfileError", "SlackSwapError",
-    "STRATEGIES", "apply", "auto", "hardware_presets", "load_hardware", "plan", "profile",
+    "STRATEGIES", "apply", "attach", "auto", "hardware_presets", "load_hardware", "plan", "profile",
     "simulate",
 ]
 
@@ -39,6 +39,10 @@ def __getattr__(name: str):
         from slackswap.runtime.block import apply
 
         return apply
+    if name == "attach":
+        from slackswap.runtime.attach import attach
+
+        return attach
     if name == "auto":
         from slackswap.runtime.oneshot import AutoPlan
 

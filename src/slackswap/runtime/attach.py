@@ -1,0 +1,197 @@
+"""``slackswap.attach``: plan each new batch shape once and apply the plan to every
+training forward of a model, with no change to the training loop.
+
+NOTE [a block opened inside the model's call]
+    ``attach`` opens a ``slackswap.apply`` block in the model's forward pre-hook and
+    closes it in a forward hook. PyTorch reads a module's forward pre-hooks (its own and
+    the global ones) when its call starts, so the pre-hooks the block registers as it
+    opens would miss this call: the block's check of the batch, and the module event that
+    begins the first segment of ops (the profiler counted it: its hooks were in place
+    before it called the model). ``_open`` runs exactly those hooks, in the order PyTorch
+    would have (global ones first). The forward hook that closes the block is registered
+    after the block's own, so it is the model's last: when forward raises, PyTorch calls
+    the always-called forward hooks while iterating the model's dict of them, and only
+    the last one may remove entries from it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch.nn.modules import module as nn_module
+from torch.utils import _pytree
+
+from slackswap.core.hardware import Hardware
+from slackswap.core.plan import Plan
+from slackswap.errors import InputError, SlackSwapError
+from slackswap.profiling.step import model_fingerprint
+from slackswap.runtime.block import apply
+from slackswap.runtime.oneshot import plan_model
+from slackswap.runtime.stats import RuntimeStats
+
+__all__ = ["Attached", "attach"]
+
+_ATTACHED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+_SCALARS = (bool, int, float, str, type(None), torch.dtype, torch.device)
+
+
+def attach(model: torch.nn.Module, budget: str | int | float = 0.5,
+           hardware: str | Hardware | None = None, strategy: str = "slackswap",
+           loss_fn: Callable[[Any], torch.Tensor] | None = None) -> Attached:
+    """Apply a plan to every training forward of ``model`` (in training mode, with grad
+    enabled); other forwards (evaluation, ``no_grad``) run as they would without it.
+
+    The first forward with a new batch shape (tensor shapes and dtypes, other arguments,
+    autocast state) profiles one step of the model on that batch and plans it, as
+    ``slackswap.plan(model, batch, budget, hardware, strategy)`` does; every forward with
+    that shape then runs under ``slackswap.apply(model, plan)``. Gradients are
+    bit-identical to training without it. A model or batch that cannot be planned
+    exactly is refused with the one-line ``SlackSwapError`` that profiling or ``apply``
+    raises; it never runs without its plan. ``loss_fn`` is the loss to profile with
+    when the model's output carries none (default: the sum of its floating-point
+    tensors; a loss computed outside the model runs outside the block either way).
+    ``.detach()`` (or leaving ``with slackswap.attach(...):``) undoes it.
+    """
+    if model in _ATTACHED:
+        raise InputError("slackswap.attach: this model is attached already; call .detach() "
+                         "on the first attachment before attaching again")
+    return Attached(model, budget, hardware, strategy, loss_fn)
+
+
+class Attached:
+    """What :func:`attach` returns: the plans made so far, by batch shape (``plans``),
+    what the last planned step did (``stats``), and :meth:`detach`."""
+
+    def __init__(self, model: torch.nn.Module, budget: str | int | float,
+                 hardware: str | Hardware | None, strategy: str,
+                 loss_fn: Callable[[Any], torch.Tensor] | None) -> None:
+        self.model = model
+        self.budget, self.hardware, self.strategy = budget, hardware, strategy
+        self.loss_fn = loss_fn if loss_fn is not None else _output_sum
+        self.plans: dict[tuple, Plan] = {}
+        self.stats: RuntimeStats | None = None  # what the last planned step did
+        self._block: apply | None = None  # open between the model's pre-hook and hook
+        self._closer: Any = None
+        self._planning = False
+        self._pre = model.register_forward_pre_hook(self._before, with_kwargs=True)
+        _ATTACHED.add(model)
+
+    def detach(self) -> None:
+        """Remove the hooks; the model trains as it would without SlackSwap."""
+        if self._pre is not None:
+            self._pre.remove()
+            self._pre = None
+        self._close()
+        _ATTACHED.discard(self.model)
+
+    def __enter__(self) -> Attached:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.detach()
+
+    # -- the hooks -----------------------------------------------------------------------
+    def _before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._planning or not (module.training and torch.is_grad_enabled()):
+            return
+        # a forward that stopped with a BaseException (Ctrl-C) ran no always-called hook
+        self._close()
+        key = self._key(module, args, kwargs)
+        plan = self.plans.get(key)
+        if plan is None:
+            plan = self.plans[key] = self._plan(module, args, kwargs)
+        self._open(apply(module, plan), module, args, kwargs)
+
+    def _open(self, block: apply, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        """Open ``block`` inside the model's call (NOTE [a block opened inside the
+        model's call])."""
+        global_hooks, own_hooks = nn_module._global_forward_pre_hooks, module._forward_pre_hooks
+        had_global, had_own = set(global_hooks), set(own_hooks)
+        block.__enter__()
+        try:
+            # the block's hooks return nothing: they check and count, they change no input
+            for key, hook in list(global_hooks.items()):
+                if key not in had_global:
+                    hook(module, args)
+            for key, hook in list(own_hooks.items()):
+                if key not in had_own:
+                    if key in module._forward_pre_hooks_with_kwargs:
+                        hook(module, args, kwargs)
+                    else:
+                        hook(module, args)
+            self._closer = module.register_forward_hook(self._after, always_call=True)
+        except BaseException:
+            block.__exit__(None, None, None)
+            raise
+        self._block, self.stats = block, block.stats  # (backward adds to these stats)
+
+    def _after(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        block, closer, self._block, self._closer = self._block, self._closer, None, None
+        if closer is not None:
+            closer.remove()
+        if block is not None:
+            block.__exit__(None, None, None)
+
+    # -- plans by batch shape ------------------------------------------------------------
+    def _key(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
+        """What a plan is made for: the model, every tensor's shape and dtype (inside
+        containers too), the other arguments, and the autocast state."""
+        def leaf(x: Any) -> Any:
+            if isinstance(x, torch.Tensor):
+                return (tuple(x.shape), x.dtype, x.device, x.requires_grad)
+            return x if isinstance(x, _SCALARS) else type(x).__qualname__
+
+        leaves, spec = _pytree.tree_flatten((args, kwargs))
+        device = next((p.device.type for p in module.parameters()), "cpu")
+        autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        return (model_fingerprint(module), str(spec), tuple(map(leaf, leaves)), autocast)
+
+    def _plan(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Plan:
+        # the profiled step runs on copies: a model that changes its inputs in place
+        # changes only the copies, and the training step sees the batch as it was given
+        batch = _pytree.tree_map_only(torch.Tensor, _copy, _as_batch(module, args, kwargs))
+        self._planning = True  # the profiled step calls the model: its forwards pass by
+        try:
+            return plan_model(module, batch, self.budget, self.hardware, self.strategy,
+                              self.loss_fn)
+        except SlackSwapError as e:  # which batch could not be planned
+            shapes = [list(t.shape) for t in _pytree.tree_leaves(batch)
+                      if isinstance(t, torch.Tensor)]
+            raise type(e)(f"slackswap.attach, planning a batch of shapes {shapes}: {e}") from e
+        finally:
+            self._planning = False
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone().requires_grad_(t.requires_grad)
+
+
+def _as_batch(module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+    """The call's inputs as a batch ``profile`` calls the model with the same way."""
+    if not kwargs:
+        return tuple(args)
+    if not args:
+        return dict(kwargs)
+    params = list(inspect.signature(module.forward).parameters.values())[:len(args)]
+    if len(params) < len(args) or any(p.kind is not p.POSITIONAL_OR_KEYWORD for p in params):
+        raise InputError("slackswap.attach: the model was called with positional and "
+                         "keyword arguments its forward cannot take all by name; call it "
+                         "with keywords only, or positionally only")
+    return {**{p.name: a for p, a in zip(params, args, strict=True)}, **kwargs}
+
+
+def _output_sum(output: Any) -> torch.Tensor | None:
+    """A loss to profile with when the model returns none: every floating-point output
+    gets a gradient, so backward runs through the whole model as a real loss drives it."""
+    if isinstance(output, Mapping):
+        output = list(output.values())
+    parts = [t.sum() for t in _pytree.tree_leaves(output)
+             if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
+    return sum(parts[1:], parts[0]) if parts else None
