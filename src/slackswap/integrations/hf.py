@@ -1,0 +1,41 @@
+"""SlackSwap in a Hugging Face ``Trainer``: ``Trainer(..., callbacks=[SlackSwapCallback(
+budget=0.5)])``. Each training forward runs under the plan for its batch shape; the
+evaluation loop (``no_grad``) runs without one."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+from slackswap.core.hardware import Hardware
+from slackswap.runtime.attach import Attached, attach
+
+__all__ = ["SlackSwapCallback"]
+
+
+class SlackSwapCallback(TrainerCallback):
+    """Attaches SlackSwap to the trained model when training begins and detaches it when
+    training ends. The arguments are :func:`slackswap.attach`'s; ``attached`` is what it
+    returned (its ``plans`` and ``stats``), kept after training ends."""
+
+    def __init__(self, budget: str | int | float = 0.5, hardware: str | Hardware | None = None,
+                 strategy: str = "slackswap",
+                 loss_fn: Callable[[Any], torch.Tensor] | None = None) -> None:
+        self.options = {"budget": budget, "hardware": hardware, "strategy": strategy,
+                        "loss_fn": loss_fn}
+        self.attached: Attached | None = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: torch.nn.Module,
+                       **kwargs: Any) -> None:
+        self._detach()  # an earlier train() that raised did not reach on_train_end
+        self.attached = attach(model, **self.options)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._detach()
+
+    def _detach(self) -> None:
+        if self.attached is not None:
+            self.attached.detach()

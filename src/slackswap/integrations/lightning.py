@@ -1,0 +1,56 @@
+"""SlackSwap in Lightning: ``Trainer(callbacks=[SlackSwapCallback(budget=0.5)])``. Each
+training forward of the module runs under the plan for its batch shape; validation and
+prediction (``no_grad``, ``inference_mode``) run without one.
+
+The callback subclasses the ``Callback`` of ``lightning`` when it is installed, else of
+``pytorch_lightning``: a Trainer accepts callbacks of its own package only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+try:
+    from lightning.pytorch import Callback
+except ImportError:
+    from pytorch_lightning import Callback
+
+from slackswap.core.hardware import Hardware
+from slackswap.runtime.attach import Attached, attach
+
+__all__ = ["SlackSwapCallback"]
+
+
+class SlackSwapCallback(Callback):
+    """Attaches SlackSwap when training starts and detaches it when training ends or
+    raises. ``module``: the submodule to attach to, by its path in the
+    ``LightningModule`` (``"model"`` for ``self.model``); the default is the
+    ``LightningModule`` itself, whose ``forward`` then must be what ``training_step``
+    calls (``self(batch)``). The other arguments are :func:`slackswap.attach`'s;
+    ``attached`` is what it returned (its ``plans`` and ``stats``)."""
+
+    def __init__(self, budget: str | int | float = 0.5, module: str = "",
+                 hardware: str | Hardware | None = None, strategy: str = "slackswap",
+                 loss_fn: Callable[[Any], torch.Tensor] | None = None) -> None:
+        self.module = module
+        self.options = {"budget": budget, "hardware": hardware, "strategy": strategy,
+                        "loss_fn": loss_fn}
+        self.attached: Attached | None = None
+
+    def on_train_start(self, trainer: Any, pl_module: torch.nn.Module) -> None:
+        self._detach()
+        self.attached = attach(pl_module.get_submodule(self.module), **self.options)
+
+    def on_train_end(self, trainer: Any, pl_module: torch.nn.Module) -> None:
+        self._detach()
+
+    def on_exception(self, trainer: Any, pl_module: torch.nn.Module,
+                     exception: BaseException) -> None:
+        self._detach()
+
+    def _detach(self) -> None:
+        if self.attached is not None:
+            self.attached.detach()
