@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from slackswap.core.hardware import Hardware, load_hardware
 from slackswap.core.plan import Plan
 from slackswap.core.profile import OpRecord, StepProfile, TensorRecord
+from slackswap.errors import SlackSwapError
 
 
 @dataclass
@@ -100,6 +101,42 @@ def random_step(rng: random.Random, n: int) -> StepProfile:
     return build(ops, tensors)
 
 
+def block_step(rng: random.Random, blocks: int) -> StepProfile:
+    """Blocks as in a transformer: u = a(x) saves x or not, s = b(u) saves its output, y =
+    c(s, x) saves s or not; u, and x where no op saves it, are never saved, so rebuilding
+    s reads them back: checkpoints (named ``c<id>``) a plan may keep or offload."""
+    tensors = [T(rng.randint(1, 64) * 1000, kind="input", saved=True)]
+    ops: list[Op] = []
+    saves: list[list[int]] = []
+    x = 0
+    for _ in range(blocks):
+        u, s, y = len(tensors), len(tensors) + 1, len(tensors) + 2
+        tensors += [T(rng.randint(8, 64) * 1000), T(rng.randint(8, 64) * 1000),
+                    T(rng.randint(8, 64) * 1000)]
+        ops += [Op("forward", rng.uniform(1e-4, 1e-3), [x], [u]),
+                Op("forward", rng.uniform(1e-5, 5e-4), [u], [s]),
+                Op("forward", rng.uniform(1e-5, 2e-4), [s, x], [y])]
+        saves += [[x] if rng.random() < 0.4 else [], [s], [s] if rng.random() < 0.5 else []]
+        x = y
+    grad = len(tensors)
+    tensors.append(T(1000))
+    ops.append(Op("backward", rng.uniform(1e-5, 1e-4), [x], [grad]))
+    for i in reversed(range(len(saves))):
+        for tid in saves[i]:
+            tensors[tid].saved = True
+            if tensors[tid].first_backward_use is None:
+                tensors[tid].first_backward_use = len(ops)
+        new = len(tensors)
+        tensors.append(T(rng.randint(8, 64) * 1000))
+        ops.append(Op("backward", rng.uniform(1e-5, 2e-3), [grad, *saves[i]], [new]))
+        grad = new
+    profile = build(ops, tensors)
+    for t in profile.tensors:
+        if t.id in profile.never_saved:
+            t.name = f"c{t.id}"
+    return profile
+
+
 def random_plan(rng: random.Random, profile: StepProfile, kinds=("keep", "offload", "recompute")
                 ) -> Plan:
     decisions, prefetch = {}, {}
@@ -138,13 +175,20 @@ def with_host(hw: Hardware | str = "a100-80gb", **costs: float) -> Hardware:
 GPU_ONLY = with_host(**NO_HOST)  # the reference preset with a host that costs nothing
 
 
-def best_assignment(ctx) -> float:
+def best_assignment(ctx, checkpoints: tuple[str, ...] = ()) -> float:
     """The best simulated retention over every keep/offload/recompute assignment of the
-    candidates of ``ctx`` (a ``PlanContext``; 0.0 when none fits)."""
+    candidates of ``ctx`` (a ``PlanContext``; 0.0 when none fits), each of the named
+    ``checkpoints`` kept, offloaded or left to be rebuilt."""
     names = [c.name for c in ctx.candidates]
     best = 0.0
     for combo in itertools.product(("keep", "offload", "recompute"), repeat=len(names)):
-        result = ctx.simulate(ctx.plan("x", dict(zip(names, combo, strict=True))))
-        if result.feasible:
-            best = max(best, result.retention)
+        for kept in itertools.product(("keep", "offload", None), repeat=len(checkpoints)):
+            decisions = dict(zip(names, combo, strict=True))
+            decisions |= {c: k for c, k in zip(checkpoints, kept, strict=True) if k}
+            try:
+                result = ctx.simulate(ctx.plan("x", decisions))
+            except SlackSwapError:  # a decision the plan refuses
+                continue
+            if result.feasible:
+                best = max(best, result.retention)
     return best

@@ -7,7 +7,7 @@ import functools
 import random
 
 import pytest
-from stepgraphs import NO_HOST, best_assignment, link_hardware, random_step
+from stepgraphs import NO_HOST, best_assignment, block_step, link_hardware, random_step
 
 import slackswap
 from slackswap.core.profile import StepProfile
@@ -44,6 +44,37 @@ def test_no_plan_beats_the_exact_bound_on_small_steps() -> None:
         assert exact.bound <= retention_bound(ctx) + 1e-6, seed
         checked += 1
     assert checked >= 9
+
+
+def test_no_plan_with_checkpoints_beats_the_exact_bound() -> None:
+    """Small block-shaped steps (``block_step``) whose rebuilds read tensors autograd never
+    saved: every assignment, each such tensor kept, offloaded or left to be rebuilt,
+    simulated, stays under the program's optimum (so do the program's own plans), and on
+    some steps a plan that keeps or offloads checkpoints is the best one."""
+    checked = helped = 0
+    for seed in range(1400):
+        rng = random.Random(seed)
+        profile = block_step(rng, rng.randint(1, 2))
+        for t in profile.tensors:
+            t.bytes *= 100
+        rate = rng.uniform(5e8, 2e10)
+        hw = link_hardware(rate, rate, rate, rate * rng.uniform(0.3, 1), 1e-6,
+                           host=NO_HOST if seed % 2 else None)
+        ctx = PlanContext(profile, hw,
+                          int(rng.choice([0.3, 0.4, 0.5, 0.6, 0.7]) * profile.keep_all_peak))
+        checkpoints = tuple(sorted(profile.checkpointable))
+        if not ctx.reachable or not 2 <= len(ctx.candidates) + len(checkpoints) <= 7:
+            continue
+        exact = exact_optimum(ctx)
+        if exact.bound >= 1:
+            continue
+        best = best_assignment(ctx, checkpoints)
+        assert best <= exact.bound + 1e-9, seed
+        assert exact.achieved <= exact.bound + 1e-9, seed
+        assert exact.bound <= retention_bound(ctx) + 1e-6, seed
+        checked += 1
+        helped += best > best_assignment(ctx) + 1e-9
+    assert checked >= 20 and helped >= 3
 
 
 @functools.cache

@@ -18,23 +18,27 @@ NOTE [why this is a bound]
       keep-all memory less what evicted activations past their last forward use have
       freed, so  sum_{i in S_k} b_i (r_i + d_ik) >= M_k - B;
     - memory, backward op j: only activations not yet needed may be away, and one a
-      rebuild for j or before read (a saved input of a rebuilt producer) came back
-      with it, so  sum_{first_use(i) > j} b_i (r_i + d_ij) - (those) >= M_j - B;
+      rebuild for j or before reads (a saved input of a rebuilt producer, or of rebuilt
+      activations it reads, up to REBUILD_DEPTH deep) came back with it, so
+      sum_{first_use(i) > j} b_i (r_i + d_ij) - (those) >= M_j - B;
     - D2H: what is off the device at op k went over the link after its production
-      (at or after p_i in keep-all time) and before op k started:
-      sum_{i away at k, p_i >= tau} d_ik (latency + b_i / D2H) <= t_k + late - tau;
+      and before op k started; production is at or after tau in the keep-all step
+      issued by a host that pays dispatch and the runtime's packs (every moving plan
+      packs): sum_{i away at k, p_i >= tau} d_ik (latency + b_i / D2H) <= t_k + late - tau;
     - H2D: what was off the device at the last forward pressure point came back after
       it and before its first use j;
     - both links, away or not: every offload made at or after tau and first needed by
-      op j crosses each link between the two, and each one's reload follows its copy;
+      op j crosses each link between the two (and, where the links slow each other
+      down, both at once within the window: ``duplex_cost``), and each one's reload
+      follows its copy;
     - chains: rebuilding i needs each never-saved input u of its producer back, either
       rebuilt (z_u >= r_i - k_u, recursively up the never-saved chain) or kept since
       forward as a checkpoint (k_u), which then occupies memory at every forward point
-      past u's last forward use, at every backward point j before a rebuild that reads
-      it when u is never rebuilt (w_uj >= r_i - z_u for readers i needed after j), and
-      at the op whose rebuild reads it; or offloaded as a checkpoint (f_u), which then
-      crosses both links before the first rebuild that reads it (and is not counted in
-      forward memory: a relaxation);
+      past u's last forward use and at every backward point j before a rebuild that
+      reads it, directly or through a never-saved tensor rebuilt after j, when u is
+      never rebuilt (w_uj); or offloaded as a checkpoint (f_u), which then occupies
+      memory the same way until its copy out lands (e_uk <= f_u, on the D2H rows) and
+      crosses both links before the first rebuild that reads it;
     - time: the step is at least the sum of op times, plus each re-run producer once
       (q_P >= r_i and q_P >= z_u for its outputs: one run makes them all), plus idle.
 
@@ -71,6 +75,8 @@ from slackswap.planners.memory import Pressure, pressure_points
 from slackswap.sim.host import packs
 
 __all__ = ["retention_bound"]
+
+REBUILD_DEPTH = 3  # rebuilt activations a rebuild may read through, and one more
 
 
 def retention_bound(ctx: PlanContext, thresholds: int = 4, max_points: int = 12,
@@ -124,7 +130,9 @@ class _BoundLP:
         acts = self.acts
         self.freed = [max([t.producer, *(c for c in t.forward_consumers
                                           if c < ctx.first_backward)]) for t in acts]
-        self.produced = [ctx.op_end[t.producer] for t in acts]  # eager keep-all: none earlier
+        # a copy out starts no earlier than its tensor is made with the runtime's packs
+        self.made = _packed_chain(ctx)[1]
+        self.produced = [self.made[t.producer] for t in acts]
         self.starts = _kernel_starts(ctx)  # deadlines: none later, but for its idle time
         self.d2h = [link.latency_s + t.bytes / link.d2h_bandwidth for t in acts]
         self.h2d = [link.latency_s + t.bytes / link.h2d_bandwidth for t in acts]
@@ -165,13 +173,28 @@ class _BoundLP:
         for i, t in enumerate(acts):
             for u in self.unsaved_inputs(t.producer):
                 self.readers[u].append(i)
-        # activations whose rebuild reads activation a: a comes back with that rebuild
+        # never-saved tensors made from u that only activations read
+        self.fed: dict[int, list[int]] = {u: [] for u in self.chain}
+        for v in self.chain:
+            if v not in self.feeds_chain:
+                for u in self.unsaved_inputs(self.unsaved[v].producer):
+                    if u in self.chain:
+                        self.fed[u].append(v)
+        # rebuilds that read activation a, directly or through rebuilt activations
+        # between (i, those between): a comes back with i's rebuild
         index = {t.id: i for i, t in enumerate(acts)}
-        self.read_by: dict[int, list[int]] = {}
-        for i, t in enumerate(acts):
-            for u in dict.fromkeys(p.ops[t.producer].inputs):
-                if u in index and index[u] != i:
-                    self.read_by.setdefault(index[u], []).append(i)
+        reads = [[index[u] for u in dict.fromkeys(p.ops[t.producer].inputs)
+                  if u in index and index[u] != i] for i, t in enumerate(acts)]
+        self.read_by: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
+        for i in range(len(acts)):
+            paths = [(a, ()) for a in reads[i]]
+            for _ in range(REBUILD_DEPTH):  # deeper ones are left out: the bound only loosens
+                deeper = []
+                for a, between in paths:
+                    self.read_by.setdefault(a, []).append((i, between))
+                    deeper += [(b, (*between, a)) for b in reads[a]
+                               if b != i and b not in between]
+                paths = deeper
         # time inserted in backward by the rebuilds: each re-run producer once
         self.recompute = [(self.Q + k, -p.ops[op].time_s * 1e3)
                           for k, op in enumerate(self.made_by)]
@@ -250,31 +273,52 @@ class _BoundLP:
                 # j: w_uj >= r_i - z_u for each reader i needed after j; one read by a
                 # rebuild for j itself is resident, rebuilt or kept: w_uj >= r_i
                 jb = k - len(self.fwd)
-                kept = []
+                kept, away = [], []
                 for u, col in self.chain.items():
+                    w = W + col * kb + jb  # u resident at j
                     later = [i for i in self.readers[u] if acts[i].first_backward_use > pt.op]
-                    now = [i for i in self.readers[u] if acts[i].first_backward_use == pt.op]
-                    if later or now:
-                        kept.append((W + col * kb + jb, self.unsaved[u].bytes * gb))
-                    for i in later:  # (an offloaded one is back only for the rebuild)
-                        self.row([(R + i, 1.0), (self.Z + col, -1.0), (self.F + col, -1.0),
-                                  (W + col * kb + jb, -1.0)], 0.0)
-                    for i in now:
-                        self.row([(R + i, 1.0), (W + col * kb + jb, -1.0)], 0.0)
-                # a rebuild for j or before that reads activation a brings a back for
-                # good: a neither rebuilt later (y >= r_a + r_i - 1) nor away at j
+                    # v made from u, rebuilt after j: none of v's readers by j rebuilt
+                    fed = [(self.Z + self.chain[v], [
+                        (R + i, -1.0) for i in self.readers[v]
+                        if acts[i].first_backward_use <= pt.op]) for v in self.fed[u]]
+                    if later or fed:
+                        kept.append((w, self.unsaved[u].bytes * gb))
+                    # read by a rebuild after j, u is resident unless rebuilt or away (an
+                    # offloaded one whose copy out has landed: e <= f_u)
+                    e = self.F + col
+                    if (later or fed) and self.upper[self.F + col]:
+                        e = self.column()
+                        self.row([(e, 1.0), (self.F + col, -1.0)], 0.0)
+                        away.append((e, u))
+                    unless = [(self.Z + col, -1.0), (e, -1.0), (w, -1.0)]
+                    for i in later:
+                        self.row([(R + i, 1.0), *unless], 0.0)
+                    for z, early in fed:
+                        self.row([(z, 1.0), *early, *unless], 0.0)
+                # a rebuild for j or before that reads activation a (directly or through
+                # rebuilt ones) brings a back for good: a neither rebuilt later
+                # (y >= r_a + r_i + r_between - 1 - len(between)) nor away at j
                 for a in members:
-                    early = [i for i in self.read_by.get(a, ())
+                    early = [(i, between) for i, between in self.read_by.get(a, ())
                              if acts[i].first_backward_use <= pt.op]
                     if early:
                         y = self.column()
                         kept.append((y, acts[a].bytes * gb))
-                    for i in early:
-                        self.row([(R + a, 1.0), (R + i, 1.0), (y, -1.0)], 1.0)
-                        self.row([(D + a * kp + k, 1.0), (R + i, 1.0)], 1.0)
-            else:
-                kept = [(K + col, self.unsaved[u].bytes * gb)
-                        for u, col in self.chain.items() if last_fwd_use[u] < pt.op]
+                    for i, between in early:
+                        path = [(R + b, 1.0) for b in (i, *between)]
+                        self.row([(R + a, 1.0), (y, -1.0), *path], float(len(path)))
+                        self.row([(D + a * kp + k, 1.0), *path], float(len(path)))
+            else:  # a kept checkpoint occupies memory; an offloaded one until it is away
+                kept, away = [], []
+                for u, col in self.chain.items():
+                    if last_fwd_use[u] < pt.op:
+                        size = self.unsaved[u].bytes * gb
+                        kept.append((K + col, size))
+                        if self.upper[self.F + col]:
+                            e = self.column()
+                            self.row([(e, 1.0), (self.F + col, -1.0)], 0.0)
+                            kept += [(self.F + col, size), (e, -size)]
+                            away.append((e, u))
             self.row([(c, -acts[i].bytes * gb) for i in members
                       for c in (R + i, D + i * kp + k)] + kept, -pt.excess * gb)
             for i in members:
@@ -283,10 +327,12 @@ class _BoundLP:
             # backward, the recomputation inserted before it)
             late = [(self.SF, -1e3)] + ([(self.SB, -1e3)] + self.recompute if backward else [])
             t_k = self.starts[pt.op]
-            releases = sorted({self.produced[i] for i in members})
-            for tau in sorted(_picks(releases, thresholds) | {0.0}):
-                self.row([(D + i * kp + k, self.d2h[i] * 1e3) for i in members
-                          if self.produced[i] >= tau] + late, (t_k - tau) * 1e3)
+            out = [(D + i * kp + k, self.produced[i], self.d2h[i]) for i in members]
+            out += [(e, self.made[self.unsaved[u].producer], self.checkpoint_d2h(u))
+                    for e, u in away]
+            for tau in sorted(_picks(sorted({o[1] for o in out}), thresholds) | {0.0}):
+                self.row([(c, t * 1e3) for c, made, t in out if made >= tau] + late,
+                         (t_k - tau) * 1e3)
 
     def reload_rows(self, max_points: int) -> None:
         """What was off the device at the last forward point came back over the H2D link
@@ -306,40 +352,87 @@ class _BoundLP:
         after tau and first needed by op j crosses each link between the two, and each
         tensor's reload starts after its copy out has landed. An offloaded checkpoint
         counts where a rebuild that reads it runs by j (g >= f_u + r_i - 1)."""
-        link = self.ctx.hw.host_link
         late = [(self.SF, -1e3), (self.SB, -1e3)] + self.recompute
-        checkpoints = []  # (f column, made, D2H, H2D, readers)
-        for u, col in self.chain.items():
-            if self.upper[self.F + col] and u not in self.feeds_chain:
-                t = self.unsaved[u]
-                checkpoints.append((self.F + col, self.ctx.op_end[t.producer],
-                                    link.latency_s + t.bytes / link.d2h_bandwidth,
-                                    link.latency_s + t.bytes / link.h2d_bandwidth,
-                                    self.readers[u]))
+        checkpoints = self.offloaded_checkpoints()
+        duplex = self.duplex_cost()
         uses = sorted({t.first_backward_use for t in self.acts})
         for j in uses[:: max(len(uses) // max_points, 1)]:
-            moves = [(self.OFF + i, self.produced[i], self.d2h[i], self.h2d[i])
-                     for i in range(self.n) if self.acts[i].first_backward_use <= j]
-            for f, made, out, back, readers in checkpoints:
-                early = [i for i in readers if self.acts[i].first_backward_use <= j]
+            # (column, made, D2H, H2D, bytes)
+            moves = [(self.OFF + i, self.produced[i], self.d2h[i], self.h2d[i],
+                      self.acts[i].bytes) for i in range(self.n)
+                     if self.acts[i].first_backward_use <= j]
+            for u, f, made, out, back in checkpoints:
+                early = [terms for terms, use in self.checkpoint_reads(u) if use <= j]
                 if early:
                     g = self.column()
-                    for i in early:
-                        self.row([(f, 1.0), (self.R + i, 1.0), (g, -1.0)], 1.0)
-                    moves.append((g, made, out, back))
+                    for terms in early:  # g >= f_u + (the read) - len(terms)
+                        self.row([(f, 1.0), *((c, 1.0) for c in terms), (g, -1.0)],
+                                 float(len(terms)))
+                    moves.append((g, made, out, back, self.unsaved[u].bytes))
             for tau in _picks(sorted({m[1] for m in moves}), thresholds):
                 chosen = [m for m in moves if m[1] >= tau]
                 for way in (2, 3):
                     self.row([(m[0], m[way] * 1e3) for m in chosen] + late,
                              (self.starts[j] - tau) * 1e3)
+                if duplex:  # both ways in one window: the links slow each other down
+                    self.row([(m[0], m[4] * duplex * 1e3) for m in chosen] + late,
+                             (self.starts[j] - tau) * 1e3)
         for i, t in enumerate(self.acts):  # one tensor's two copies, one after the other
             self.row([(self.OFF + i, (self.d2h[i] + self.h2d[i]) * 1e3)] + late,
                      (self.starts[t.first_backward_use] - self.produced[i]) * 1e3)
-        for f, made, out, back, readers in checkpoints:  # (when a rebuild reads it)
-            for i in readers:
-                trip = (out + back) * 1e3
-                self.row([(f, trip), (self.R + i, trip)] + late,
-                         (self.starts[self.acts[i].first_backward_use] - made) * 1e3 + trip)
+        for u, f, made, out, back in checkpoints:  # (when a rebuild reads it)
+            trip = (out + back) * 1e3
+            for terms, use in self.checkpoint_reads(u):
+                self.row([(f, trip), *((c, trip) for c in terms)] + late,
+                         (self.starts[use] - made) * 1e3 + trip * len(terms))
+
+    def checkpoint_reads(self, u: int) -> list[tuple[list[int], int]]:
+        """When a rebuild reads never-saved u: (columns that are all 1 then, the op that
+        needs the rebuilt activation). A reader i of u: r_i; a reader i of a never-saved
+        v made from u (one link deeper, v read by activations only): z_v and r_i."""
+        reads = [([self.R + i], self.acts[i].first_backward_use) for i in self.readers[u]]
+        for v in self.fed[u]:
+            reads += [([self.Z + self.chain[v], self.R + i], self.acts[i].first_backward_use)
+                      for i in self.readers[v]]
+        return reads
+
+    def offloaded_checkpoints(self) -> list[tuple[int, int, float, float, float]]:
+        """(tensor, f column, made, D2H time, H2D time) of each never-saved tensor a plan
+        may offload as a checkpoint; f_u is 1 only when a rebuild reads it, so copied."""
+        link, out = self.ctx.hw.host_link, []
+        for u, col in self.chain.items():
+            if self.upper[self.F + col]:
+                t = self.unsaved[u]
+                out.append((u, self.F + col, self.made[t.producer],
+                            self.checkpoint_d2h(u),
+                            link.latency_s + t.bytes / link.h2d_bandwidth))
+        return out
+
+    def checkpoint_d2h(self, u: int) -> float:
+        link = self.ctx.hw.host_link
+        return link.latency_s + self.unsaved[u].bytes / link.d2h_bandwidth
+
+    def duplex_cost(self) -> float:
+        """Seconds per byte that goes both ways within one window, both links busy at
+        their duplex rates part of the time: the steeper facet of the region of byte
+        rates the two links reach together (solo, both at duplex rates, or idle).
+
+        With T2 the time both move, T1 the time one moves alone, bytes one way
+        Y = h T2 + H T1' and the other X = d T2 + D T1'' (h, d duplex, H, D solo rates):
+        Y / H + X (1 - h / H) / d <= T2 + T1' + T1'' (D / d)(1 - h / H), at most the window
+        when (D / d)(1 - h / H) <= 1; a tensor that goes both ways adds 1 to X and Y per
+        byte. 0.0 when the links lose nothing in duplex (the solo rows are as tight)."""
+        link = self.ctx.hw.host_link
+        best = 0.0
+        for solo, duplex, other_solo, other_duplex in (
+                (link.h2d_bandwidth, link.duplex_h2d_bandwidth,
+                 link.d2h_bandwidth, link.duplex_d2h_bandwidth),
+                (link.d2h_bandwidth, link.duplex_d2h_bandwidth,
+                 link.h2d_bandwidth, link.duplex_h2d_bandwidth)):
+            slow = max(1 - duplex / solo, 0.0)
+            if slow and other_solo / other_duplex * slow <= 1:
+                best = max(best, 1 / solo + slow / other_duplex)
+        return best if best > 1 / min(link.h2d_bandwidth, link.d2h_bandwidth) else 0.0
 
     def timing_rows(self) -> None:
         """Reload timing at every backward point: an activation once back stays back (it
@@ -364,7 +457,8 @@ class _BoundLP:
         # the D2H engine copies in production order: an offload's copy lands after those
         # of everything offloaded between tau and its own production, then comes back
         late = [(self.SF, -1e3), (self.SB, -1e3)] + self.recompute
-        big = sum(self.d2h) + sum(self.h2d)
+        checkpoints = self.offloaded_checkpoints()
+        big = sum(self.d2h) + sum(self.h2d) + sum(c[3] for c in checkpoints)
         for i, t in enumerate(acts):
             if self.upper[self.OFF + i] == 0:
                 continue
@@ -372,6 +466,8 @@ class _BoundLP:
                                if self.produced[k] <= self.produced[i]}):
                 ahead = [k for k in range(self.n) if tau <= self.produced[k] < self.produced[i]]
                 self.row([(self.OFF + k, self.d2h[k] * 1e3) for k in ahead]
+                         + [(f, out * 1e3) for _, f, made, out, _ in checkpoints
+                            if tau <= made < self.produced[i]]
                          + [(self.OFF + i, (self.d2h[i] + self.h2d[i] + big) * 1e3)] + late,
                          (self.starts[t.first_backward_use] - tau + big) * 1e3)
         uses = sorted({t.first_backward_use for t in acts})
@@ -487,16 +583,25 @@ def _kernel_starts(ctx: PlanContext) -> list[float]:
 def _least_host_chain(ctx: PlanContext) -> tuple[float, float]:
     """Idle time in forward and end of keep-all's ops, each issued by a host that pays
     its dispatch and the packs before it (NOTE [bound and the host])."""
+    p = ctx.profile
+    starts, ends = _packed_chain(ctx)
+    forward = starts[ctx.first_backward] if ctx.first_backward < len(p.ops) else ends[-1]
+    return forward - sum(op.time_s for op in p.ops[: ctx.first_backward]), ends[-1]
+
+
+def _packed_chain(ctx: PlanContext) -> tuple[list[float], list[float]]:
+    """When each op of keep-all starts and ends, issued by a host that pays its dispatch
+    and the packs before it: no earlier in any plan that moves something (so a copy
+    out starts no earlier than its tensor's end here)."""
     p, host = ctx.profile, ctx.hw.host
     cost = [host.dispatch_s] * len(p.ops)
     for _, before in packs(p):
         cost[min(before, len(p.ops) - 1)] += host.pack_s
-    issued = end = forward = 0.0
+    issued = end = 0.0
+    starts, ends = [], []
     for op, h in zip(p.ops, cost, strict=True):
         issued += h
-        if op.index == ctx.first_backward:
-            forward = max(end, issued)  # when backward starts
-        end = max(end, issued) + op.time_s
-    if ctx.first_backward >= len(p.ops):
-        forward = end
-    return forward - sum(op.time_s for op in p.ops[: ctx.first_backward]), end
+        starts.append(max(end, issued))
+        end = starts[-1] + op.time_s
+        ends.append(end)
+    return starts, ends
