@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from typing import BinaryIO
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from slackswap.core.jsonio import atomic_write_text, dump_model, load_model
+from slackswap.core.jsonio import atomic_write, atomic_write_text, dump_model, load_model
 from slackswap.core.plan import Plan
 from slackswap.core.profile import OpRecord, StepProfile, TensorRecord
 from slackswap.core.result import SimResult
@@ -129,8 +130,12 @@ def test_atomic_write_leaves_old_file_on_failure(tmp_path) -> None:
     path = tmp_path / "out.json"
     atomic_write_text(path, "old")
 
-    with pytest.raises(TypeError):
-        atomic_write_text(path, 12345)  # type: ignore[arg-type]
+    def fail(f: BinaryIO) -> None:
+        f.write(b"half")
+        raise ValueError("the writer failed")
+
+    with pytest.raises(ValueError, match="the writer failed"):
+        atomic_write(path, fail)
     assert path.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["out.json"]
 

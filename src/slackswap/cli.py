@@ -7,6 +7,7 @@ import functools
 import json
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import click
@@ -25,7 +26,8 @@ _err = Console(stderr=True)
 
 
 def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Print a :class:`SlackSwapError` as one line and exit 2, with no traceback."""
+    """Print a :class:`SlackSwapError`, or a file the system refused, as one line and exit
+    2, with no traceback."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -33,7 +35,10 @@ def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args, **kwargs)
         except SlackSwapError as e:
             click.echo(f"error: {e}", err=True)
-            sys.exit(2)
+        except OSError as e:
+            click.echo(f"error: {e.filename or 'a file'}: {e.strerror or e}", err=True)
+        sys.exit(2)
+
 
     return wrapper
 
@@ -164,6 +169,7 @@ def simulate(profile_path: str, plan_path: str | None, hardware: str | None,
     if trace:
         write_trace(result, trace)
     if plot:
+        Path(plot).parent.mkdir(parents=True, exist_ok=True)  # as -o and --trace do
         write_memory_plot(result, plot, keep_all=run_simulation(prof, None, hardware))
     if as_json:
         click.echo(result.model_dump_json())

@@ -4,33 +4,61 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 import pydantic
 
 from slackswap.errors import InputError
 
-__all__ = ["JsonFile", "atomic_write_text", "dump_model", "load_model", "validate_model"]
+__all__ = ["JsonFile", "atomic_write", "atomic_write_text", "dump_model", "load_model",
+           "validate_model"]
 
 M = TypeVar("M", bound=pydantic.BaseModel)
 
 
-def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
-    """Write ``text`` to ``path`` so that readers see the old file or the new one, never half."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+def _umask() -> int:
+    """The process's umask (read by setting it, then setting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], object]) -> None:
+    """Write ``path`` with ``write(f)`` so that readers see the old file or the new one,
+    never half, and otherwise as a shell's ``>`` would: a symlink is followed, a device or
+    FIFO (``/dev/null``) is written in place, a file keeps its mode (a new one takes the
+    umask's). Missing folders are made; failures raise :class:`InputError`."""
+    target = Path(os.path.realpath(path))
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        if target.exists() and not target.is_file():
+            with open(target, "wb") as f:
+                write(f)
+            return
+        target.parent.mkdir(parents=True, exist_ok=True)
+        mode = stat.S_IMODE(target.stat().st_mode) if target.exists() else 0o666 & ~_umask()
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, mode)
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError as e:
+        raise InputError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` with :func:`atomic_write`."""
+    data = text.encode("utf-8")
+    atomic_write(path, lambda f: f.write(data))
 
 
 def dump_model(model: pydantic.BaseModel, path: str | os.PathLike[str]) -> None:
