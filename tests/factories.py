@@ -85,3 +85,9 @@ class _FrozenLoss(nn.Module):
 
 def frozen() -> tuple[nn.Module, torch.Tensor]:
     return _FrozenLoss(), torch.randn(2, 4)
+
+
+def empty_batch() -> tuple[nn.Module, torch.Tensor]:
+    """A batch of no examples."""
+    torch.manual_seed(0)
+    return WithMSE(TinyMLP()), torch.randn(0, 8, 16)

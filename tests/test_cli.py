@@ -65,6 +65,7 @@ def test_measured_mode() -> None:
     (["factories:frozen"], "not a differentiable scalar"),
     (["factories:mlp", "--batch", "2"], "--batch apply to presets only"),
     (["bert-large-tiny", "--batch", "0"], "must be positive"),
+    (["factories:empty_batch"], "the example batch is empty"),
 ])
 def test_errors_are_one_line(args: list[str], message: str) -> None:
     code, stdout, stderr = run("profile", *args)

@@ -36,7 +36,7 @@ def small_profile() -> StepProfile:
         TensorRecord(id=0, name="input:x", kind="input", bytes=4, dtype="bf16", shape=[2],
                      forward_consumers=[0], saved=True, first_backward_use=2),
         TensorRecord(id=1, name="lin.weight", kind="parameter", bytes=4, dtype="bf16",
-                     shape=[2], saved=True),
+                     shape=[2], forward_consumers=[0], saved=True),
         TensorRecord(id=2, kind="activation", bytes=4, dtype="bf16", shape=[2], producer=0,
                      forward_consumers=[1]),
         TensorRecord(id=3, name="act:relu:0", kind="activation", bytes=4, dtype="bf16",
@@ -140,7 +140,7 @@ def test_atomic_write_leaves_old_file_on_failure(tmp_path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["out.json"]
 
 
-@given(st.integers(min_value=1, max_value=2**50),
+@given(st.integers(min_value=1, max_value=2**33 - 1),  # under 8 EiB, the most a count holds
        st.sampled_from([("", 1), ("KiB", 2**10), ("MiB", 2**20), ("GiB", 2**30), ("GB", 10**9)]))
 def test_parse_bytes(n: int, unit: tuple[str, int]) -> None:
     suffix, scale = unit
@@ -148,7 +148,8 @@ def test_parse_bytes(n: int, unit: tuple[str, int]) -> None:
     assert parse_bytes(f"{n} {suffix.lower()}") == n * scale
 
 
-@pytest.mark.parametrize("bad", ["", "GiB", "-5GiB", "0", "12 parsecs", "1e-3"])
+@pytest.mark.parametrize("bad", ["", "GiB", "-5GiB", "0", "12 parsecs", "1e-3", "1e19",
+                                 "9000000000GiB"])
 def test_parse_bytes_rejects(bad: str) -> None:
     with pytest.raises(InputError):
         parse_bytes(bad)

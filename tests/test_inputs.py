@@ -1,9 +1,11 @@
-"""Files written as a shell would write them (issue 14, item 4)."""
+"""Files written as a shell would write them, and bad input refused in one line (issue 14,
+items 4 and 5): every file is validated on load."""
 
 from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import stat
 import threading
@@ -15,8 +17,11 @@ import pytest
 from click.testing import CliRunner
 
 from slackswap.cli import main
+from slackswap.core.hardware import load_hardware
 from slackswap.core.jsonio import atomic_write, atomic_write_text, dump_model, load_model
+from slackswap.core.plan import Plan
 from slackswap.core.profile import StepProfile
+from slackswap.core.units import resolve_budget
 from slackswap.errors import InputError
 
 PRESET = Path(__file__).parents[1] / "src/slackswap/hardware/presets/a100-80gb.toml"
@@ -137,3 +142,101 @@ def test_plot_and_trace_into_a_missing_folder(tmp_path, profile_file) -> None:
                           "--trace", str(trace))
     assert code == 0, stderr
     assert plot.stat().st_size > 0 and json.loads(trace.read_text())["traceEvents"]
+
+
+# -- item 5: bad input ----------------------------------------------------------------
+
+
+def _corrupt(path: Path, edit: Any) -> None:
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+def _set(where: str, value: Any) -> Any:
+    def edit(data: Any) -> None:
+        *parents, last = where.split(".")
+        for part in parents:
+            data = data[int(part) if part.isdigit() else part]
+        data[int(last) if last.isdigit() else last] = value
+    return edit
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (_set("ops.3.time_s", math.nan), "field 'ops.3.time_s'"),
+    (_set("ops.3.time_s", math.inf), "field 'ops.3.time_s'"),
+    (_set("ops.3.time_s", -1e-3), "field 'ops.3.time_s': Input should be greater than"),
+    (_set("ops.3.flops", -5.0), "field 'ops.3.flops'"),
+    (_set("tensors.5.bytes", -100), "field 'tensors.5.bytes'"),
+    (_set("model_state_bytes", -1), "field 'model_state_bytes'"),
+    (_set("ops.3.inputs", [0, 10**6]), "ops.3.inputs: tensor 1000000 is not in the profile"),
+    (_set("tensors.5.producer", 999), "tensors.5.producer: op 999 is not in the profile"),
+    (_set("tensors.5.backward_consumers", [999]), "tensors.5.backward_consumers: op 999"),
+    (_set("tensors.5.id", 7), "tensors.5.id is 7"),
+    (_set("ops.4.index", 3), "ops.4.index is 3"),
+    (_set("saves", [[10**6, 0]]), "saves: tensor 1000000 is not in the profile"),
+])
+def test_bad_profile_values_are_refused_on_load(profile_file, edit, message) -> None:
+    _corrupt(profile_file, edit)
+    with pytest.raises(InputError) as info:
+        load_model(StepProfile, profile_file)
+    assert message in str(info.value) and "\n" not in str(info.value)
+    code, _, stderr = run("simulate", str(profile_file))
+    assert_one_line_error(code, stderr, message)
+
+
+def test_bad_plan_values_are_refused_on_load(tmp_path, profile) -> None:
+    path = tmp_path / "plan.json"
+    for edit, message in ((_set("budget_bytes", -1), "field 'budget_bytes'"),
+                          (_set("prefetch", {"x": -3}), "field 'prefetch.x'")):
+        dump_model(Plan.keep_all(profile), path)
+        _corrupt(path, edit)
+        with pytest.raises(InputError, match=message):
+            load_model(Plan, path)
+
+
+@pytest.mark.parametrize("budget", ["1e400", "inf", "-inf", "nan", math.inf, 10**400,
+                                    "1e400GiB", 1e300])
+def test_huge_and_infinite_budgets_are_one_line_errors(budget) -> None:
+    with pytest.raises(InputError, match="budget|byte count|more bytes than any memory"):
+        resolve_budget(budget, 1000)
+
+
+def test_huge_budget_on_the_command_line(profile_file) -> None:
+    code, _, stderr = run("plan", str(profile_file), "--budget", "1e400")
+    assert_one_line_error(code, stderr, "budget '1e400' must be a finite number")
+    code, _, stderr = run("simulate", str(profile_file), "--memory-limit", "1e400")
+    assert_one_line_error(code, stderr, "must be a finite number")
+
+
+def _edited_preset(tmp_path: Path, old: str, new: str) -> Path:
+    text = PRESET.read_text()
+    assert old in text
+    path = tmp_path / "gpu.toml"
+    path.write_text(text.replace(old, new, 1))
+    return path
+
+
+@pytest.mark.parametrize(("old", "new", "message"), [
+    ("fp32 = 19.5e12, ", "", "field 'compute.peak_flops': needs an fp32 peak"),
+    ("latency_s = 1e-5", "latency_s = inf", "field 'host_link.latency_s'"),
+    ("min_kernel_time_s = 1.3e-6", "min_kernel_time_s = inf", "compute.min_kernel_time_s"),
+    ("d2h_bandwidth = 24.8e9", "d2h_bandwidth = nan", "field 'host_link.d2h_bandwidth'"),
+    ("schema_version = 1", "schema_version = 999", "schema_version 999 is newer"),
+    ("schema_version = 1", "schema_version = 0", "schema_version 0"),
+])
+def test_bad_hardware_files_are_one_line_errors(tmp_path, profile_file, old, new,
+                                                message) -> None:
+    path = _edited_preset(tmp_path, old, new)
+    with pytest.raises(InputError, match=message):
+        load_hardware(path)
+    code, _, stderr = run("simulate", str(profile_file), "--hardware", str(path))
+    assert_one_line_error(code, stderr, message)
+
+
+def test_plan_reads_a_profile_file_of_any_name(tmp_path, profile_file) -> None:
+    other = tmp_path / "x.profile"
+    profile_file.rename(other)
+    code, stdout, stderr = run("plan", str(other), "--budget", "0.8")
+    assert code == 0, stderr
+    assert "predicted retention" in stdout

@@ -39,7 +39,6 @@ def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             click.echo(f"error: {e.filename or 'a file'}: {e.strerror or e}", err=True)
         sys.exit(2)
 
-
     return wrapper
 
 
@@ -228,7 +227,7 @@ def plan_command(source: str, budget: str, strategy: str, hardware: str | None,
     from slackswap.planners.api import plan as make_plan
 
     given = parse_overrides(overrides)
-    if source.endswith(".json"):
+    if source.endswith(".json") or Path(source).is_file():
         prof = load_model(StepProfile, source)
         hw = load_hardware(hardware or prof.hardware, given)
     else:
@@ -326,7 +325,8 @@ def _print_profile(p: StepProfile, output: str | None) -> None:
     kinds.add_column("share", justify="right")
     by_kind = sorted(p.saved_bytes_by("kind").items(), key=lambda kv: -kv[1])
     for kind, nbytes in by_kind:
-        kinds.add_row(kind, format_bytes(nbytes), f"{nbytes / s['saved_bytes_total']:.1%}")
+        share = nbytes / s["saved_bytes_total"] if s["saved_bytes_total"] else 0.0
+        kinds.add_row(kind, format_bytes(nbytes), f"{share:.1%}")
     out.print(kinds)
     if output:
         out.print(f"profile written to {output}")

@@ -6,6 +6,7 @@ in the file's ``[sources]`` table. Users pass a preset name or a path to their o
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Iterable, Mapping
 from importlib import resources
@@ -15,6 +16,7 @@ from typing import Annotated, Any, Literal
 import pydantic
 from pydantic import Field
 
+from slackswap.core.jsonio import validate_model
 from slackswap.errors import InputError
 
 if sys.version_info >= (3, 11):
@@ -25,9 +27,23 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 __all__ = ["Hardware", "Compute", "Memory", "HostLink", "Host", "Node", "HOST_SOURCES",
            "load_hardware", "hardware_presets", "on_node", "with_overrides", "parse_overrides"]
 
-Positive = Annotated[float, Field(gt=0)]
-Seconds = Annotated[float, Field(ge=0)]
-Fraction = Annotated[float, Field(gt=0, le=1)]
+
+def _within(low: float, high: float) -> pydantic.AfterValidator:
+    """Figures beyond these bounds describe no machine, and the times the cost model and
+    the simulator compute from them would overflow."""
+    def check(value: float) -> float:
+        if not low <= value <= high:
+            bounds = f"at least {low:g}" if high == math.inf else f"{low:g} to {high:g}"
+            raise ValueError(f"{value:g} describes no machine; use {bounds}")
+        return value
+    return pydantic.AfterValidator(check)
+
+
+# rates (per second; infinite: free) and sizes; efficiencies; fixed costs per kernel,
+# copy or host op
+Positive = Annotated[float, Field(gt=0), _within(1, math.inf)]
+Fraction = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False), _within(1e-6, 1)]
+Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False), _within(0, 60)]
 # A step table: rows of [threshold, efficiency]; the row with the largest threshold <= size applies.
 StepTable = list[tuple[Annotated[float, Field(ge=0)], Fraction]]
 
@@ -52,9 +68,16 @@ class Compute(_Strict):
     # with a causal mask (FLOPs counted causally); None: as without one
     attention_causal_forward_efficiency: Fraction | None = None
     attention_causal_backward_efficiency: Fraction | None = None
-    min_kernel_time_s: Positive
+    min_kernel_time_s: Seconds
 
     _table = pydantic.field_validator("matmul_efficiency")(_check_table)
+
+    @pydantic.field_validator("peak_flops")
+    @classmethod
+    def _fp32(cls, peaks: dict[str, float]) -> dict[str, float]:
+        if "fp32" not in peaks:
+            raise ValueError("needs an fp32 peak, the rate of dtypes without their own")
+        return peaks
 
 
 class Memory(_Strict):
@@ -71,7 +94,7 @@ class HostLink(_Strict):
     h2d_bandwidth: Positive
     duplex_d2h_bandwidth: Positive
     duplex_h2d_bandwidth: Positive
-    latency_s: Annotated[float, Field(ge=0)]
+    latency_s: Seconds
 
 
 # NOTE [host costs]
@@ -210,12 +233,7 @@ def _parse(text: str, source: str) -> Hardware:
                                                          "ranks"})
         data = {**parent, **data,
                 "sources": {**parent["sources"], **data.get("sources", {})}}
-    try:
-        return Hardware.model_validate(data)
-    except pydantic.ValidationError as e:
-        err = e.errors()[0]
-        field = ".".join(str(p) for p in err["loc"])
-        raise InputError(f"{source}: field '{field}': {err['msg']}") from None
+    return validate_model(Hardware, data, source)
 
 
 def load_hardware(spec: str | Path | Hardware,

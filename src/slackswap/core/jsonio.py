@@ -67,23 +67,26 @@ def dump_model(model: pydantic.BaseModel, path: str | os.PathLike[str]) -> None:
 
 
 def validate_model(cls: type[M], data: Any, source: str) -> M:
-    """Build ``cls`` from parsed JSON, turning schema problems into one-line errors."""
+    """Build ``cls`` from parsed JSON or TOML, turning schema problems into one-line errors."""
     expected = cls.model_fields["schema_version"].default
-    if isinstance(data, dict):
-        version = data.get("schema_version")
-        if isinstance(version, int) and version > expected:
-            raise InputError(
-                f"{source}: schema_version {version} is newer than this SlackSwap reads "
-                f"({expected}); upgrade slackswap"
-            )
+    version = data.get("schema_version") if isinstance(data, dict) else None
+    if isinstance(version, int) and version > expected:
+        raise InputError(
+            f"{source}: schema_version {version} is newer than this SlackSwap reads "
+            f"({expected}); upgrade slackswap"
+        )
+    if isinstance(version, int) and version < 1:
+        raise InputError(f"{source}: schema_version {version} is not a version (1 to "
+                         f"{expected}); fix the file or write it again")
     try:
         return cls.model_validate(data)
     except pydantic.ValidationError as e:
         err = e.errors()[0]
-        field = ".".join(str(p) for p in err["loc"]) or "<top level>"
-        raise InputError(
-            f"{source}: field '{field}': {err['msg']} ({e.error_count()} problem(s) in all)"
-        ) from None
+        field = ".".join(str(p) for p in err["loc"])
+        what = f"field '{field}': " if field else ""
+        message = err["msg"].removeprefix("Value error, ")
+        more = f" ({e.error_count()} problems in all)" if e.error_count() > 1 else ""
+        raise InputError(f"{source}: {what}{message}{more}") from None
 
 
 def load_model(cls: type[M], path: str | os.PathLike[str]) -> M:

@@ -5,9 +5,10 @@ from __future__ import annotations
 from enum import Enum
 
 import pydantic
+from pydantic import NonNegativeInt
 
 from slackswap.core.jsonio import JsonFile
-from slackswap.core.profile import StepProfile
+from slackswap.core.profile import Bytes, StepProfile
 from slackswap.errors import InputError
 
 __all__ = ["Plan", "Decision", "MIN_PLANNED_BYTES"]
@@ -39,9 +40,9 @@ class Plan(JsonFile, pydantic.BaseModel):
     schema_version: int = 1
     fingerprint: str  # of the profile the plan was made for
     strategy: str
-    budget_bytes: int | None = None
+    budget_bytes: Bytes | None = None
     decisions: dict[str, Decision]
-    prefetch: dict[str, int] = {}
+    prefetch: dict[str, NonNegativeInt] = {}
     # The profile a one-call plan was made from, kept in memory (not in the file) so the
     # runtime can check the plan and reload at its prefetch points without being given it.
     _profile: StepProfile | None = pydantic.PrivateAttr(default=None)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
+from collections.abc import Iterable
 from functools import cached_property
-from typing import Literal
+from typing import Annotated, Literal
 
 import pydantic
+from pydantic import Field, NonNegativeFloat, NonNegativeInt
 
 from slackswap.core.jsonio import JsonFile
+from slackswap.core.units import MAX_BYTES
 
 __all__ = ["OpRecord", "TensorRecord", "StepProfile", "Phase", "OpCategory", "TensorKind"]
 
@@ -21,26 +25,29 @@ OpCategory = Literal["matmul", "attention_forward", "attention_backward", "memor
 TensorKind = Literal["activation", "input", "parameter", "buffer", "gradient"]
 
 
+Bytes = Annotated[int, Field(ge=0, le=MAX_BYTES)]
+
+
 class _Record(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(extra="forbid")
+    model_config = pydantic.ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class OpRecord(_Record):
     """One kernel of the step, in execution order."""
 
-    index: int
+    index: NonNegativeInt
     name: str  # aten overload, e.g. "aten.addmm.default"
     kind: str  # short name used in activation ids, e.g. "addmm"
     phase: Phase
     module: str  # innermost module path, "" for the top level
     category: OpCategory
     dtype: str  # compute dtype: "bf16", "fp16", "fp32", ...
-    flops: float
-    bytes_read: int
-    bytes_written: int
-    time_s: float  # on the target (analytic) or as measured
-    inputs: list[int]  # tensor ids
-    outputs: list[int]  # tensor ids (an in-place op lists the tensor it mutates)
+    flops: NonNegativeFloat
+    bytes_read: Bytes
+    bytes_written: Bytes
+    time_s: NonNegativeFloat  # on the target (analytic) or as measured
+    inputs: list[NonNegativeInt]  # tensor ids
+    outputs: list[NonNegativeInt]  # tensor ids (an in-place op lists the tensor it mutates)
     random: bool = False  # draws from the RNG (dropout): recompute must replay RNG state
     inplace: bool = False
     replayable: bool = True  # pure and deterministic: recompute may replay it
@@ -49,23 +56,86 @@ class OpRecord(_Record):
 class TensorRecord(_Record):
     """One storage: views are resolved to their base, so each saved storage is counted once."""
 
-    id: int
+    id: NonNegativeInt
     name: str | None = None  # stable readable id; set for saved activations
     kind: TensorKind
-    bytes: int
+    bytes: Bytes
     dtype: str
-    shape: list[int]
-    producer: int | None = None  # op index; None for inputs, parameters and buffers
-    forward_consumers: list[int] = []
-    backward_consumers: list[int] = []
+    shape: list[NonNegativeInt]
+    producer: NonNegativeInt | None = None  # op index; None for inputs, parameters and buffers
+    forward_consumers: list[NonNegativeInt] = []
+    backward_consumers: list[NonNegativeInt] = []
     saved: bool = False  # saved for backward by autograd
-    first_backward_use: int | None = None  # index of the backward op that first needs it
+    first_backward_use: NonNegativeInt | None = None  # the backward op that first needs it
     random: bool = False  # produced or mutated by a random op
 
     @property
     def is_parameter(self) -> bool:
         """Parameters and buffers are model state: never planned."""
         return self.kind in ("parameter", "buffer")
+
+
+def _fail(problem: str) -> None:
+    raise ValueError(f"{problem}; fix the file or profile the step again")
+
+
+def _in_range(where: str, ids: Iterable[int | None], what: str, count: int) -> None:
+    if (bad := next((i for i in ids if i is not None and i >= count), None)) is not None:
+        _fail(f"{where}: {what} {bad} is not in the profile, which has {count} {what}s")
+
+
+def _check_graph(p: StepProfile) -> None:
+    """What planners and simulators rely on: each op and tensor at its own index, ids in
+    range, forward ops before backward ones, and every tensor as the ops say (below)."""
+    readers: dict[tuple[str, int], set[int]] = defaultdict(set)
+    for i, op in enumerate(p.ops):
+        if op.index != i:
+            _fail(f"ops.{i}.index is {op.index}: ops are listed in execution order")
+        if op.phase == "forward" and i and p.ops[i - 1].phase == "backward":
+            _fail(f"ops.{i} runs forward after backward began")
+        _in_range(f"ops.{i}.inputs", op.inputs, "tensor", len(p.tensors))
+        _in_range(f"ops.{i}.outputs", op.outputs, "tensor", len(p.tensors))
+        for t in op.inputs:
+            readers[op.phase, t].add(i)
+    names: dict[str, int] = {}
+    for i, t in enumerate(p.tensors):
+        if t.id != i:
+            _fail(f"tensors.{i}.id is {t.id}: tensors are listed in id order")
+        if t.name is not None and names.setdefault(t.name, i) != i:
+            _fail(f"tensors.{i}.name '{t.name}' is tensor {names[t.name]}'s too")
+        _check_tensor(p, t, readers)
+    if not math.isfinite(sum(op.time_s for op in p.ops)):
+        _fail("ops: their times add up to more than a number holds")
+    _in_range("saves", (t for t, _ in p.saves if t >= 0), "tensor", len(p.tensors))
+    _in_range("saves", (n - 1 for _, n in p.saves), "op", len(p.ops))
+    _in_range("module_events", (n - 1 for n in p.module_events), "op", len(p.ops))
+
+
+def _check_tensor(p: StepProfile, t: TensorRecord,
+                  readers: dict[tuple[str, int], set[int]]) -> None:
+    """An activation or gradient that is read is made by an op that lists it as an output,
+    read only after that by the ops that list it as an input, first used in backward by a
+    backward op; a saved activation has a name."""
+    where = f"tensors.{t.id}"
+    for field in ("producer", "forward_consumers", "backward_consumers", "first_backward_use"):
+        ids = getattr(t, field)
+        _in_range(f"{where}.{field}", ids if isinstance(ids, list) else [ids], "op", len(p.ops))
+    made = -1 if t.producer is None else t.producer
+    used = t.saved or t.forward_consumers or t.backward_consumers
+    if made < 0 and used and t.kind in ("activation", "gradient"):
+        _fail(f"{where}.producer is missing: an {t.kind} that is read is made by an op")
+    if made >= 0 and t.id not in p.ops[made].outputs:
+        _fail(f"{where}.producer: op {made} does not list tensor {t.id} as an output")
+    for phase in ("forward", "backward"):
+        if set(getattr(t, f"{phase}_consumers")) != readers[phase, t.id]:
+            _fail(f"{where}.{phase}_consumers are not the {phase} ops that read it")
+    first = t.first_backward_use
+    if min([made, *t.forward_consumers, *t.backward_consumers]) < made or (
+            first is not None and (first < made or p.ops[first].phase != "backward")):
+        _fail(f"{where} is read before it is made, or its first_backward_use is not a "
+              "backward op")
+    if t.saved and not t.is_parameter and t.name is None:
+        _fail(f"{where}.name is missing: a plan names each saved activation")
 
 
 class StepProfile(JsonFile, _Record):
@@ -84,14 +154,19 @@ class StepProfile(JsonFile, _Record):
     kernels: Literal["cuda", "native"]
     device: str
     layers: list[str]  # module paths of the transformer blocks, in order
-    model_state_bytes: int  # parameters and buffers (model states are not planned)
+    model_state_bytes: Bytes  # parameters and buffers (model states are not planned)
     ops: list[OpRecord]
     tensors: list[TensorRecord]
     # Forward only, in order: at each pack, the tensor id autograd saved (-1: not strided)
     # and the number of ops run before it; before each module call's pre- or post-hook
     # fired, the number of ops run.
-    saves: list[tuple[int, int]] = []
-    module_events: list[int] = []
+    saves: list[tuple[Annotated[int, Field(ge=-1)], NonNegativeInt]] = []
+    module_events: list[NonNegativeInt] = []
+
+    @pydantic.model_validator(mode="after")
+    def _consistent(self) -> StepProfile:
+        _check_graph(self)
+        return self
 
     @cached_property
     def saved_activations(self) -> list[TensorRecord]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from decimal import Decimal
 
@@ -14,6 +15,7 @@ _UNITS = {
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
+MAX_BYTES = 2**63 - 1  # 8 EiB: what a signed 64-bit count holds, far beyond any memory
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -26,9 +28,13 @@ def parse_bytes(text: str | int | float) -> int:
         if not m or m.group(2).lower() not in _UNITS:
             raise InputError(f"'{text}' is not a byte count; write e.g. 24GiB, 512MB or 3e9")
         value, unit = Decimal(m.group(1)), m.group(2).lower()
+    if not value.is_finite():
+        raise InputError(f"'{text}' is not a byte count; write e.g. 24GiB, 512MB or 3e9")
     result = int(value * _UNITS[unit])
     if result <= 0:
         raise InputError(f"'{text}' must be a positive number of bytes")
+    if result > MAX_BYTES:
+        raise InputError(f"'{text}' is more bytes than any memory holds (at most 8 EiB)")
     return result
 
 
@@ -50,7 +56,12 @@ def resolve_budget(spec: str | int | float, peak: int) -> int:
         value = float(spec)
     except (TypeError, ValueError):
         return parse_bytes(spec)  # type: ignore[arg-type]
-    if value != value or value <= 0:
+    except OverflowError:
+        value = math.inf
+    if not math.isfinite(value):
+        raise InputError(f"budget '{spec}' must be a finite number: a fraction such as 0.5, "
+                         "or bytes")
+    if value <= 0:
         raise InputError(f"budget '{spec}' must be positive: a fraction such as 0.5, or bytes")
     if value <= 1:
         return int(value * peak)

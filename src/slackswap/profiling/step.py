@@ -64,6 +64,9 @@ def profile(
     in for them; the fingerprint and model-state bytes are those of the model as held.
     """
     hw = load_hardware(hardware)
+    if (tensors := batch_tensors(batch)) and all(t.numel() == 0 for _, t in tensors):
+        raise InputError("the example batch is empty (its tensors have no elements); "
+                         "give a batch of at least one example")
     model = eager_module(model)
     name = name or module_class(model).__name__
     refuse_own_checkpointing(model)
