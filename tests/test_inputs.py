@@ -1,5 +1,6 @@
 """Files written as a shell would write them, and bad input refused in one line (issue 14,
-items 4 and 5): every file is validated on load."""
+items 4 and 5): every file is validated on load, random corruptions of valid files give
+a clean error or a valid result, never a hang or a traceback."""
 
 from __future__ import annotations
 
@@ -7,22 +8,29 @@ import errno
 import json
 import math
 import os
+import signal
 import stat
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from slackswap.cli import main
+from slackswap.core.costmodel import op_time
 from slackswap.core.hardware import load_hardware
 from slackswap.core.jsonio import atomic_write, atomic_write_text, dump_model, load_model
 from slackswap.core.plan import Plan
 from slackswap.core.profile import StepProfile
 from slackswap.core.units import resolve_budget
-from slackswap.errors import InputError
+from slackswap.errors import InputError, SlackSwapError
+from slackswap.planners.api import plan_with_result
+from slackswap.sim import simulate
 
 PRESET = Path(__file__).parents[1] / "src/slackswap/hardware/presets/a100-80gb.toml"
 
@@ -240,3 +248,149 @@ def test_plan_reads_a_profile_file_of_any_name(tmp_path, profile_file) -> None:
     code, stdout, stderr = run("plan", str(other), "--budget", "0.8")
     assert code == 0, stderr
     assert "predicted retention" in stdout
+
+
+# -- property: random corruptions of valid files --------------------------------------
+
+
+@contextmanager
+def time_limit(seconds: float) -> Iterator[None]:
+    """Fail, rather than hang, when the body runs longer than ``seconds``."""
+    def expire(*_: Any) -> None:
+        raise TimeoutError(f"ran longer than {seconds} s: a hang")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+# what a hand edit or a damaged file may hold: out-of-range, non-finite and negative
+# numbers, wrong types, and values valid elsewhere (other ids, other phases, decisions)
+BAD_VALUES = [math.nan, math.inf, -math.inf, -1, -1.5, 0, 1, 7, 30, 1e308, 1e-308, 2**70,
+              10**6, "x", "backward", "forward", "offload", "recompute", None, True, [], {},
+              [-1], [3], [10**6]]
+
+
+def _places(data: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Every place in parsed JSON: keys of objects and indices of arrays, nested."""
+    items = data.items() if isinstance(data, dict) else (
+        enumerate(data) if isinstance(data, list) else ())
+    out = []
+    for key, value in items:
+        out.append((*prefix, key))
+        out += _places(value, (*prefix, key))
+    return out
+
+
+def corrupted(data: st.DataObject, original: Any) -> Any:
+    """``original`` (parsed JSON) with one to three places replaced, removed or repeated."""
+    copy = json.loads(json.dumps(original))
+    places = _places(copy)
+    for _ in range(data.draw(st.integers(1, 3), label="edits")):
+        place = data.draw(st.sampled_from(places), label="place")
+        action = data.draw(st.sampled_from(["replace", "replace", "remove", "repeat"]),
+                           label="action")
+        value = data.draw(st.sampled_from(BAD_VALUES), label="value")
+        try:
+            parent = copy
+            for key in place[:-1]:
+                parent = parent[key]
+            key = place[-1]
+            if action == "replace":
+                parent[key] = json.loads(json.dumps(value))  # a fresh [] or {} each time
+            elif action == "remove":
+                del parent[key]
+            elif isinstance(parent, list):
+                parent.insert(key, parent[key])
+            else:
+                parent[key] = [parent[key], parent[key]]
+        except (KeyError, IndexError, TypeError):
+            pass  # an earlier edit moved this place
+    return copy
+
+
+def _clean(error: SlackSwapError) -> None:
+    assert str(error) and "\n" not in str(error)
+
+
+PROPERTY = settings(max_examples=40, deadline=None,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                           HealthCheck.too_slow])
+
+
+def _load(cls: type, data: Any, tmp_path: Path) -> Any:
+    path = tmp_path / "corrupt.json"
+    path.write_text(json.dumps(data))
+    return load_model(cls, path)
+
+
+@PROPERTY
+@given(data=st.data())
+def test_corrupted_profiles(profile, tmp_path, data) -> None:
+    corrupt = corrupted(data, json.loads(profile.model_dump_json()))
+    with time_limit(20):
+        try:
+            loaded = _load(StepProfile, corrupt, tmp_path)
+            simulate(loaded, None, "a100-80gb")
+            simulate(loaded, None, "a100-80gb", 0.6)
+            plan_with_result(loaded, 0.6, "a100-80gb")
+        except SlackSwapError as e:
+            _clean(e)
+
+
+@pytest.fixture(scope="module")
+def moving_plan(profile) -> Plan:
+    attempt = plan_with_result(profile, 0.5, "a100-80gb")
+    assert attempt is not None and attempt[1].feasible
+    assert set(attempt[0].decisions.values()) > {"keep"}
+    return attempt[0]
+
+
+@PROPERTY
+@given(data=st.data())
+def test_corrupted_plans(profile, moving_plan, tmp_path, data) -> None:
+    corrupt = corrupted(data, json.loads(moving_plan.model_dump_json()))
+    with time_limit(20):
+        try:
+            simulate(profile, _load(Plan, corrupt, tmp_path), "a100-80gb", 0.5)
+        except SlackSwapError as e:
+            _clean(e)
+
+
+LINE_VALUES = ["nan", "inf", "-inf", "-1", "0", "1e308", "1e-308", "999", '"x"', "[]",
+               "[[0, 1.0]]", "{ fp32 = 1e12 }", "true"]
+
+
+@PROPERTY
+@given(data=st.data())
+def test_corrupted_hardware_files(profile, tmp_path, data) -> None:
+    lines = PRESET.read_text().splitlines()
+    settings_lines = [i for i, line in enumerate(lines) if "=" in line
+                      and not line.lstrip().startswith(("#", '"'))]
+    for _ in range(data.draw(st.integers(1, 3))):
+        i = data.draw(st.sampled_from(settings_lines))
+        if data.draw(st.booleans()):
+            lines[i] = ""
+        else:
+            lines[i] = lines[i].split("=")[0] + "= " + data.draw(st.sampled_from(LINE_VALUES))
+    path = tmp_path / "gpu.toml"
+    path.write_text("\n".join(lines))
+    with time_limit(20):
+        try:
+            hw = load_hardware(path)
+        except SlackSwapError as e:
+            _clean(e)
+            return
+        priced = [op.model_copy(update={"time_s": op_time(op, hw)}) for op in profile.ops]
+        repriced = profile.model_copy(update={"ops": priced, "hardware": str(path)})
+        try:
+            simulate(repriced, None, hw, 0.6)
+            plan_with_result(repriced, 0.6, hw)
+        except SlackSwapError as e:
+            _clean(e)
+        # a profile priced on hardware that loads can be read back
+        _load(StepProfile, json.loads(repriced.model_dump_json()), tmp_path)
