@@ -98,6 +98,20 @@ def test_a_symlink_is_written_through(tmp_path) -> None:
     assert dangling.is_symlink() and dangling.read_text() == "made"
 
 
+def test_the_memory_plot_is_written_as_other_files_are(tmp_path, profile) -> None:
+    """The PNG writer goes through ``atomic_write`` too: through a symlink, with the
+    umask's mode, into a folder it makes."""
+    from slackswap.sim.outputs import write_memory_plot
+
+    result = simulate(profile, None, "a100-80gb")
+    target, link = tmp_path / "real" / "m.png", tmp_path / "m.png"
+    link.symlink_to(target)
+    os.umask(0o022)
+    write_memory_plot(result, link)
+    assert link.is_symlink() and target.read_bytes().startswith(b"\x89PNG")
+    assert stat.S_IMODE(target.stat().st_mode) == 0o644
+
+
 def test_a_fifo_is_written_through(tmp_path) -> None:
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)

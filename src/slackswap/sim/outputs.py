@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
-from pathlib import Path
 from typing import Any
 
-from slackswap.core.jsonio import atomic_write_text
+from slackswap.core.jsonio import atomic_write, atomic_write_text
 from slackswap.core.result import SimResult
 from slackswap.errors import InputError
 
@@ -118,12 +116,7 @@ def write_memory_plot(result: SimResult, path: str | os.PathLike[str],
     ax.set_title(f"retention {result.retention:.1%}, peak {result.peak_bytes / 2**30:.2f} GiB")
     ax.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent or ".")
-    os.close(fd)
     try:
-        fig.savefig(tmp, format="png")
-        os.replace(tmp, path)
+        atomic_write(path, lambda f: fig.savefig(f, format="png"))
     finally:
         plt.close(fig)
-        Path(tmp).unlink(missing_ok=True)
