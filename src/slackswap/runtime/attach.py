@@ -11,7 +11,10 @@ NOTE [a block opened inside the model's call]
     would have (global ones first). The forward hook that closes the block is registered
     after the block's own, so it is the model's last: when forward raises, PyTorch calls
     the always-called forward hooks while iterating the model's dict of them, and only
-    the last one may remove entries from it.
+    the last one may remove entries from it. A forward stopped by a BaseException
+    (Ctrl-C) runs no forward hook: its block stays open, and the block's pre-hook on
+    the model, read at the next call's start, would run after attach's, on a closed
+    block. So that call closes the block and is refused before it runs.
 """
 
 from __future__ import annotations
@@ -25,9 +28,11 @@ import torch
 from torch.nn.modules import module as nn_module
 from torch.utils import _pytree
 
-from slackswap.core.hardware import Hardware
+from slackswap.core.hardware import Hardware, load_hardware
 from slackswap.core.plan import Plan
+from slackswap.core.units import resolve_budget
 from slackswap.errors import InputError, SlackSwapError
+from slackswap.planners import STRATEGIES
 from slackswap.profiling.step import model_fingerprint
 from slackswap.runtime.block import apply
 from slackswap.runtime.oneshot import plan_model
@@ -59,6 +64,11 @@ def attach(model: torch.nn.Module, budget: str | int | float = 0.5,
     if model in _ATTACHED:
         raise InputError("slackswap.attach: this model is attached already; call .detach() "
                          "on the first attachment before attaching again")
+    # refused now, not at the first training forward
+    resolve_budget(budget, 1)
+    load_hardware(hardware or "a100-80gb")
+    if strategy not in STRATEGIES:
+        raise InputError(f"unknown strategy '{strategy}'; strategies: {', '.join(STRATEGIES)}")
     return Attached(model, budget, hardware, strategy, loss_fn)
 
 
@@ -96,10 +106,15 @@ class Attached:
 
     # -- the hooks -----------------------------------------------------------------------
     def _before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._block is not None and not self._planning:
+            # NOTE [a block opened inside the model's call]: the last forward was stopped
+            self._close()
+            raise InputError("slackswap.attach: the model was called before its last "
+                             "training forward ended (stopped by Ctrl-C, or a call inside "
+                             "its own forward); that forward's block is closed now: call "
+                             "the model again")
         if self._planning or not (module.training and torch.is_grad_enabled()):
             return
-        # a forward that stopped with a BaseException (Ctrl-C) ran no always-called hook
-        self._close()
         key = self._key(module, args, kwargs)
         plan = self.plans.get(key)
         if plan is None:
