@@ -1,0 +1,260 @@
+"""``slackswap.attach`` and the framework integrations: training with no loop edits is
+bit-identical to the same training without SlackSwap, and what cannot be planned is
+refused loudly, leaving nothing behind."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from torch.nn.modules import module as nn_module
+
+import slackswap
+from slackswap.errors import InputError
+from slackswap.runtime import block
+
+
+def tiny_lm() -> tuple[torch.nn.Module, list[dict[str, torch.Tensor]]]:
+    """A two-layer GPT-2 with dropout, and six examples of 32 tokens."""
+    config = transformers.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4,
+                                     n_positions=64, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).train()
+    ids = torch.randint(0, 256, (6, 32), generator=torch.Generator().manual_seed(1))
+    return model, [{"input_ids": i, "labels": i.clone()} for i in ids]
+
+
+def params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def global_hooks() -> tuple[int, int]:
+    return len(nn_module._global_forward_pre_hooks), len(nn_module._global_forward_hooks)
+
+
+def nothing_left(model: torch.nn.Module, hooks: tuple[int, int]) -> bool:
+    """No hook, block or disabled collector left from SlackSwap (``hooks``: the global
+    hooks counted before)."""
+    return (not model._forward_pre_hooks and not model._forward_hooks and not block._ACTIVE
+            and gc.isenabled() and global_hooks() == hooks)
+
+
+def loop(model: torch.nn.Module, batches: list[dict], **attach) -> tuple[list, dict, object]:
+    """Three AdamW steps (an evaluation forward between the first two), losses and the
+    parameters after them; with ``attach``, under ``slackswap.attach(model, **attach)``."""
+    hooks = global_hooks()
+    attached = slackswap.attach(model, **attach) if attach else None
+    torch.manual_seed(0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for step, batch in enumerate(batches):
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        if step == 0:  # evaluation passes by: no plan, no block
+            model.eval()
+            with torch.no_grad():
+                losses.append(model(**batch).loss.item())
+            model.train()
+    if attached is not None:
+        attached.detach()
+        assert nothing_left(model, hooks)
+    return losses, params(model), attached
+
+
+def test_plain_loop_is_bit_identical_with_a_plan_per_shape() -> None:
+    """Recomputing (dropout replayed) and offloading, two batch shapes planned once each."""
+    model, data = tiny_lm()
+    stack = {k: torch.stack([d[k] for d in data[:2]]) for k in data[0]}
+    short = {k: v[:, :16] for k, v in stack.items()}
+    batches = [stack, short, stack]
+    reference = loop(copy.deepcopy(model), batches)
+    losses, after, attached = loop(model, batches, budget=0.7, strategy="module-policy")
+    assert losses == reference[0]
+    assert_same(after, reference[1])
+    assert len(attached.plans) == 2
+    # the plan ran (it did not pass by): the last step recomputed and offloaded
+    assert attached.stats.recomputed_ops > 0 and attached.stats.offloaded_bytes > 0
+
+
+class _Net(torch.nn.Module):
+    """Returns logits from a batch nested in a dict; the loss is taken outside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(256, 512), torch.nn.Linear(512, 10)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.b(torch.nn.functional.dropout(torch.tanh(self.a(batch["x"])), 0.1))
+
+
+def test_loss_outside_the_model_and_a_nested_batch() -> None:
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(2))
+    y = torch.randint(0, 10, (64,), generator=torch.Generator().manual_seed(3))
+
+    def train(net: torch.nn.Module) -> tuple[list, dict]:
+        torch.manual_seed(0)
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+        losses = []
+        for n in (64, 32, 64):
+            loss = torch.nn.functional.cross_entropy(net({"x": x[:n]}), y[:n])
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        return losses, params(net)
+
+    reference = train(_Net())
+    net = _Net()
+    with slackswap.attach(net, budget=0.8, strategy="recompute-only") as attached:
+        losses, after = train(net)
+    assert losses == reference[0]
+    assert_same(after, reference[1])
+    assert len(attached.plans) == 2 and attached.stats.recomputed_ops > 0
+
+
+class _Raises(_Net):
+    """Returns its loss; raises ``fail`` at the end of forward when it is set."""
+
+    fail: type[BaseException] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward({"x": x})
+        if self.fail is not None:
+            raise self.fail("boom")
+        return out.square().mean()
+
+
+def test_refused_loudly_and_nothing_left_behind() -> None:
+    """What cannot be planned is refused with a one-line error naming the batch; a
+    forward that raises keeps its own error; either way no hook, block or disabled
+    collector stays, and training goes on exactly. A forward stopped by Ctrl-C (which
+    runs no forward hook) leaves its block open: the next call closes it and is refused."""
+    hooks = global_hooks()
+    net = _Raises()
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(2))
+    reference = copy.deepcopy(net)
+    for seed in range(2):
+        torch.manual_seed(seed)
+        reference(x).backward()
+    with slackswap.attach(net, budget=0.8, strategy="recompute-only") as attached:
+        with pytest.raises(InputError, match="attached already"):
+            slackswap.attach(net)
+        for wrong in ({"budget": "lots"}, {"strategy": "fast"}, {"hardware": "tpu"}):
+            with pytest.raises(InputError):
+                slackswap.attach(_Net(), **wrong)
+        torch.manual_seed(0)
+        net(x).backward()  # planned
+        net.fail = ValueError
+        with pytest.raises(ValueError, match="boom"):
+            net(x)
+        assert not block._ACTIVE and gc.isenabled()
+        net.fail = KeyboardInterrupt
+        with pytest.raises(KeyboardInterrupt):
+            net(x)
+        assert block._ACTIVE and not gc.isenabled()
+        net.fail = None
+        with pytest.raises(InputError, match="before its last training forward ended"):
+            net(x)
+        assert not block._ACTIVE and gc.isenabled()
+        torch.manual_seed(1)
+        net(x).backward()
+    assert_same({n: p.grad for n, p in net.named_parameters()},
+                {n: p.grad for n, p in reference.named_parameters()})
+    assert attached.stats.recomputed_ops > 0 and nothing_left(net, hooks)
+    with slackswap.attach(net, budget=0.01), pytest.raises(
+            InputError, match=r"^slackswap.attach, planning a batch of shapes \[\[64, 256\]\]: "
+                              r"budget .* fits no plan"):
+        net(x)
+    assert nothing_left(net, hooks)
+
+
+def test_hf_trainer_three_steps_bit_identical(tmp_path: Path) -> None:
+    from slackswap.integrations.hf import SlackSwapCallback
+
+    class Recording(transformers.Trainer):
+        def training_step(self, *args, **kwargs) -> torch.Tensor:
+            loss = super().training_step(*args, **kwargs)
+            self.losses.append(loss.item())
+            return loss
+
+    def train(model: torch.nn.Module, data: list, callbacks: list) -> list[float]:
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2, use_cpu=True,
+            report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True, seed=0)
+        trainer = Recording(model=model, args=args, train_dataset=data, callbacks=callbacks)
+        trainer.losses = []
+        trainer.train()
+        return trainer.losses
+
+    model, data = tiny_lm()
+    reference = copy.deepcopy(model)
+    expected = train(reference, data, [])
+    callback = SlackSwapCallback(budget=0.5)
+    assert train(model, data, [callback]) == expected
+    assert_same(params(model), params(reference))
+    assert callback.attached.stats.offloaded_bytes > 0  # the plan ran
+    assert not model._forward_pre_hooks and not model._forward_hooks  # detached at the end
+
+
+def test_lightning_three_steps_bit_identical() -> None:
+    import pytorch_lightning as pl
+
+    from slackswap.integrations.lightning import SlackSwapCallback
+
+    class LitLM(pl.LightningModule):
+        def __init__(self, model: torch.nn.Module) -> None:
+            super().__init__()
+            self.model, self.losses = model, []
+
+        def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+            loss = self.model(**batch).loss
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def train(model: torch.nn.Module, data: list, callbacks: list) -> list[float]:
+        module = LitLM(model)
+        torch.manual_seed(0)
+        trainer = pl.Trainer(max_steps=3, accelerator="cpu", devices=1, precision="bf16-mixed",
+                             callbacks=callbacks, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=2))
+        return module.losses
+
+    model, data = tiny_lm()
+    reference = copy.deepcopy(model)
+    expected = train(reference, data, [])
+    callback = SlackSwapCallback(budget=0.7, module="model", strategy="module-policy")
+    assert train(model, data, [callback]) == expected
+    assert_same(params(model), params(reference))
+    stats = callback.attached.stats
+    assert stats.recomputed_ops > 0 and stats.offloaded_bytes > 0  # the plan ran
+    assert not model._forward_pre_hooks and not model._forward_hooks
+
+
+def test_readme_attach_section_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("## Training without loop edits", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(blocks) == 4
+    monkeypatch.chdir(tmp_path)  # the Trainer's output directory
+    namespace: dict = {}
+    exec(compile("\n".join(blocks), "README.md", "exec"), namespace)
+    assert namespace["attached"].plans and not namespace["model"]._forward_pre_hooks
