@@ -362,6 +362,7 @@ def _print_plan(prof: StepProfile, chosen: Any, result: Any, output: str | None)
 
 def _print_reproduce(results: dict[str, Any], out_dir: str) -> None:
     from slackswap.planners import STRATEGIES
+    from slackswap.reproduce import bound_cell, written_files
 
     out = Console()
     workloads = results["workloads"]
@@ -376,12 +377,11 @@ def _print_reproduce(results: dict[str, Any], out_dir: str) -> None:
         entries = [w["strategies"][s] for w in workloads]
         cells = [f"{e['retention']:.1%}" if e["feasible"] else "infeasible" for e in entries]
         table.add_row(f"[bold]{s}[/bold]" if s == "slackswap" else s, *cells)
-    table.add_row("bound", *(f"{w['bound_retention']:.1%}" for w in workloads))
+    table.add_row("bound", *(bound_cell(w) for w in workloads))
     if results.get("gpus", 1) > 1:
         table.add_row("slackswap, planned for 1 GPU", *(
             f"{w['single_gpu_plan']['retention']:.1%}" if w["single_gpu_plan"]["feasible"]
             else "infeasible" for w in workloads))
     out.print(table)
     out.print("* the paper's own simulation (A100, PCIe 4.0, 50% budget)")
-    plots = ", plots" if any("sweep" in w for w in workloads) else ""
-    out.print(f"results written to {out_dir}/ (results.json, report.md{plots}, traces)")
+    out.print(f"results written to {out_dir}/ ({', '.join(written_files(results))})")

@@ -3,7 +3,8 @@
 Profiles the reference workloads (cached on disk by fingerprint), plans each with every
 strategy at one budget, simulates, and writes a results folder: ``results.json``, a
 Markdown report and a Perfetto trace of each SlackSwap plan; with a budget sweep, a
-retention-against-budget plot per workload too.
+retention-against-budget plot per workload too. A strategy with no plan that fits has
+retention null in the JSON, "infeasible" in the report and a gap in the plot, never 0%.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -22,14 +24,14 @@ from slackswap.core.jsonio import atomic_write_text, dump_model, load_model
 from slackswap.core.profile import StepProfile
 from slackswap.core.units import format_bytes
 from slackswap.errors import InputError
-from slackswap.planners import STRATEGIES, plan_in_context
+from slackswap.planners import STRATEGIES, plan_in_context, smallest_feasible_budget
 from slackswap.planners.bound import retention_bound
 from slackswap.planners.context import PlanContext
 from slackswap.planners.summary import checkpoint_bytes, decision_bytes
 from slackswap.sim.outputs import write_trace
 
 __all__ = ["PAPER", "WORKLOADS", "reproduce", "cached_profile", "SWEEP", "steps", "REFERENCES",
-           "reference_peak", "loss_ops"]
+           "reference_peak", "loss_ops", "sweep_figure", "written_files"]
 
 # Throughput retained at a 50% budget on A100 + PCIe 4.0, as the paper reports it
 # (its own simulation; it did not run on hardware).
@@ -95,20 +97,38 @@ def _profiler_digest() -> str:
     return digest.hexdigest()[:16]
 
 
+def _no_plan(ctx: PlanContext) -> str:
+    """Why a strategy returned no plan at all."""
+    if not ctx.reachable:
+        return (f"the budget is below the {format_bytes(ctx.working_set)} one op needs at "
+                "once")
+    return "the strategy has no plan for this model"
+
+
+def _bound(ctx: PlanContext) -> float | None:
+    """The bound's retention; None where no plan can fit (``retention_bound`` says 0)."""
+    bound = retention_bound(ctx)
+    return bound if bound > 0 else None
+
+
 def _strategy_entry(ctx: PlanContext, strategy: str) -> tuple[dict[str, Any], Any]:
+    """``strategy``'s row of the results: retention None and a reason when it is
+    infeasible."""
     start = time.perf_counter()
     attempt = plan_in_context(ctx, strategy)
     elapsed = time.perf_counter() - start
     if attempt is None:
-        return {"retention": 0.0, "peak_bytes": None, "feasible": False,
-                "offloaded_bytes": 0, "recomputed_bytes": 0, "plan_time_s": elapsed}, None
+        return {"retention": None, "peak_bytes": None, "feasible": False,
+                "reason": _no_plan(ctx), "offloaded_bytes": 0, "recomputed_bytes": 0,
+                "plan_time_s": elapsed}, None
     plan, result = attempt
     totals = decision_bytes(ctx.profile, plan, by="total").get("total", {})
     checkpoints = checkpoint_bytes(ctx.profile, plan)
     return {
-        "retention": result.retention if result.feasible else 0.0,
+        "retention": result.retention if result.feasible else None,
         "peak_bytes": result.peak_bytes,
         "feasible": result.feasible,
+        "reason": None if result.feasible else result.infeasible_reason,
         "offloaded_bytes": totals.get("offload", 0) + checkpoints["offload"],
         "recomputed_bytes": totals.get("recompute", 0),
         "plan_time_s": elapsed,
@@ -157,7 +177,7 @@ def reproduce(
         entry: dict[str, Any] = {
             "name": name, "ideal_step_time_s": ctx.ideal,
             "keep_all_peak_bytes": ctx.keep_all_peak, "reference_peak_bytes": peak,
-            "budget_bytes": ctx.budget,
+            "budget_bytes": ctx.budget, "working_set_bytes": ctx.working_set,
             "paper_retention": PAPER.get(name), "strategies": {},
         }
         for strategy in STRATEGIES:
@@ -170,11 +190,15 @@ def reproduce(
             progress(f"{name}: the plan for one GPU, on {gpus}")
             entry["single_gpu_plan"] = _single_gpu_plan(prof, single, hw, ctx.budget)
         start = time.perf_counter()
-        entry["bound_retention"] = retention_bound(ctx)
+        entry["bound_retention"] = _bound(ctx)
         entry["bound_time_s"] = time.perf_counter() - start
+        if not any(e["feasible"] for e in entry["strategies"].values()):
+            # what budget would do: a plan is known to fit this one
+            entry["smallest_feasible_budget_bytes"] = smallest_feasible_budget(prof, hw)
         if sweep:
             entry["sweep"] = _sweep(prof, hw, sweep, name, progress, peak)
             _plot_sweep(entry, folder / f"{name}-retention.png")
+            entry["plot"] = f"{name}-retention.png"
         results["workloads"].append(entry)
     atomic_write_text(folder / "results.json", json.dumps(results, indent=2))
     atomic_write_text(folder / "report.md", report(results))
@@ -243,9 +267,10 @@ def _single_gpu_plan(prof: StepProfile, single: Hardware, node: Hardware,
     ctx = PlanContext(prof, single, budget)
     attempt = plan_in_context(ctx)
     if attempt is None:
-        return {"retention": 0.0, "feasible": False, "reason": "no plan for one GPU"}
+        return {"retention": None, "feasible": False, "reason": "no plan for one GPU"}
     result = simulate(prof, attempt[0], node, ctx.budget)
-    return {"retention": result.retention, "feasible": result.feasible,
+    return {"retention": result.retention if result.feasible else None,
+            "feasible": result.feasible,
             "reason": result.infeasible_reason,
             "stall_s": sum(v for k, v in result.stall_s.items() if k != "recompute")}
 
@@ -264,11 +289,19 @@ def _sweep(prof: StepProfile, hw: Hardware, budgets: tuple[float, ...], name: st
             if strategy == "slackswap":
                 peak = entry["peak_bytes"]
         rows["peak_bytes"].append(peak)
-        rows["bound"].append(retention_bound(ctx))
+        rows["bound"].append(_bound(ctx))
     return rows
 
 
-def _plot_sweep(entry: dict[str, Any], path: Path) -> None:
+def _percent(values: list[float | None]) -> list[float]:
+    """Retentions in %, an infeasible point NaN: a gap in the line, not 0%."""
+    return [math.nan if r is None else r * 100 for r in values]
+
+
+def sweep_figure(entry: dict[str, Any]) -> Any:
+    """The retention-against-budget figure of a workload's ``sweep``: an infeasible point
+    is a gap in its strategy's line; budgets no plan fits (the bound infeasible) are
+    shaded."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -277,16 +310,29 @@ def _plot_sweep(entry: dict[str, Any], path: Path) -> None:
     sweep = entry["sweep"]
     xs = [b * 100 for b in sweep["budgets"]]
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
-    ax.plot(xs, [r * 100 for r in sweep["bound"]], color="0.5", ls=":", label="bound")
+    ax.plot(xs, _percent(sweep["bound"]), color="0.5", ls=":", label="bound")
     for i, strategy in enumerate(STRATEGIES):
-        ax.plot(xs, [r * 100 for r in sweep[strategy]], marker="o", ms=3,
+        ax.plot(xs, _percent(sweep[strategy]), marker="o", ms=3,
                 lw=2.2 if strategy == "slackswap" else 1.2, color=f"C{i}", label=strategy)
+    half = min((b - a for a, b in zip(xs, xs[1:], strict=False) if b > a), default=10) / 2
+    label = "no plan fits"
+    for x, bound in zip(xs, sweep["bound"], strict=True):
+        if bound is None:
+            ax.axvspan(x - half, x + half, color="0.9", lw=0, label=label)
+            label = "_"
     ax.set_xlabel("activation memory budget (% of keep-all peak)")
     ax.set_ylabel("throughput retained (%)")
     ax.set_ylim(0, 101)
-    ax.set_title(f"{entry['name']}: retention against budget")
-    ax.legend(fontsize=7, loc="lower right")
+    ax.set_title(f"{entry['name']}: retention against budget (a gap: infeasible)")
+    ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
+    return fig
+
+
+def _plot_sweep(entry: dict[str, Any], path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = sweep_figure(entry)
     tmp = path.with_name(f".{path.name}.tmp.png")
     fig.savefig(tmp)
     plt.close(fig)
@@ -310,8 +356,12 @@ def report(results: dict[str, Any]) -> str:
         paper = f"{w['paper_retention']:.1%}" if w["paper_retention"] else "-"
         cells = [_pct(st[s]) for s in STRATEGIES if s != "slackswap"]
         lines.append(f"| {w['name']} | {paper} | **{_pct(st['slackswap'])}** | "
-                     f"{w['bound_retention']:.1%} | " + " | ".join(cells) + " |")
-    lines += ["", "Infeasible: the strategy found no plan that fits the budget.", ""]
+                     f"{bound_cell(w)} | " + " | ".join(cells) + " |")
+    lines += ["", "Infeasible: the strategy found no plan that fits the budget; in the bound "
+              "column, no plan can fit it.", ""]
+    lines += [f"- {line}" for w in results["workloads"] if (line := _none_fits(w))]
+    if lines[-1].startswith("- "):
+        lines.append("")
     if results.get("gpus", 1) > 1:
         lines += [f"On {results['gpus']} GPUs of the node running in lockstep, the SlackSwap "
                   "plan made for one GPU, simulated on the node:", ""]
@@ -334,10 +384,12 @@ def report(results: dict[str, Any]) -> str:
             peak = format_bytes(e["peak_bytes"]) if e["peak_bytes"] is not None else "-"
             lines.append(f"| {s} | {_pct(e)} | {peak} | {format_bytes(e['offloaded_bytes'])} "
                          f"| {format_bytes(e['recomputed_bytes'])} | {e['plan_time_s']:.2f} s |")
-        if "sweep" in w:
-            lines += ["", f"![retention against budget]({w['name']}-retention.png)"]
+        if w.get("plot"):
+            lines += ["", f"![retention against budget]({w['plot']}) (a gap: infeasible)"]
         if w.get("trace"):
-            lines += ["", f"Trace of the SlackSwap plan: `{w['trace']}` "
+            ours = w["strategies"]["slackswap"]
+            what = "" if ours["feasible"] else f", which does not fit ({ours['reason']})"
+            lines += ["", f"Trace of the SlackSwap plan{what}: `{w['trace']}` "
                       "(open it at ui.perfetto.dev)."]
         lines.append("")
     return "\n".join(lines)
@@ -345,3 +397,38 @@ def report(results: dict[str, Any]) -> str:
 
 def _pct(entry: dict[str, Any]) -> str:
     return f"{entry['retention']:.1%}" if entry["feasible"] else "infeasible"
+
+
+def bound_cell(workload: dict[str, Any]) -> str:
+    """The bound's retention as a table shows it: "infeasible" when no plan can fit."""
+    bound = workload["bound_retention"]
+    return "infeasible" if bound is None else f"{bound:.1%}"
+
+
+def _none_fits(w: dict[str, Any]) -> str:
+    """The sentence saying no strategy fits a workload's budget, and why; empty when one
+    does."""
+    if any(e["feasible"] for e in w["strategies"].values()):
+        return ""
+    budget = format_bytes(w["budget_bytes"])
+    if w["budget_bytes"] < w.get("working_set_bytes", 0):
+        why = f"it is below the {format_bytes(w['working_set_bytes'])} one op needs at once"
+    elif w["bound_retention"] is None:
+        why = "the bound shows no plan can fit it"
+    else:
+        why = f"the bound leaves room for a plan up to {w['bound_retention']:.1%}"
+    line = f"**No strategy fits {w['name']} in {budget}**: {why}."
+    if "smallest_feasible_budget_bytes" in w:
+        least = w["smallest_feasible_budget_bytes"]
+        line += (f" The smallest budget a plan is known to fit: {format_bytes(least)} "
+                 f"({least / w['reference_peak_bytes']:.1%} of the reference peak).")
+    return line
+
+
+def written_files(results: dict[str, Any]) -> list[str]:
+    """The kinds of file a reproduce run wrote, as the command line lists them."""
+    files = ["results.json", "report.md"]
+    workloads = results["workloads"]
+    files += ["plots"] if any(w.get("plot") for w in workloads) else []
+    files += ["traces"] if any(w.get("trace") for w in workloads) else []
+    return files
