@@ -183,6 +183,28 @@ def test_refused_loudly_and_nothing_left_behind() -> None:
     assert nothing_left(net, hooks)
 
 
+def test_torch_compile() -> None:
+    """Attached to a compiled module, the plan runs (the runtime runs it eagerly, as
+    dynamo's eager backend does); attached to a module that compiled code calls, a plan
+    cannot reach its ops, and the call is refused."""
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(2))
+
+    def grads(net: torch.nn.Module, call: torch.nn.Module) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        call(x).backward()
+        return {n: p.grad for n, p in net.named_parameters()}
+
+    net = _Raises()
+    copied = copy.deepcopy(net)
+    reference = grads(copied, copied)
+    compiled = torch.compile(net, backend="eager")
+    with slackswap.attach(compiled, budget=0.8, strategy="recompute-only") as attached:
+        assert_same(grads(net, compiled), reference)
+    assert attached.stats.recomputed_ops > 0
+    with slackswap.attach(net), pytest.raises(InputError, match="called from code torch.compile"):
+        compiled(x)
+
+
 def test_hf_trainer_three_steps_bit_identical(tmp_path: Path) -> None:
     from slackswap.integrations.hf import SlackSwapCallback
 

@@ -20,6 +20,7 @@ NOTE [a block opened inside the model's call]
 from __future__ import annotations
 
 import inspect
+import sys
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -59,7 +60,9 @@ def attach(model: torch.nn.Module, budget: str | int | float = 0.5,
     raises; it never runs without its plan. ``loss_fn`` is the loss to profile with
     when the model's output carries none (default: the sum of its floating-point
     tensors; a loss computed outside the model runs outside the block either way).
-    ``.detach()`` (or leaving ``with slackswap.attach(...):``) undoes it.
+    Attach a ``torch.compile``'d model as compiled (its forward then runs eagerly); one
+    called from compiled code is refused. ``.detach()`` (or leaving ``with
+    slackswap.attach(...):``) undoes it.
     """
     if model in _ATTACHED:
         raise InputError("slackswap.attach: this model is attached already; call .detach() "
@@ -105,6 +108,7 @@ class Attached:
         self.detach()
 
     # -- the hooks -----------------------------------------------------------------------
+    @torch.compiler.disable  # run as they are, even when compiled code calls the model
     def _before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         if self._block is not None and not self._planning:
             # NOTE [a block opened inside the model's call]: the last forward was stopped
@@ -115,6 +119,11 @@ class Attached:
                              "the model again")
         if self._planning or not (module.training and torch.is_grad_enabled()):
             return
+        if _in_compiled_code():
+            raise InputError("slackswap.attach: the model is called from code torch.compile "
+                             "runs, whose ops a plan cannot reach; attach the compiled module "
+                             "(slackswap.attach(torch.compile(model))), or train without "
+                             "torch.compile")
         key = self._key(module, args, kwargs)
         plan = self.plans.get(key)
         if plan is None:
@@ -144,6 +153,7 @@ class Attached:
             raise
         self._block, self.stats = block, block.stats  # (backward adds to these stats)
 
+    @torch.compiler.disable
     def _after(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
         self._close()
 
@@ -182,6 +192,19 @@ class Attached:
             raise type(e)(f"slackswap.attach, planning a batch of shapes {shapes}: {e}") from e
         finally:
             self._planning = False
+
+
+def _in_compiled_code() -> bool:
+    """Whether torch.compile's wrapper is on the stack: the model is called from compiled
+    code (its hooks run before the wrapper when the compiled module itself is attached)."""
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")
+    frame = sys._getframe(1) if dynamo is not None else None
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "compile_wrapper" and code.co_filename == dynamo.__file__:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _copy(t: torch.Tensor) -> torch.Tensor:
