@@ -23,7 +23,7 @@ def better(a: Attempt | None, b: Attempt | None) -> Attempt | None:
 
 
 def fit_margin(ctx: PlanContext, make: Callable[[int], Plan | None],
-               tries: int = 6) -> Attempt | None:
+               tries: int = 8) -> Attempt | None:
     """Call ``make(margin)`` with a growing safety margin (bytes below the budget) until
     the simulated plan fits; one more, larger margin is tried in case memory stalls cost
     more than the extra evictions. Returns the best feasible attempt."""
