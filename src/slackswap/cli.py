@@ -14,10 +14,17 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from slackswap.core.hardware import hardware_presets, load_hardware, on_node, parse_overrides
+from slackswap.core.hardware import (
+    Hardware,
+    hardware_presets,
+    load_hardware,
+    on_node,
+    parse_overrides,
+)
 from slackswap.core.jsonio import dump_model
 from slackswap.core.profile import StepProfile
 from slackswap.core.units import format_bytes
+from slackswap.device_budget import OPTIMIZERS, PRECISIONS, device_budget, is_fit
 from slackswap.errors import InputError, SlackSwapError
 
 __all__ = ["main"]
@@ -209,18 +216,27 @@ def _print_result(prof: StepProfile, result: Any, trace: str | None, plot: str |
 @main.command("plan")
 @click.argument("source", metavar="PROFILE.json|MODEL")
 @click.option("--budget", required=True, help="Fraction of the keep-all peak (0.5), bytes, "
-              "or a size such as 24GiB.")
+              "a size such as 24GiB, or 'fit': the device's memory less the model states "
+              "and the CUDA context.")
 @click.option("--strategy", default="slackswap", show_default=True,
               help="slackswap, recompute-only, checkpoint-blocks, offload-only, capuchin, "
                    "module-policy.")
 @click.option("--hardware", help="Hardware preset or .toml file; default: the profile's "
               "(a100-80gb for a model).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the plan JSON.")
+@click.option("--optimizer", type=click.Choice(list(OPTIMIZERS)),
+              help="With --budget fit: the optimizer whose states the device holds "
+                   "[default: adamw].")
+@click.option("--precision", type=click.Choice(list(PRECISIONS)),
+              help="With --budget fit: mixed (fp32 master weights and optimizer states, "
+                   "16 B/param for AdamW on 16-bit weights) or pure (states in the "
+                   "parameters' dtype) [default: mixed].")
 @_gpus_option
 @_set_option
 @_user_errors
 def plan_command(source: str, budget: str, strategy: str, hardware: str | None,
-                 output: str | None, gpus: int, overrides: tuple[str, ...]) -> None:
+                 output: str | None, optimizer: str | None, precision: str | None, gpus: int,
+                 overrides: tuple[str, ...]) -> None:
     """Plan keep / offload / recompute for every saved activation under a budget."""
     from slackswap.core.jsonio import load_model
     from slackswap.planners import plan_with_result
@@ -239,6 +255,7 @@ def plan_command(source: str, budget: str, strategy: str, hardware: str | None,
             net, example = load_workload(source)
             prof = run_profile(net, example, hw, name=source)
     node = on_node(hw, gpus)
+    budget = _fit_budget(prof, node, budget, optimizer, precision)
     with _progress(f"planning with {strategy}"):
         attempt = plan_with_result(prof, budget, node, strategy)
         if attempt is None or not attempt[1].feasible:
@@ -247,6 +264,19 @@ def plan_command(source: str, budget: str, strategy: str, hardware: str | None,
     if output:
         dump_model(chosen, output)
     _print_plan(prof, chosen, result, output)
+
+
+def _fit_budget(prof: StepProfile, hw: Hardware, budget: str, optimizer: str | None,
+                precision: str | None) -> str:
+    """``budget``, or for ``fit`` the bytes the device leaves, its breakdown printed."""
+    if not is_fit(budget):
+        if optimizer or precision:
+            raise InputError("--optimizer and --precision size the model states for "
+                             "--budget fit; give them with it")
+        return budget
+    device = device_budget(prof, hw, optimizer or "adamw", precision or "mixed")
+    Console().print("\n".join(device.lines()), highlight=False)
+    return str(device.budget_bytes)
 
 
 @main.command()

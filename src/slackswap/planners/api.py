@@ -10,6 +10,7 @@ from slackswap.core.plan import Decision, Plan
 from slackswap.core.profile import StepProfile
 from slackswap.core.result import SimResult
 from slackswap.core.units import format_bytes, resolve_budget
+from slackswap.device_budget import resolve_fit
 from slackswap.errors import InputError
 from slackswap.planners import baselines
 from slackswap.planners.context import PlanContext
@@ -71,6 +72,7 @@ def plan_with_result(
     if strategy not in STRATEGIES:
         raise InputError(f"unknown strategy '{strategy}'; strategies: {', '.join(STRATEGIES)}")
     hw = load_hardware(hardware or profile.hardware)
+    budget = resolve_fit(budget, profile, hw)
     ctx = PlanContext(profile, hw, resolve_budget(budget, profile.keep_all_peak))
     return plan_in_context(ctx, strategy)
 
@@ -101,9 +103,12 @@ def plan(
     strategy: str = "slackswap",
 ) -> Plan:
     """Keep, offload or recompute for every saved activation so the step fits ``budget``:
-    a fraction of the keep-all activation peak (``0.5``), bytes, or a string (``"24GiB"``).
+    a fraction of the keep-all activation peak (``0.5``), bytes, a string (``"24GiB"``),
+    or ``"fit"``: what the device's memory leaves once AdamW's mixed-precision model states
+    and the CUDA context are taken out (:mod:`slackswap.device_budget`).
     """
     hw = load_hardware(hardware or profile.hardware)
+    budget = resolve_fit(budget, profile, hw)
     attempt = plan_with_result(profile, budget, hw, strategy)
     if attempt is None or not attempt[1].feasible:
         need = resolve_budget(budget, profile.keep_all_peak)

@@ -1,0 +1,97 @@
+"""``--budget fit``: device memory less the model states (16 B/param for AdamW in mixed
+precision, ZeRO section 3.1) and the reserve, with the breakdown shown, and one line with
+the numbers when the states do not fit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from slackswap.cli import main
+from slackswap.core.hardware import Hardware, load_hardware, with_overrides
+from slackswap.core.jsonio import dump_model
+from slackswap.core.profile import StepProfile
+from slackswap.device_budget import RESERVE, device_budget
+from slackswap.errors import InputError
+from slackswap.planners import plan
+from slackswap.reproduce import cached_profile
+
+NAME = "gpt2-xl-tiny"
+RESERVED = sum(n for n, _, _ in RESERVE.values())
+
+
+@pytest.fixture(scope="module")
+def prof(tmp_path_factory: pytest.TempPathFactory) -> StepProfile:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SLACKSWAP_CACHE", str(tmp_path_factory.mktemp("cache")))
+        return cached_profile(NAME, load_hardware("a100-80gb"))
+
+
+def _sized(capacity: float) -> Hardware:
+    return with_overrides(load_hardware("a100-80gb"), {"memory.capacity_bytes": capacity})
+
+
+def test_model_states_by_optimizer_and_precision(prof: StepProfile) -> None:
+    from slackswap.models import build_model
+
+    model, _ = build_model(NAME)
+    n = sum(p.numel() for p in model.parameters())
+    assert all(p.dtype.itemsize == 2 for p in model.parameters())  # bf16 weights
+    hw = load_hardware("a100-80gb")
+    device = device_budget(prof, hw)
+    assert device.parameters == n and device.weights == prof.model_state_bytes == 2 * n
+    assert (device.gradients, device.master, device.optimizer_states) == (2 * n, 4 * n, 8 * n)
+    assert device.model_states == 16 * n  # ZeRO: 2 + 2 + 12 bytes per parameter
+    assert device.budget_bytes == hw.memory.capacity_bytes - 16 * n - RESERVED
+    for optimizer, precision, per in (("adamw", "pure", 8), ("sgd-momentum", "mixed", 12),
+                                      ("sgd-momentum", "pure", 6), ("sgd", "pure", 4)):
+        assert device_budget(prof, hw, optimizer, precision).model_states == per * n
+    lines = device.lines()
+    assert "16 B/param" in lines[0] and f"{n:,} parameters" in lines[0]
+    for what in ("device memory", "gradients", "fp32 master weights", "AdamW states",
+                 "CUDA context", "cuBLAS", "activation budget"):
+        assert any(what in line for line in lines), what
+    with pytest.raises(InputError, match="unknown optimizer 'lion'"):
+        device_budget(prof, hw, "lion")
+
+
+def test_fit_plans_under_what_the_device_leaves(prof: StepProfile) -> None:
+    states = 16 * device_budget(prof, load_hardware("a100-80gb")).parameters
+    hw = _sized(states + RESERVED + 0.85 * prof.keep_all_peak)
+    chosen = plan(prof, "fit", hw)
+    assert chosen.budget_bytes == device_budget(prof, hw).budget_bytes
+    assert chosen.budget_bytes == int(0.85 * prof.keep_all_peak)
+    assert plan(prof, " FIT ", load_hardware("a100-80gb")).budget_bytes > 79 * 2**30
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (-1, "do not fit"), (RESERVED, "leave nothing"),
+])
+def test_states_that_do_not_fit(prof: StepProfile, extra: int, message: str) -> None:
+    states = 16 * device_budget(prof, load_hardware("a100-80gb")).parameters
+    with pytest.raises(InputError) as caught:
+        plan(prof, "fit", _sized(states + extra))
+    text = str(caught.value)
+    assert message in text and "\n" not in text and "16 B/param" in text
+    assert "3.50 MiB" in text  # the model states, in numbers
+
+
+def test_cli(prof: StepProfile, tmp_path: Path) -> None:
+    path = tmp_path / "p.json"
+    dump_model(prof, path)
+    result = CliRunner().invoke(main, ["plan", str(path), "--budget", "fit"])
+    assert result.exit_code == 0, result.output
+    assert "16 B/param" in result.stdout and "activation budget" in result.stdout
+    assert "CUDA context" in result.stdout and "predicted retention 100.00%" in result.stdout
+    result = CliRunner().invoke(main, ["plan", str(path), "--budget", "fit", "--optimizer",
+                                       "sgd", "--precision", "pure"])
+    assert result.exit_code == 0 and "4 B/param" in result.stdout
+    result = CliRunner().invoke(main, ["plan", str(path), "--budget", "fit", "--set",
+                                       "memory.capacity_bytes=1e6"])
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1
+    assert "do not fit" in result.stderr and "976.56 KiB of device memory" in result.stderr
+    result = CliRunner().invoke(main, ["plan", str(path), "--budget", "0.5", "--optimizer",
+                                       "sgd"])
+    assert result.exit_code == 2 and "--budget fit" in result.stderr
