@@ -37,8 +37,10 @@ NOTE [why this is a bound]
       past u's last forward use and at every backward point j before a rebuild that
       reads it, directly or through a never-saved tensor rebuilt after j, when u is
       never rebuilt (w_uj); or offloaded as a checkpoint (f_u), which then occupies
-      memory the same way until its copy out lands (e_uk <= f_u, on the D2H rows) and
-      crosses both links before the first rebuild that reads it;
+      memory the same way until its copy out lands (e_uk <= f_u, on the D2H rows; in the
+      LP, forward points pool them by production time and backward ones count them
+      away, ``checkpoint_timing``) and crosses both links before the first rebuild that
+      reads it;
     - time: the step is at least the sum of op times, plus each re-run producer once
       (q_P >= r_i and q_P >= z_u for its outputs: one run makes them all), plus idle.
 
@@ -120,9 +122,13 @@ class _BoundLP:
     GB = 1e-9
 
     def __init__(self, ctx: PlanContext, points: tuple[list[Pressure], list[Pressure]],
-                 chain_depth: int) -> None:
+                 chain_depth: int, checkpoint_timing: bool = False) -> None:
         p, link = ctx.profile, ctx.hw.host_link
         self.ctx, self.p = ctx, p
+        # when offloaded checkpoints leave memory (their copies out timed at each point)
+        # and what a checkpoint read through a rebuilt never-saved tensor holds: rows the
+        # exact model has, which make a whole workload's LP several times slower to solve
+        self.checkpoint_timing = checkpoint_timing
         self.fwd, self.bwd = points
         self.pts = self.fwd + self.bwd
         self.acts = [t for t in p.saved_activations
@@ -280,13 +286,14 @@ class _BoundLP:
                     # v made from u, rebuilt after j: none of v's readers by j rebuilt
                     fed = [(self.Z + self.chain[v], [
                         (R + i, -1.0) for i in self.readers[v]
-                        if acts[i].first_backward_use <= pt.op]) for v in self.fed[u]]
+                        if acts[i].first_backward_use <= pt.op])
+                        for v in self.fed[u] if self.checkpoint_timing]
                     if later or fed:
                         kept.append((w, self.unsaved[u].bytes * gb))
                     # read by a rebuild after j, u is resident unless rebuilt or away (an
                     # offloaded one whose copy out has landed: e <= f_u)
                     e = self.F + col
-                    if (later or fed) and self.upper[self.F + col]:
+                    if (later or fed) and self.upper[self.F + col] and self.checkpoint_timing:
                         e = self.column()
                         self.row([(e, 1.0), (self.F + col, -1.0)], 0.0)
                         away.append((e, u))
@@ -315,10 +322,22 @@ class _BoundLP:
                         size = self.unsaved[u].bytes * gb
                         kept.append((K + col, size))
                         if self.upper[self.F + col]:
-                            e = self.column()
-                            self.row([(e, 1.0), (self.F + col, -1.0)], 0.0)
-                            kept += [(self.F + col, size), (e, -size)]
-                            away.append((e, u))
+                            kept.append((self.F + col, size))
+                            if self.checkpoint_timing:  # (the LP pools them: pool_away)
+                                e = self.column()
+                                self.row([(e, 1.0), (self.F + col, -1.0)], 0.0)
+                                kept.append((e, -size))
+                                away.append((e, u))
+                            else:
+                                away.append((-1, u))
+            t_k = self.starts[pt.op]
+            out = [(D + i * kp + k, self.produced[i], self.d2h[i]) for i in members]
+            out += [(e, self.made[self.unsaved[u].producer], self.checkpoint_d2h(u))
+                    for e, u in away]
+            taus = sorted(_picks(sorted({o[1] for o in out}), thresholds) | {0.0})
+            if away and not self.checkpoint_timing:
+                out = [o for o in out if o[0] >= 0]
+                self.pool_away([u for _, u in away], kept, out, taus)
             self.row([(c, -acts[i].bytes * gb) for i in members
                       for c in (R + i, D + i * kp + k)] + kept, -pt.excess * gb)
             for i in members:
@@ -326,13 +345,28 @@ class _BoundLP:
             # the op starts no later than its keep-all time plus idle time (and, in
             # backward, the recomputation inserted before it)
             late = [(self.SF, -1e3)] + ([(self.SB, -1e3)] + self.recompute if backward else [])
-            t_k = self.starts[pt.op]
-            out = [(D + i * kp + k, self.produced[i], self.d2h[i]) for i in members]
-            out += [(e, self.made[self.unsaved[u].producer], self.checkpoint_d2h(u))
-                    for e, u in away]
-            for tau in sorted(_picks(sorted({o[1] for o in out}), thresholds) | {0.0}):
+            for tau in taus:
                 self.row([(c, t * 1e3) for c, made, t in out if made >= tau] + late,
                          (t_k - tau) * 1e3)
+
+    def pool_away(self, away: list[int], kept: list[tuple[int, float]],
+                  out: list[tuple[int, float, float]], taus: list[float]) -> None:
+        """The LP's lighter form of the offloaded checkpoints ``away`` that may be off the
+        device at a forward point: one column per span of production times between the
+        D2H rows' ``taus``, the gigabytes of that span's offloaded checkpoints whose copies
+        have landed (at most their sum), added to ``kept`` (memory) and ``out`` (D2H), in
+        place of one column per checkpoint: every row a plan satisfies still holds."""
+        link, gb = self.ctx.hw.host_link, self.GB
+        for lo, hi in zip(taus, [*taus[1:], np.inf], strict=True):
+            span = [u for u in away if lo <= self.made[self.unsaved[u].producer] < hi]
+            if not span:
+                continue
+            landed = self.column()
+            self.upper[landed] = np.inf
+            self.row([(landed, 1.0)] + [(self.F + self.chain[u], -self.unsaved[u].bytes * gb)
+                                        for u in span], 0.0)
+            kept.append((landed, -1.0))
+            out.append((landed, lo, 1 / (gb * link.d2h_bandwidth)))
 
     def reload_rows(self, max_points: int) -> None:
         """What was off the device at the last forward point came back over the H2D link
@@ -391,7 +425,7 @@ class _BoundLP:
         needs the rebuilt activation). A reader i of u: r_i; a reader i of a never-saved
         v made from u (one link deeper, v read by activations only): z_v and r_i."""
         reads = [([self.R + i], self.acts[i].first_backward_use) for i in self.readers[u]]
-        for v in self.fed[u]:
+        for v in self.fed[u] if self.checkpoint_timing else ():
             reads += [([self.Z + self.chain[v], self.R + i], self.acts[i].first_backward_use)
                       for i in self.readers[v]]
         return reads
