@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from slackswap.core.hardware import Hardware, load_hardware, on_node
-from slackswap.core.jsonio import atomic_write_text, dump_model, load_model
+from slackswap.core.jsonio import atomic_write, atomic_write_text, dump_model, load_model
 from slackswap.core.profile import StepProfile
 from slackswap.core.units import format_bytes
 from slackswap.errors import InputError
@@ -333,10 +333,10 @@ def _plot_sweep(entry: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig = sweep_figure(entry)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp)
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        atomic_write(path, lambda f: fig.savefig(f, format="png"))
+    finally:
+        plt.close(fig)
 
 
 def report(results: dict[str, Any]) -> str:
