@@ -183,6 +183,33 @@ def test_refused_loudly_and_nothing_left_behind() -> None:
     assert nothing_left(net, hooks)
 
 
+def test_auto_plans_again_under_autocast() -> None:
+    """``slackswap.auto`` keys its plans by the autocast state too: a step under autocast
+    after one without gets its own plan (the first one's saves differ and the runtime
+    would refuse it) and gradients equal to the same step without SlackSwap."""
+    model, examples = tiny_lm()
+    batch = {k: torch.stack([e[k] for e in examples[:2]]) for k in examples[0]}
+    ref = copy.deepcopy(model)
+    step = slackswap.auto(model, budget=0.7)
+    with step(batch):
+        model(**batch).loss.backward()
+    model.zero_grad(set_to_none=True)
+    losses = []
+    for m, planned in ((model, True), (ref, False)):
+        torch.manual_seed(3)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if planned:
+                with step(batch):
+                    loss = m(**batch).loss
+            else:
+                loss = m(**batch).loss
+        loss.backward()
+        losses.append(loss)
+    assert len(step.plans) == 2 and torch.equal(*losses)
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+
+
 def test_torch_compile() -> None:
     """Attached to a compiled module, the plan runs (the runtime runs it eagerly, as
     dynamo's eager backend does); attached to a module that compiled code calls, a plan

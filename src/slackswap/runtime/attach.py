@@ -36,7 +36,7 @@ from slackswap.errors import InputError, SlackSwapError
 from slackswap.planners import STRATEGIES
 from slackswap.profiling.step import model_fingerprint
 from slackswap.runtime.block import apply
-from slackswap.runtime.oneshot import plan_model
+from slackswap.runtime.oneshot import autocast_state, plan_model
 from slackswap.runtime.stats import RuntimeStats
 
 __all__ = ["Attached", "attach"]
@@ -174,9 +174,8 @@ class Attached:
             return x if isinstance(x, _SCALARS) else type(x).__qualname__
 
         leaves, spec = _pytree.tree_flatten((args, kwargs))
-        device = next((p.device.type for p in module.parameters()), "cpu")
-        autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
-        return (model_fingerprint(module), str(spec), tuple(map(leaf, leaves)), autocast)
+        return (model_fingerprint(module), str(spec), tuple(map(leaf, leaves)),
+                autocast_state(module))
 
     def _plan(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Plan:
         # the profiled step runs on copies: a model that changes its inputs in place

@@ -88,6 +88,13 @@ def _broadcast_plan(model: torch.nn.Module, batch: Any, group: Any,
     return result
 
 
+def autocast_state(model: torch.nn.Module) -> tuple[bool, torch.dtype]:
+    """Whether autocast is on for the model's device, and its dtype: a plan made under
+    one state saves other tensors than a step run under another."""
+    device = next((p.device.type for p in model.parameters()), "cpu")
+    return torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
+
+
 class AutoPlan:
     """Plans the step for each batch shape the model meets, once, and applies it:
 
@@ -99,7 +106,7 @@ class AutoPlan:
 
     Each new shape is profiled and planned (seconds on a small model), so pad batches to
     a few lengths rather than to each batch's longest sequence. ``plans`` holds them, by
-    the fingerprint of model and batch.
+    the fingerprint of model and batch and the autocast state.
     """
 
     def __init__(self, model: torch.nn.Module, budget: str | int | float = 0.5,
@@ -110,7 +117,7 @@ class AutoPlan:
         self.plans: dict[str, Plan] = {}
 
     def __call__(self, batch: Any) -> apply:
-        key = fingerprint(self.model, batch)
+        key = fingerprint(self.model, batch) + repr(autocast_state(self.model))
         if key not in self.plans:
             self.plans[key] = plan_model(self.model, batch, self.budget, self.hardware,
                                          self.strategy, self.loss_fn)
