@@ -279,7 +279,7 @@ class _BoundLP:
                 # j: w_uj >= r_i - z_u for each reader i needed after j; one read by a
                 # rebuild for j itself is resident, rebuilt or kept: w_uj >= r_i
                 jb = k - len(self.fwd)
-                kept, away = [], []
+                kept, away, pooled = [], [], []
                 for u, col in self.chain.items():
                     w = W + col * kb + jb  # u resident at j
                     later = [i for i in self.readers[u] if acts[i].first_backward_use > pt.op]
@@ -316,7 +316,7 @@ class _BoundLP:
                         self.row([(R + a, 1.0), (y, -1.0), *path], float(len(path)))
                         self.row([(D + a * kp + k, 1.0), *path], float(len(path)))
             else:  # a kept checkpoint occupies memory; an offloaded one until it is away
-                kept, away = [], []
+                kept, away, pooled = [], [], []
                 for u, col in self.chain.items():
                     if last_fwd_use[u] < pt.op:
                         size = self.unsaved[u].bytes * gb
@@ -329,15 +329,15 @@ class _BoundLP:
                                 kept.append((e, -size))
                                 away.append((e, u))
                             else:
-                                away.append((-1, u))
+                                pooled.append(u)
             t_k = self.starts[pt.op]
             out = [(D + i * kp + k, self.produced[i], self.d2h[i]) for i in members]
             out += [(e, self.made[self.unsaved[u].producer], self.checkpoint_d2h(u))
                     for e, u in away]
-            taus = sorted(_picks(sorted({o[1] for o in out}), thresholds) | {0.0})
-            if away and not self.checkpoint_timing:
-                out = [o for o in out if o[0] >= 0]
-                self.pool_away([u for _, u in away], kept, out, taus)
+            made = {o[1] for o in out} | {self.made[self.unsaved[u].producer] for u in pooled}
+            taus = sorted(_picks(sorted(made), thresholds) | {0.0})
+            if pooled:
+                self.pool_away(pooled, kept, out, taus)
             self.row([(c, -acts[i].bytes * gb) for i in members
                       for c in (R + i, D + i * kp + k)] + kept, -pt.excess * gb)
             for i in members:
