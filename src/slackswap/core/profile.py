@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from functools import cached_property
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import pydantic
 from pydantic import Field, NonNegativeFloat, NonNegativeInt
@@ -26,6 +26,7 @@ TensorKind = Literal["activation", "input", "parameter", "buffer", "gradient"]
 
 
 Bytes = Annotated[int, Field(ge=0, le=MAX_BYTES)]
+T = TypeVar("T")
 
 
 class _Record(pydantic.BaseModel):
@@ -167,6 +168,19 @@ class StepProfile(JsonFile, _Record):
     def _consistent(self) -> StepProfile:
         _check_graph(self)
         return self
+
+    def derived(self, key: str, make: Callable[[], T]) -> T:
+        """``make()``, worked out once per profile under ``key``: tables the simulator and
+        runtime derive from the step whatever the plan (a profile is not changed once
+        made, as its cached properties assume)."""
+        cache = self._derived
+        if key not in cache:
+            cache[key] = make()
+        return cache[key]
+
+    @cached_property
+    def _derived(self) -> dict[str, Any]:
+        return {}
 
     @cached_property
     def saved_activations(self) -> list[TensorRecord]:

@@ -21,7 +21,7 @@ from slackswap.core.plan import Decision, Plan
 from slackswap.core.profile import StepProfile
 from slackswap.runtime.checks import prepared
 
-__all__ = ["Watch", "watch_for"]
+__all__ = ["Watch", "watch_for", "watched_ops", "watched_segments"]
 
 
 @dataclass(frozen=True)
@@ -59,21 +59,50 @@ def watch_for(profile: StepProfile, plan: Plan) -> Watch:
     return prepared(profile, plan, lambda: _watch_for(profile, plan))
 
 
-def _watch_for(profile: StepProfile, plan: Plan) -> Watch:
+@dataclass(frozen=True)
+class _Forward:
+    """The forward pass's tables a watch is worked out from, whatever the plan."""
+
+    ops: list  # forward ops, in order
+    ids: dict[str, int]  # tensor id (name) -> index
+    writers: dict[int, list[int]]  # tensor -> the forward ops that write it
+    mutated: frozenset[int]  # tensors a forward op other than their producer writes
+    inplace: list[int]  # forward in-place ops
+    first_save: dict[int, int]  # tensor -> ops run before autograd first packs it
+    starts: list[int]  # per segment: the profile's index of its first op
+    ends: list[int]  # per segment: one past its last forward op
+
+
+def _forward(profile: StepProfile) -> _Forward:
     ops = [op for op in profile.ops if op.phase == "forward"]
     tensors = profile.tensors
-    ids = {t.name: t.id for t in tensors if t.name is not None}
-    recompute = {ids[n] for n, d in plan.decisions.items() if d == Decision.RECOMPUTE and n in ids}
-    moved = {ids[n] for n, d in plan.decisions.items() if d != Decision.KEEP and n in ids}
-    checkpoints = {ids[n] for n, d in plan.decisions.items()
-                   if d != Decision.RECOMPUTE and n in profile.checkpointable}
     writers: dict[int, list[int]] = {}
     for op in ops:
         for t in op.outputs:
             if op.inplace or tensors[t].producer == op.index:
                 writers.setdefault(t, []).append(op.index)
-    mutated = {t for op in ops if op.inplace for t in op.outputs
-               if tensors[t].producer != op.index}
+    first_save: dict[int, int] = {}
+    for t, before in profile.saves:
+        first_save.setdefault(t, before)
+    starts = [0, *(min(e, len(ops)) for e in profile.module_events)]
+    return _Forward(
+        ops=ops, ids={t.name: t.id for t in tensors if t.name is not None}, writers=writers,
+        mutated=frozenset(t for op in ops if op.inplace for t in op.outputs
+                          if tensors[t].producer != op.index),
+        inplace=[op.index for op in ops if op.inplace], first_save=first_save,
+        starts=starts, ends=[*starts[1:], len(ops)])
+
+
+def watched_segments(profile: StepProfile, plan: Plan) -> list[bool]:
+    """Per segment of the forward pass (``StepProfile.module_events``), whether the
+    runtime watches it for ``plan``: the ops a rebuild replays, and the in-place writes
+    that matter, are in the segments watched."""
+    f = profile.derived("watch", lambda: _forward(profile))
+    ops, tensors, ids = f.ops, profile.tensors, f.ids
+    recompute = {ids[n] for n, d in plan.decisions.items() if d == Decision.RECOMPUTE and n in ids}
+    moved = {ids[n] for n, d in plan.decisions.items() if d != Decision.KEEP and n in ids}
+    checkpoints = {ids[n] for n, d in plan.decisions.items()
+                   if d != Decision.RECOMPUTE and n in profile.checkpointable}
 
     # tensors a rebuild must make again, and the ops that write them; checkpoints too,
     # since a second backward through a retained graph rebuilds them once released
@@ -83,12 +112,12 @@ def _watch_for(profile: StepProfile, plan: Plan) -> Watch:
         if t in rebuilt:
             continue
         rebuilt.add(t)
-        for index in writers.get(t, ()):
+        for index in f.writers.get(t, ()):
             watched.add(index)
             for u in ops[index].inputs:
                 if u == t or tensors[u].kind != "activation":
                     continue
-                if not tensors[u].saved or u in mutated:
+                if not tensors[u].saved or u in f.mutated:
                     todo.append(u)
     # Writes that change a value after the plan has saved it to move, or after a watched
     # op read it (an op that writes a tensor from outside the step may not return it:
@@ -97,29 +126,38 @@ def _watch_for(profile: StepProfile, plan: Plan) -> Watch:
     for index in sorted(watched):
         for u in ops[index].inputs:
             first_read.setdefault(u, index)
-    first_save: dict[int, int] = {}
-    for t, before in profile.saves:
-        first_save.setdefault(t, before)
-    for op in ops:
-        if op.inplace and any(
-                (t in moved and op.index >= first_save.get(t, 0))
-                or (t in first_read and op.index > first_read[t])
-                for t in (*op.outputs, *op.inputs)):
-            watched.add(op.index)
+    for index in f.inplace:
+        op = ops[index]
+        if any((t in moved and index >= f.first_save.get(t, 0))
+               or (t in first_read and index > first_read[t])
+               for t in (*op.outputs, *op.inputs)):
+            watched.add(index)
 
-    forward = len(ops)
-    starts = [0, *(min(e, forward) for e in profile.module_events)]
-    ends = [*starts[1:], forward]
+    starts, ends = f.starts, f.ends
     segments = [any(i in watched for i in range(s, e)) for s, e in zip(starts, ends, strict=True)]
     # a segment that runs no op keeps the mode as it was: it is switched only where
     # watching changes (an op the profile does not have there is then seen, and refused)
     for k in range(1, len(segments)):
         if starts[k] == ends[k]:
             segments[k] = segments[k - 1]
+    return segments
+
+
+def watched_ops(profile: StepProfile, plan: Plan) -> set[int]:
+    """The forward ops in the segments watched for ``plan``."""
+    f = profile.derived("watch", lambda: _forward(profile))
+    spans = zip(watched_segments(profile, plan), f.starts, f.ends, strict=True)
+    return {i for on, start, end in spans if on for i in range(start, end)}
+
+
+def _watch_for(profile: StepProfile, plan: Plan) -> Watch:
+    f = profile.derived("watch", lambda: _forward(profile))
+    ops, tensors, ids = f.ops, profile.tensors, f.ids
+    segments, starts, ends = watched_segments(profile, plan), f.starts, f.ends
     op_names = {i: [tensors[t].name for t in ops[i].outputs]
                 for on, s, e in zip(segments, starts, ends, strict=True) if on for i in range(s, e)}
     return Watch(
-        segments=segments, starts=starts, ends=ends,
+        segments=segments, starts=list(starts), ends=list(ends),
         pack_names=[tensors[t].name if t >= 0 else None for t, _ in profile.saves],
         op_names=op_names,
         op_kinds={i: ops[i].kind for i in op_names},

@@ -107,17 +107,14 @@ def _moved(profile: StepProfile, plan: Plan) -> set[int]:
             and plan.decisions.get(t.name, Decision.KEEP) != Decision.KEEP}
 
 
-def _watched(profile: StepProfile, plan: Plan) -> list[int]:
+def _watched(profile: StepProfile, plan: Plan) -> set[int]:
     """Forward ops the runtime watches for ``plan`` (``runtime/watch.py`` decides)."""
-    forward = sum(op.phase == "forward" for op in profile.ops)
     if not profile.module_events:
-        return list(range(forward))
+        return set(range(sum(op.phase == "forward" for op in profile.ops)))
     # imported here: runtime.watch imports the schedule through runtime.checks
-    from slackswap.runtime.watch import watch_for
+    from slackswap.runtime.watch import watched_ops
 
-    w = watch_for(profile, plan)
-    return [i for on, s, e in zip(w.segments, w.starts, w.ends, strict=True) if on
-            for i in range(s, e)]
+    return watched_ops(profile, plan)
 
 
 def host_times(profile: StepProfile, plan: Plan, sched: Schedule, host: Host
@@ -146,7 +143,7 @@ def host_times(profile: StepProfile, plan: Plan, sched: Schedule, host: Host
             if tid >= 0 and tid not in pack_end:
                 pack_end[tid] = (k, packed[k])
         moved = _moved(profile, plan)
-        watched = set(_watched(profile, plan))
+        watched = _watched(profile, plan)
         res = sched.residencies
         for k, item in enumerate(items):
             extra = packed[k]

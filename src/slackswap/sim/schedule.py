@@ -97,25 +97,80 @@ def build_schedule(profile: StepProfile, plan: Plan) -> Schedule:
     return _Builder(profile, plan).build()
 
 
+@dataclass(frozen=True, slots=True)
+class _Step:
+    """What the schedule takes from the profile whatever the plan: worked out once."""
+
+    first_backward: int  # op index where backward starts
+    named: dict[str, TensorRecord]  # saved activations and checkpointable tensors by id
+    planned: dict[str, TensorRecord]  # ... those a plan's decision applies to
+    kept: dict[int, Decision]  # every saved activation a plan may decide on, kept
+    end: dict[int, int]  # saved tensor -> the last backward op that reads it
+    mutators: dict[int, list[int]]  # tensor -> forward in-place ops on it
+    resets: list[int]  # backward ops before which the rebuild group goes
+    needed_at: dict[int, list[int]]  # backward op -> saved tensors it first needs
+
+
+def _step(profile: StepProfile) -> _Step:
+    ops, tensors = profile.ops, profile.tensors
+    first_backward = next((op.index for op in ops if op.phase == "backward"), len(ops))
+    end: dict[int, int] = {}  # NOTE [gone tensors]
+    needed_at: dict[int, list[int]] = {}
+    for t in profile.saved_activations:
+        uses = [*t.backward_consumers, *(() if t.first_backward_use is None
+                                         else (t.first_backward_use,))]
+        if t.producer is not None and uses:
+            end[t.id] = max(uses)
+        if t.first_backward_use is not None:
+            needed_at.setdefault(t.first_backward_use, []).append(t.id)
+    mutators: dict[int, list[int]] = {}
+    for op in ops[:first_backward]:
+        for tid in op.outputs:
+            if tensors[tid].producer != op.index and op.inplace:
+                mutators.setdefault(tid, []).append(op.index)
+    named = profile.by_name | profile.checkpointable
+    planned = {n: t for n, t in named.items()
+               if t.producer is not None or n in profile.checkpointable}
+    kept = {t.id: Decision.KEEP for t in profile.saved_activations
+            if t.producer is not None and t.name is not None}
+    return _Step(first_backward, named, planned, kept, end, mutators, _group_resets(profile),
+                 needed_at)
+
+
+def _group_resets(profile: StepProfile) -> list[int]:
+    """The backward ops before which the runtime lets its rebuild group go (NOTE [rebuild
+    groups]): those that unpack a planned tensor first needed by another op than the last
+    unpack's. An op that reads a tensor first needed by the same op as the last unpack's
+    (an in-place ReLU's output, read by max pooling's backward and then by the ReLU's)
+    keeps the group open."""
+    positions: dict[int, set[int]] = {}
+    for t in profile.saved_activations:
+        if (t.producer is None or t.name is None or t.bytes < MIN_PLANNED_BYTES
+                or t.first_backward_use is None):
+            continue
+        for j in {t.first_backward_use, *t.backward_consumers}:
+            positions.setdefault(j, set()).add(t.first_backward_use)
+    resets, current = [], None
+    for j in sorted(positions):
+        if positions[j] != {current}:
+            resets.append(j)
+            current = max(positions[j])
+    return resets
+
+
 class _Builder:
     def __init__(self, profile: StepProfile, plan: Plan) -> None:
         self.p = profile
         self.ops = profile.ops
         self.tensors = profile.tensors
-        self.decision: dict[int, Decision] = {}
-        keep = Decision.KEEP
-        for t in profile.saved_activations:
-            if t.producer is not None and t.name is not None:
-                small = t.bytes < MIN_PLANNED_BYTES  # never moved
-                self.decision[t.id] = keep if small else plan.decisions.get(t.name, keep)
-        for name, d in plan.decisions.items():  # unsaved tensors kept or offloaded as
-            if (t := profile.checkpointable.get(name)) is not None:  # checkpoints
-                self.decision[t.id] = keep if t.bytes < MIN_PLANNED_BYTES else d
-        named = profile.by_name | profile.checkpointable
-        self.prefetch = {named[n].id: i for n, i in plan.prefetch.items()}
-        self.first_backward = next(
-            (op.index for op in self.ops if op.phase == "backward"), len(self.ops)
-        )
+        step = profile.derived("schedule", lambda: _step(profile))
+        self.decision = dict(step.kept)
+        for name, d in plan.decisions.items():  # saved activations, and unsaved tensors
+            t = step.planned.get(name)  # kept or offloaded as checkpoints
+            if t is not None:
+                self.decision[t.id] = d if t.bytes >= MIN_PLANNED_BYTES else Decision.KEEP
+        self.prefetch = {step.named[n].id: i for n, i in plan.prefetch.items()}
+        self.first_backward = step.first_backward
         self.items: list[Item] = []
         self.res: list[Residency] = []
         self.d2h: list[Copy] = []
@@ -124,19 +179,10 @@ class _Builder:
         self.live: dict[int, int] = {}  # tensor -> residency resident in backward
         self.reload_of: dict[int, int] = {}  # tensor -> h2d index
         self.d2h_of: dict[int, int] | None = None  # tensor -> d2h index
-        self.mutators: dict[int, list[int]] = {}  # tensor -> forward in-place ops on it
-        # saved tensor -> the last backward op that reads it (NOTE [gone tensors])
-        self.end: dict[int, int] = {}
-        for t in profile.saved_activations:
-            uses = [*t.backward_consumers, *(() if t.first_backward_use is None
-                                             else (t.first_backward_use,))]
-            if t.producer is not None and uses:
-                self.end[t.id] = max(uses)
-        for op in self.ops[: self.first_backward]:
-            for tid in op.outputs:
-                if self.tensors[tid].producer != op.index and op.inplace:
-                    self.mutators.setdefault(tid, []).append(op.index)
-        self.resets = self._group_resets()
+        self.mutators = step.mutators
+        self.end = step.end
+        self.resets = step.resets
+        self.needed_at = step.needed_at
         self.first_item: dict[int, int] = {}  # backward op -> its first item (rebuilds first)
         self.members: list[tuple[int, int]] = []  # (residency, op) joined that op's group
 
@@ -145,26 +191,6 @@ class _Builder:
         """Stays on the device from production to its last use."""
         d = self.decision.get(t.id)
         return d == Decision.KEEP or (d is None and bool(t.backward_consumers))
-
-    def _group_resets(self) -> list[int]:
-        """The backward ops before which the runtime lets its rebuild group go (NOTE
-        [rebuild groups]): those that unpack a planned tensor first needed by another op
-        than the last unpack's. An op that reads a tensor first needed by the same op as
-        the last unpack's (an in-place ReLU's output, read by max pooling's backward and
-        then by the ReLU's) keeps the group open."""
-        positions: dict[int, set[int]] = {}
-        for t in self.p.saved_activations:
-            if (t.producer is None or t.name is None or t.bytes < MIN_PLANNED_BYTES
-                    or t.first_backward_use is None):
-                continue
-            for j in {t.first_backward_use, *t.backward_consumers}:
-                positions.setdefault(j, set()).add(t.first_backward_use)
-        resets, current = [], None
-        for j in sorted(positions):
-            if positions[j] != {current}:
-                resets.append(j)
-                current = max(positions[j])
-        return resets
 
     def _gone(self, tid: int, pos: int) -> bool:
         """A saved tensor backward has unpacked for the last time before op ``pos``."""
@@ -284,10 +310,7 @@ class _Builder:
             copy.d2h = index[id(old[copy.d2h])]
 
     def _backward(self) -> None:
-        needed_at: dict[int, list[int]] = {}
-        for t in self.p.saved_activations:
-            if t.first_backward_use is not None:
-                needed_at.setdefault(t.first_backward_use, []).append(t.id)
+        needed_at = self.needed_at
         for op in self.ops[self.first_backward:]:
             made: list[int] = []
             self.first_item[op.index] = len(self.items)
