@@ -320,6 +320,48 @@ def reproduce(budget: float, hardware: str, workloads: str, out: str,
     _print_reproduce(results, out)
 
 
+@main.command("fit")
+@click.argument("model")
+@click.option("--hardware", default="a100-80gb", show_default=True,
+              help="Hardware preset name or a .toml file: the device whose memory is fitted.")
+@click.option("--optimizer", type=click.Choice(list(OPTIMIZERS)), default="adamw",
+              show_default=True, help="The optimizer whose states the device holds.")
+@click.option("--precision", type=click.Choice(list(PRECISIONS)), default="mixed",
+              show_default=True, help="mixed (fp32 master weights and optimizer states) or "
+                                      "pure (states in the parameters' dtype).")
+@click.option("--seq", type=click.IntRange(min=1),
+              help="Sequence length of the batches searched [default: the preset's].")
+@click.option("--batch", type=click.IntRange(min=1),
+              help="Search the longest sequence (a multiple of 64) at this batch instead.")
+@click.option("--min-retention", type=click.FloatRange(0, 1), default=0.97, show_default=True,
+              help="Throughput to keep, as a fraction of the step with unlimited memory.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
+@click.option("--plot", type=click.Path(dir_okay=False),
+              help="Write a PNG of tokens/s against the batch (or sequence length).")
+@_set_option
+@_user_errors
+def fit_command(model: str, hardware: str, optimizer: str, precision: str, seq: int | None,
+                batch: int | None, min_retention: float, as_json: bool, plot: str | None,
+                overrides: tuple[str, ...]) -> None:
+    """The largest micro-batch of preset MODEL (or, given --batch, the longest sequence)
+    that trains at --min-retention of ideal in the device's memory, with SlackSwap, block
+    checkpointing and keep-all."""
+    from slackswap.fit import fit, write_fit_plot
+
+    hw = load_hardware(hardware, parse_overrides(overrides))
+    with _progress(f"fitting {model} on {hw.name}") as update:
+        result = fit(model, hw, batch=batch, seq=seq, optimizer=optimizer,
+                     precision=precision, min_retention=min_retention, progress=update)
+    if plot:
+        write_fit_plot(result, plot)
+    if as_json:
+        click.echo(json.dumps(result.to_json()))
+    else:
+        _print_fit(result, plot)
+    if result.largest["slackswap"] is None:
+        sys.exit(1)
+
+
 @main.command("hardware")
 def hardware_list() -> None:
     """List the hardware presets."""
@@ -415,3 +457,57 @@ def _print_reproduce(results: dict[str, Any], out_dir: str) -> None:
     out.print(table)
     out.print("* the paper's own simulation (A100, PCIe 4.0, 50% budget)")
     out.print(f"results written to {out_dir}/ ({', '.join(written_files(results))})")
+
+
+def _print_fit(result: Any, plot: str | None) -> None:
+    from slackswap.fit import FIT_STRATEGIES
+
+    out = Console()
+    out.print("\n".join(result.device.lines()), highlight=False)
+    dim = "micro-batch" if result.search == "batch" else "sequence length"
+    fixed = f"seq {result.fixed}" if result.search == "batch" else f"batch {result.fixed}"
+    target = f"{result.min_retention:.1%}"
+    table = Table(title=f"{result.model} on {result.hardware}, {fixed}: simulated tokens/s "
+                        f"(retention); * meets {target}")
+    table.add_column(dim, justify="right")
+    table.add_column("keep-all peak", justify="right")
+    for strategy in FIT_STRATEGIES:
+        table.add_column(strategy, justify="right")
+    for p in result.points:
+        cells = [_fit_cell(p.outcomes.get(s), result.min_retention) for s in FIT_STRATEGIES]
+        table.add_row(str(result.size_of(p)), format_bytes(p.keep_all_peak_bytes), *cells)
+    out.print(table)
+    if any(s not in p.outcomes for p in result.points for s in FIT_STRATEGIES):
+        out.print("-: not planned there (the search did not need it)", highlight=False)
+    out.print(f"Largest {dim} at {target} of ideal or more:", highlight=False)
+    for strategy in FIT_STRATEGIES:
+        p = result.chosen(strategy)
+        if p is None:
+            first = result.points[0].outcomes[strategy]
+            why = first.reason or f"retains {first.retention:.1%}"
+            out.print(f"  {strategy:<18} none: at {dim} {result.size_of(result.points[0])}"
+                      f" {why}", highlight=False)
+            continue
+        o = p.outcomes[strategy]
+        size = result.largest[strategy]
+        at_least = "at least " if size == result.cap else ""
+        out.print(f"  {strategy:<18} {at_least}{size}: {o.retention:.1%} of ideal, "
+                  f"{o.tokens_per_s:,.0f} tokens/s, peak {format_bytes(o.peak_bytes)}",
+                  highlight=False)
+    if (fastest := result.fastest()) is not None:
+        strategy, p = fastest
+        o = p.outcomes[strategy]
+        out.print(f"Most tokens/s at {target} or more (of the shapes tried): {strategy} at "
+                  f"{dim} {result.size_of(p)}, {o.tokens_per_s:,.0f} tokens/s", highlight=False)
+    if plot:
+        out.print(f"plot written to {plot}")
+
+
+def _fit_cell(outcome: Any, target: float) -> str:
+    """A strategy at a shape: tokens/s and retention, starred when it meets ``target``."""
+    if outcome is None:
+        return "-"
+    if not outcome.feasible:
+        return "does not fit"
+    star = "*" if outcome.meets(target) else " "
+    return f"{outcome.tokens_per_s:,.0f} ({outcome.retention:.1%}){star}"

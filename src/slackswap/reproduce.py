@@ -52,8 +52,10 @@ def _without_host(hw: Hardware) -> dict[str, Any]:
     return {"host": True, "sources": {k for k in hw.sources if k.startswith("host.")}}
 
 
-def cached_profile(name: str, hw: Hardware) -> StepProfile:
-    """The analytic profile of preset ``name`` on ``hw``, from the cache when it is there.
+def cached_profile(name: str, hw: Hardware, batch: int | None = None,
+                   seq: int | None = None) -> StepProfile:
+    """The analytic profile of preset ``name`` on ``hw`` (at its own batch and sequence
+    length unless ``batch`` or ``seq`` is given), from the cache when it is there.
 
     The key is the model's fingerprint, the hardware preset's content, the SlackSwap
     version and the source of the code that makes a profile (``_profiler_digest``), so a
@@ -67,9 +69,9 @@ def cached_profile(name: str, hw: Hardware) -> StepProfile:
     from slackswap.profiling import profile
     from slackswap.profiling.step import fingerprint
 
-    model, batch = build_model(name)
+    model, example = build_model(name, batch=batch, seq=seq)
     key = hashlib.sha256(
-        f"{fingerprint(model, batch)}|{hw.model_dump_json(exclude=_without_host(hw))}|"
+        f"{fingerprint(model, example)}|{hw.model_dump_json(exclude=_without_host(hw))}|"
         f"{version('slackswap')}|{_profiler_digest()}".encode()
     ).hexdigest()[:24]
     path = _cache_dir() / f"{name}-{hw.name}-{key}.json"
@@ -78,7 +80,7 @@ def cached_profile(name: str, hw: Hardware) -> StepProfile:
             return load_model(StepProfile, path)
         except InputError:
             pass  # a damaged cache entry is rebuilt
-    result = profile(model, batch, hw, name=name)
+    result = profile(model, example, hw, name=name)
     dump_model(result, path)
     return result
 
