@@ -15,6 +15,8 @@ import transformers
 from torch.nn.modules import module as nn_module
 
 import slackswap
+from slackswap.core.hardware import with_overrides
+from slackswap.device_budget import RESERVE, device_budget
 from slackswap.errors import InputError
 from slackswap.runtime import block
 
@@ -88,6 +90,25 @@ def test_plain_loop_is_bit_identical_with_a_plan_per_shape() -> None:
     assert len(attached.plans) == 2
     # the plan ran (it did not pass by): the last step recomputed and offloaded
     assert attached.stats.recomputed_ops > 0 and attached.stats.offloaded_bytes > 0
+
+
+def test_budget_fit_plans_what_the_device_leaves() -> None:
+    """``budget="fit"``: a device whose memory leaves 60% of the step's keep-all peak once
+    the model states and the reserve are out; each shape is planned to it, and training
+    stays bit-identical."""
+    model, data = tiny_lm()
+    batch = {k: torch.stack([d[k] for d in data[:2]]) for k in data[0]}
+    step = slackswap.plan(copy.deepcopy(model), batch, budget=1.0)._profile
+    a100 = slackswap.load_hardware("a100-80gb")
+    states = device_budget(step, a100).model_states + sum(n for n, _, _ in RESERVE.values())
+    hw = with_overrides(a100, {"memory.capacity_bytes": states + 0.6 * step.keep_all_peak})
+    reference = loop(copy.deepcopy(model), [batch] * 3)
+    losses, after, attached = loop(model, [batch] * 3, budget="fit", hardware=hw)
+    assert losses == reference[0]
+    assert_same(after, reference[1])
+    (chosen,) = attached.plans.values()
+    assert chosen.budget_bytes == int(0.6 * step.keep_all_peak)
+    assert attached.stats.recomputed_ops + attached.stats.offloaded_bytes > 0
 
 
 class _Net(torch.nn.Module):

@@ -13,6 +13,7 @@ from slackswap.cli import main
 from slackswap.core.hardware import Hardware, load_hardware, with_overrides
 from slackswap.core.jsonio import dump_model
 from slackswap.core.profile import StepProfile
+from slackswap.core.units import format_bytes
 from slackswap.device_budget import RESERVE, device_budget
 from slackswap.errors import InputError
 from slackswap.planners import plan
@@ -76,6 +77,20 @@ def test_states_that_do_not_fit(prof: StepProfile, extra: int, message: str) -> 
     text = str(caught.value)
     assert message in text and "\n" not in text and "16 B/param" in text
     assert "3.50 MiB" in text  # the model states, in numbers
+
+
+def test_states_that_fit_sharded_say_over_how_many_gpus(prof: StepProfile) -> None:
+    """Model states over what the device leaves: the error names the fewest GPUs that hold
+    them sharded with room for activations, each one's share in numbers."""
+    states = 16 * device_budget(prof, load_hardware("a100-80gb")).parameters
+    for room, gpus in ((states / 3, 4), (states / 2.5, 3), (states * 0.99, 2)):
+        with pytest.raises(InputError) as caught:
+            plan(prof, "fit", _sized(RESERVED + room))
+        text = str(caught.value)
+        assert f"sharded over {gpus} or more GPUs" in text, text
+        share = states // gpus
+        assert share < room <= states // (gpus - 1)  # the fewest that leave room
+        assert format_bytes(share) in text and "\n" not in text
 
 
 def test_cli(prof: StepProfile, tmp_path: Path) -> None:

@@ -186,3 +186,15 @@ def test_offloads_free_where_simulated_however_far_the_host_runs_ahead() -> None
     assert identical(result, reference)
     assert runtime.stats.offload_waits > 0  # the host was ahead: copies were waited for
     assert peak <= 1.02 * simulated.peak_bytes + (1 << 20), (peak, simulated.peak_bytes)
+
+
+def test_budget_fit_reads_the_device_memory() -> None:
+    """On a GPU, ``budget="fit"`` starts from the device's own memory
+    (``torch.cuda.mem_get_info``), not the hardware preset's."""
+    from slackswap.device_budget import RESERVE, device_budget
+
+    model, batch, *_ = setup("gpt2-xl-tiny")
+    chosen = slackswap.plan(model, batch, budget="fit")
+    total = torch.cuda.mem_get_info()[1]
+    states = device_budget(chosen._profile, slackswap.load_hardware("a100-80gb")).model_states
+    assert chosen.budget_bytes == total - states - sum(n for n, _, _ in RESERVE.values())

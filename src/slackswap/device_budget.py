@@ -68,6 +68,7 @@ class DeviceBudget:
 
     hardware: str
     capacity: int
+    capacity_source: str  # where the device memory figure comes from
     parameters: int  # parameter elements, as held
     weights: int  # parameters and buffers, as held (the profile's model_state_bytes)
     gradients: int
@@ -93,7 +94,7 @@ class DeviceBudget:
 
     def lines(self) -> list[str]:
         """The breakdown, one figure a line with its source, then what is not counted."""
-        rows = [(f"{self.hardware} device memory", self.capacity, "the hardware preset"),
+        rows = [(f"{self.hardware} device memory", self.capacity, self.capacity_source),
                 ("weights and buffers, as held", -self.weights, "the profile"),
                 ("gradients", -self.gradients, "one per parameter, in its dtype"),
                 ("fp32 master weights", -self.master, "ZeRO, SC 2020, section 3.1"),
@@ -117,10 +118,12 @@ def is_fit(budget: object) -> bool:
 
 
 def device_budget(profile: StepProfile, hardware: Hardware, optimizer: str = "adamw",
-                  precision: str = "mixed") -> DeviceBudget:
-    """What ``hardware``'s memory leaves for activations when it trains ``profile``'s step
-    with ``optimizer`` at ``precision``; a one-line InputError, with the numbers, when
-    the model states and the reserve leave nothing."""
+                  precision: str = "mixed", capacity: int | None = None,
+                  capacity_source: str = "the hardware preset") -> DeviceBudget:
+    """What ``hardware``'s memory (or ``capacity`` bytes, read from the device) leaves for
+    activations when it trains ``profile``'s step with ``optimizer`` at ``precision``; a
+    one-line InputError, with the numbers and the GPUs that would hold the states
+    sharded, when the model states and the reserve leave nothing."""
     if optimizer not in OPTIMIZERS:
         raise InputError(f"unknown optimizer '{optimizer}'; use {', '.join(OPTIMIZERS)}")
     if precision not in PRECISIONS:
@@ -139,20 +142,26 @@ def device_budget(profile: StepProfile, hardware: Hardware, optimizer: str = "ad
         master += count * FP32 if wide and size < FP32 else 0
         states += count * OPTIMIZERS[optimizer] * (FP32 if wide else size)
     result = DeviceBudget(
-        hardware=hardware.name, capacity=int(hardware.memory.capacity_bytes),
+        hardware=hardware.name,
+        capacity=int(hardware.memory.capacity_bytes if capacity is None else capacity),
+        capacity_source=capacity_source,
         parameters=round(elements * held), weights=profile.model_state_bytes,
         gradients=round(gradients * held), master=round(master * held),
         optimizer_states=round(states * held), optimizer=optimizer, precision=precision,
         reserve={what: n for what, (n, _, _) in RESERVE.items()})
     capacity = format_bytes(result.capacity)
-    if result.model_states > result.capacity:
-        raise InputError(f"the {result._states()} do not fit {hardware.name}'s "
-                         f"{capacity} of device memory")
-    if result.budget_bytes <= 0:
-        reserve = format_bytes(sum(result.reserve.values()))
-        raise InputError(f"the {result._states()} and the {reserve} reserve (CUDA context, "
-                         f"cuBLAS workspaces) leave nothing of {hardware.name}'s {capacity} "
-                         "of device memory for activations")
+    reserve = sum(result.reserve.values())
+    if result.model_states + reserve >= result.capacity:
+        # sharded over n ranks (FSDP2, ZeRO-3) each holds 1/n of the states
+        room = result.capacity - reserve
+        shards = math.floor(result.model_states / room) + 1 if room > 0 else None
+        shard = (f"; sharded over {shards} or more GPUs (FSDP2 fully_shard, ZeRO-3) each "
+                 f"holds {format_bytes(result.model_states // shards)}, leaving activations "
+                 "the rest" if shards is not None else "")
+        what = (f"the {result._states()} do not fit" if result.model_states > result.capacity
+                else f"the {result._states()} and the {format_bytes(reserve)} reserve (CUDA "
+                "context, cuBLAS workspaces) leave nothing of")
+        raise InputError(f"{what} {hardware.name}'s {capacity} of device memory{shard}")
     return result
 
 

@@ -32,6 +32,7 @@ from torch.utils import _pytree
 from slackswap.core.hardware import Hardware, load_hardware
 from slackswap.core.plan import Plan
 from slackswap.core.units import resolve_budget
+from slackswap.device_budget import is_fit
 from slackswap.errors import InputError, SlackSwapError
 from slackswap.planners import STRATEGIES
 from slackswap.profiling.step import model_fingerprint
@@ -53,7 +54,8 @@ def attach(model: torch.nn.Module, budget: str | int | float = 0.5,
 
     The first forward with a new batch shape (tensor shapes and dtypes, other arguments,
     autocast state) profiles one step of the model on that batch and plans it, as
-    ``slackswap.plan(model, batch, budget, hardware, strategy)`` does; every forward with
+    ``slackswap.plan(model, batch, budget, hardware, strategy)`` does (``budget="fit"``:
+    what the device's memory leaves once the model states are out); every forward with
     that shape then runs under ``slackswap.apply(model, plan)``. Gradients are
     bit-identical to training without it. A model or batch that cannot be planned
     exactly is refused with the one-line ``SlackSwapError`` that profiling or ``apply``
@@ -68,7 +70,8 @@ def attach(model: torch.nn.Module, budget: str | int | float = 0.5,
         raise InputError("slackswap.attach: this model is attached already; call .detach() "
                          "on the first attachment before attaching again")
     # refused now, not at the first training forward
-    resolve_budget(budget, 1)
+    if not is_fit(budget):
+        resolve_budget(budget, 1)
     load_hardware(hardware or "a100-80gb")
     if strategy not in STRATEGIES:
         raise InputError(f"unknown strategy '{strategy}'; strategies: {', '.join(STRATEGIES)}")

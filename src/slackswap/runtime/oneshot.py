@@ -7,8 +7,9 @@ from typing import Any
 
 import torch
 
-from slackswap.core.hardware import Hardware
+from slackswap.core.hardware import Hardware, load_hardware
 from slackswap.core.plan import Plan
+from slackswap.device_budget import device_budget, is_fit
 from slackswap.errors import InputError
 from slackswap.planners import plan
 from slackswap.profiling import profile
@@ -36,6 +37,9 @@ def plan_model(
     must call this, since its parameters are gathered whole for the profiled step. The
     plan keeps the profile in memory, so ``slackswap.apply(model, plan)`` reloads at its
     prefetch points; a plan read back from a file needs ``profile=`` for that.
+    ``budget="fit"``: what the device's memory (``torch.cuda.mem_get_info`` on CUDA, the
+    preset's elsewhere) leaves once AdamW's mixed-precision model states and the CUDA
+    context are taken out (:mod:`slackswap.device_budget`).
 
     ``group``: a ``torch.distributed`` process group (``torch.distributed.group.WORLD``
     for all ranks). Its first rank profiles and plans, every rank receives that plan
@@ -51,6 +55,10 @@ def plan_model(
     on_cuda = bool(params) and params[0].device.type == "cuda"
     step = profile(model, batch, hardware or "a100-80gb",
                    mode="measured" if on_cuda else "traced", loss_fn=loss_fn)
+    if on_cuda and is_fit(budget):  # the device's own memory, not the preset's
+        total = torch.cuda.mem_get_info(params[0].device)[1]
+        budget = device_budget(step, load_hardware(hardware or step.hardware), capacity=total,
+                               capacity_source="torch.cuda.mem_get_info").budget_bytes
     result = plan(step, budget, hardware, strategy)
     result._profile = step  # so that apply checks it and prefetches without being told
     return result
