@@ -28,7 +28,7 @@ from slackswap.profiling.naming import (
     strided_tensors,
 )
 
-__all__ = ["StepRecorder", "dtype_name"]
+__all__ = ["StepRecorder", "dtype_name", "op_category", "op_flops"]
 
 _DTYPE_NAMES = {
     torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
@@ -210,9 +210,9 @@ class StepRecorder(TorchDispatchMode):
         self.ops.append(
             OpRecord(
                 index=index, name=str(func), kind=kind, phase=self.phase,
-                module=self.module_path(), category=self._category(kind),
+                module=self.module_path(), category=op_category(kind),
                 dtype=dtype_name(floats[0]) if floats else "fp32",
-                flops=self._flops(func, kind, args, kwargs, out),
+                flops=op_flops(func, kind, args, kwargs, out),
                 bytes_read=sum(read), bytes_written=sum(written),
                 time_s=seconds, inputs=in_ids, outputs=out_ids, random=random,
                 inplace=func._schema.is_mutable, replayable=is_replayable(func),
@@ -234,28 +234,30 @@ class StepRecorder(TorchDispatchMode):
         self._unpacked.clear()
         return out
 
-    @staticmethod
-    def _category(kind: str) -> OpCategory:
-        if kind in _FREE:
-            return "free"
-        if kind in _ATTENTION:
-            return "attention_backward" if kind.endswith("backward") else "attention_forward"
-        if kind in _MATMUL or "convolution" in kind:
-            return "matmul"
-        return "memory"
 
-    @staticmethod
-    def _flops(func, kind: str, args, kwargs, out) -> float:
-        if kind in _ATTENTION:
-            qi = _ATTENTION[kind][0]
-            q, k, v = args[qi:qi + 3]
-            causal = _attention_causal(kind, args, kwargs)
-            flops = attention_flops(q.shape, k.shape, v.shape, causal)
-            return flops * _ATTENTION_BACKWARD_RATIO if kind.endswith("backward") else flops
-        counter = flop_registry.get(func.overloadpacket)
-        if counter is None:
-            return 0.0
-        try:
-            return float(counter(*args, **kwargs, out_val=out))
-        except Exception:  # a counter that cannot read these arguments counts nothing
-            return 0.0
+def op_category(kind: str) -> OpCategory:
+    """How the cost model prices an op of this kind (its short name)."""
+    if kind in _FREE:
+        return "free"
+    if kind in _ATTENTION:
+        return "attention_backward" if kind.endswith("backward") else "attention_forward"
+    if kind in _MATMUL or "convolution" in kind:
+        return "matmul"
+    return "memory"
+
+
+def op_flops(func: Any, kind: str, args: Any, kwargs: Any, out: Any) -> float:
+    """FLOPs of one op from its (real or fake) arguments and output."""
+    if kind in _ATTENTION:
+        qi = _ATTENTION[kind][0]
+        q, k, v = args[qi:qi + 3]
+        causal = _attention_causal(kind, args, kwargs)
+        flops = attention_flops(q.shape, k.shape, v.shape, causal)
+        return flops * _ATTENTION_BACKWARD_RATIO if kind.endswith("backward") else flops
+    counter = flop_registry.get(func.overloadpacket)
+    if counter is None:
+        return 0.0
+    try:
+        return float(counter(*args, **kwargs, out_val=out))
+    except Exception:  # a counter that cannot read these arguments counts nothing
+        return 0.0

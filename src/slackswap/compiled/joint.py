@@ -1,0 +1,305 @@
+"""The joint forward-backward graph AOTAutograd hands its partitioner, as a
+:class:`StepProfile`; a plan written onto it as selective-checkpoint tags; and what the
+partitioner then saved and recomputed."""
+
+from __future__ import annotations
+
+import hashlib
+import operator
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+from torch._functorch.partitioners import classify_nodes
+from torch.utils.checkpoint import CheckpointPolicy
+
+from slackswap.core.costmodel import OpDetail, step_times
+from slackswap.core.hardware import Hardware
+from slackswap.core.plan import Decision, Plan
+from slackswap.core.profile import OpRecord, StepProfile, TensorRecord
+from slackswap.errors import InputError
+from slackswap.profiling.naming import ActivationNamer, is_random, is_replayable, op_kind
+from slackswap.profiling.recorder import dtype_name, op_category, op_flops
+
+__all__ = ["JointGraph", "Applied", "read_joint", "tag_joint", "applied_partition"]
+
+# Set on every forward node before partitioning: the profile tensor the node makes (or
+# views). The partitioner copies node meta into the graphs it cuts, so a forward node
+# found in the backward graph carries it: that node was recomputed.
+_ID = "slackswap_tensor"
+
+
+@dataclass
+class JointGraph:
+    """A profile of one joint graph and where its tensors are in the graph."""
+
+    profile: StepProfile
+    tensor_of: dict[str, int]  # node name -> tensor id (views -> their base's)
+    producer_node: dict[int, fx.Node]  # tensor id -> the forward node that makes it
+    forward: set[str]  # names of the forward nodes (the partitioner's required_fw)
+
+
+@dataclass
+class Applied:
+    """What the partitioner did with the profile's saved activations in the graphs it cut."""
+
+    kept: dict[str, int] = field(default_factory=dict)  # activation id -> bytes
+    recomputed: dict[str, int] = field(default_factory=dict)
+    offloaded: dict[str, int] = field(default_factory=dict)  # always empty for now
+    recomputed_ops: int = 0  # forward ops run again in backward (chains included)
+
+    def summary(self) -> dict[str, int]:
+        """Counts and bytes, the figures a plan is checked against."""
+        return {
+            "kept": len(self.kept), "kept_bytes": sum(self.kept.values()),
+            "recomputed": len(self.recomputed),
+            "recomputed_bytes": sum(self.recomputed.values()),
+            "offloaded": len(self.offloaded), "offloaded_bytes": sum(self.offloaded.values()),
+            "recomputed_ops": self.recomputed_ops,
+        }
+
+
+def _module(node: fx.Node) -> str:
+    """The innermost module path as ``named_modules`` spells it: dynamo writes
+    ``L['self'].layers[0].mlp``, or ``L['self']._modules['layers']...``."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    path = re.sub(r"^L\['[^']*'\](\[\d+\])*", "", path)  # the root module
+    path = re.sub(r"\._modules\['([^']*)'\]", r".\1", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path)
+    path = re.sub(r"\['([^']*)'\]", r".\1", path)
+    return path.lstrip(".")
+
+
+def _is_alias(node: fx.Node) -> bool:
+    target = node.target
+    # ``_unsafe_view`` shares its input's storage: the profiler resolves it to its base too
+    return isinstance(target, torch._ops.OpOverload) and (
+        target.is_view or op_kind(target).startswith(("detach", "alias", "_unsafe_view")))
+
+
+def _vals(x: Any) -> Any:
+    return fx.node.map_arg(x, lambda n: n.meta.get("val"))
+
+
+def _tensor_vals(val: Any) -> list[torch.Tensor | None]:
+    if isinstance(val, torch.Tensor):
+        return [val]
+    if isinstance(val, (tuple, list)):
+        return [v if isinstance(v, torch.Tensor) else None for v in val]
+    return []
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    if any(isinstance(s, torch.SymInt) for s in t.shape):
+        raise InputError("slackswap.compile plans static shapes only; compile with "
+                         "dynamic=False (the default here)")
+    return t.numel() * t.element_size()
+
+
+def read_joint(gm: fx.GraphModule, num_fwd_outputs: int, static_inputs: list[int],
+               hw: Hardware, *, model: str, fingerprint: str, layers: list[str],
+               ) -> JointGraph:
+    """The profile of the step the joint graph runs: forward ops (those the partitioner
+    counts as forward), then the rest; a tensor per non-view value, named as the
+    profiler names activations; saved = read by a backward op."""
+    info = classify_nodes(gm, static_inputs, num_fwd_outputs)
+    tensors: list[TensorRecord] = []
+    tensor_of: dict[str, int] = {}
+    producer_node: dict[int, fx.Node] = {}
+    primals = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    state_bytes = 0
+    tangents: set[int] = set()
+    for i, node in enumerate(primals):
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue
+        if "tangents" in node.name:
+            tangents.add(len(tensors))
+        is_state = "primals" in node.name and i in static_inputs
+        kind = "parameter" if is_state else "input"
+        nbytes = _nbytes(val)
+        state_bytes += nbytes if is_state else 0
+        tensor_of[node.name] = len(tensors)
+        tensors.append(TensorRecord(id=len(tensors), kind=kind, bytes=nbytes,
+                                    dtype=dtype_name(val.dtype), shape=list(val.shape),
+                                    name=None if is_state or "tangents" in node.name
+                                    else f"input:{node.name}"))
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    forward = [n for n in calls if info.is_required_fw(n)]
+    ordered = forward + [n for n in calls if not info.is_required_fw(n)]
+    ops: list[OpRecord] = []
+    details: list[OpDetail] = []
+    namer = ActivationNamer()
+    for node in ordered:
+        if node.target is operator.getitem:
+            base = node.args[0]
+            key = f"{base.name}#{node.args[1]}"
+            if key in tensor_of:
+                tensor_of[node.name] = tensor_of[key]
+            continue
+        if _is_alias(node):
+            src = node.args[0]
+            if isinstance(src, fx.Node) and src.name in tensor_of:
+                tensor_of[node.name] = tensor_of[src.name]
+            continue
+        if not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        phase = "forward" if info.is_required_fw(node) else "backward"
+        func, kind = node.target, op_kind(node.target)
+        index = len(ops)
+        inputs = list(dict.fromkeys(tensor_of[a.name] for a in node.all_input_nodes
+                                    if a.name in tensor_of))
+        outs = _tensor_vals(node.meta.get("val"))
+        out_ids: list[int] = []
+        module = _module(node)
+        random = is_random(func)
+        for k, val in enumerate(outs):
+            if val is None:
+                continue
+            tid = len(tensors)
+            tensor_of[f"{node.name}#{k}"] = tid
+            out_ids.append(tid)
+            tensors.append(TensorRecord(
+                id=tid, kind="activation", bytes=_nbytes(val), dtype=dtype_name(val.dtype),
+                shape=list(val.shape), producer=index, random=random,
+                name=namer(module, kind) if phase == "forward" else None))
+            producer_node[tid] = node
+        if isinstance(node.meta.get("val"), torch.Tensor):
+            tensor_of[node.name] = out_ids[0]
+        vals = [v for v in outs if v is not None]
+        floats = [v.dtype for v in vals if v.is_floating_point()]
+        read = {t: tensors[t].bytes for t in inputs}
+        ops.append(OpRecord(
+            index=index, name=str(func), kind=kind, phase=phase, module=module,
+            category=op_category(kind), dtype=dtype_name(floats[0]) if floats else "fp32",
+            flops=op_flops(func, kind, _vals(node.args), _vals(node.kwargs),
+                           node.meta.get("val")),
+            bytes_read=sum(read.values()), bytes_written=sum(tensors[t].bytes for t in out_ids),
+            time_s=0.0, inputs=inputs, outputs=out_ids, random=random,
+            # NOTE [compiled recompute]: random ops are never recomputed here
+            replayable=is_replayable(func) and not random
+            and torch.Tag.nondeterministic_seeded not in func.tags,
+        ))
+        details.append(OpDetail(reads=read, writes={t: tensors[t].bytes for t in out_ids}))
+    made_in_forward = {t.id for t in tensors if t.producer is None
+                       or ops[t.producer].phase == "forward"} - tangents
+    for op in ops:
+        for t in op.inputs:
+            record = tensors[t]
+            if op.phase == "forward":
+                record.forward_consumers.append(op.index)
+                continue
+            record.backward_consumers.append(op.index)
+            if t in made_in_forward and record.first_backward_use is None:
+                record.saved, record.first_backward_use = True, op.index
+    joint_outputs = next(iter(gm.graph.find_nodes(op="output"))).args[0]
+    for i, node in enumerate(joint_outputs[num_fwd_outputs:]):
+        tid = tensor_of.get(node.name) if isinstance(node, fx.Node) else None
+        if i in static_inputs and tid is not None and tensors[tid].producer is not None \
+                and ops[tensors[tid].producer].phase == "backward":
+            tensors[tid].kind = "gradient"
+    times = step_times(ops, tensors, hw, details)
+    for op, seconds in zip(ops, times, strict=True):
+        op.time_s = seconds
+    code = hashlib.sha256(gm.code.encode()).hexdigest()[:16]
+    profile = StepProfile(
+        model=model, fingerprint=f"{fingerprint}:joint:{code}", hardware=hw.name,
+        mode="analytic", kernels="native", device=_device(primals), layers=layers,
+        model_state_bytes=state_bytes, ops=ops, tensors=tensors)
+    return JointGraph(profile, tensor_of, producer_node, {n.name for n in forward})
+
+
+def _device(placeholders: list[fx.Node]) -> str:
+    for node in placeholders:
+        if isinstance(val := node.meta.get("val"), torch.Tensor):
+            return str(val.device)
+    return "cpu"
+
+
+def uniform_per_op(joint: JointGraph, plan: Plan) -> Plan:
+    """The plan with each op's saved outputs under one decision: a graph recomputes an op,
+    not one of its outputs, so an op with any output to recompute recomputes them all
+    (NOTE [compiled recompute])."""
+    p = joint.profile
+    decisions = dict(plan.decisions)
+    for op in p.ops:
+        if op.phase != "forward":
+            break
+        names = [p.tensors[t].name for t in op.outputs if p.tensors[t].saved]
+        if any(decisions.get(n) == Decision.RECOMPUTE for n in names):
+            decisions.update({n: Decision.RECOMPUTE for n in names})
+    if decisions == plan.decisions:
+        return plan
+    return plan.model_copy(update={"decisions": decisions})
+
+
+def tag_joint(gm: fx.GraphModule, joint: JointGraph, plan: Plan) -> None:
+    """Tag every forward node MUST_SAVE or MUST_RECOMPUTE by the plan (NOTE [compiled
+    recompute]); nodes outside forward that the partitioner could still run in forward
+    are MUST_RECOMPUTE, so it saves nothing the plan does not."""
+    p = joint.profile
+    policy: dict[int, CheckpointPolicy] = {}  # op index -> tag
+    for op in p.ops:
+        if op.phase != "forward":
+            continue
+        outs = [p.tensors[t] for t in op.outputs]
+        said = [plan.decisions.get(t.name) for t in outs]
+        if Decision.RECOMPUTE in said:
+            policy[op.index] = CheckpointPolicy.MUST_RECOMPUTE
+        elif any(t.saved for t in outs) or Decision.KEEP in said or not op.replayable:
+            policy[op.index] = CheckpointPolicy.MUST_SAVE
+        else:  # made and used in forward only: rebuilt if a rebuild needs it
+            policy[op.index] = CheckpointPolicy.MUST_RECOMPUTE
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        tid = joint.tensor_of.get(node.name)
+        if tid is None:  # a multi-output op: its outputs are named "<node>#k"
+            tid = joint.tensor_of.get(f"{node.name}#0")
+        record = p.tensors[tid] if tid is not None else None
+        if record is not None and record.producer in policy:  # made in forward, or a view
+            node.meta["recompute"] = policy[record.producer]
+            node.meta[_ID] = tid
+        elif node.name in joint.forward or not any(
+                a.op == "placeholder" and "tangents" in a.name for a in node.all_input_nodes):
+            # a view of a parameter or input, or backward work that needs no gradient
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+
+
+def applied_partition(joint: JointGraph, fw: fx.GraphModule, bw: fx.GraphModule,
+                      num_fwd_outputs: int) -> Applied:
+    """What the cut graphs save (the forward graph's outputs after its own) and rebuild
+    (forward nodes found in the backward graph), for the profile's saved activations.
+    Nodes are matched by the tensor id :func:`tag_joint` wrote into their meta, which the
+    partitioner copies (their names may change)."""
+    p = joint.profile
+    out = Applied()
+    outputs = next(iter(fw.graph.find_nodes(op="output"))).args[0][num_fwd_outputs:]
+    for node in outputs:
+        if not isinstance(node, fx.Node) or node.op == "placeholder" or not isinstance(
+                node.meta.get("val"), torch.Tensor):
+            continue  # parameters and inputs; sizes
+        tid = node.meta.get(_ID)
+        if tid is None:  # made after profiling: a save no plan decided on
+            out.kept[f"(unplanned) {node.name}"] = _nbytes(node.meta["val"])
+        elif p.tensors[tid].kind == "activation":
+            out.kept[p.tensors[tid].name] = p.tensors[tid].bytes
+    rebuilt: set[int] = set()
+    for node in bw.graph.nodes:
+        if node.op == "call_function" and _ID in node.meta:
+            tid = node.meta[_ID]
+            if joint.producer_node.get(tid) is not None and not _is_alias(node) \
+                    and node.target is not operator.getitem:
+                out.recomputed_ops += 1
+                op = p.ops[p.tensors[tid].producer]
+                rebuilt.update(op.outputs)
+    for tid in rebuilt:
+        t = p.tensors[tid]
+        if t.saved and t.name not in out.kept:
+            out.recomputed[t.name] = t.bytes
+    return out

@@ -1,0 +1,142 @@
+"""slackswap.compile: a plan carried into torch.compile's partition, checked on CPU."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import slackswap
+from slackswap.core.plan import Decision
+from slackswap.errors import InputError
+from slackswap.models.presets import build_model
+
+# HF's loss lookup logs a warning (a graph break) for model classes it does not know
+_LOSS_TYPE = {"gpt2-xl-tiny": "ForCausalLM", "bert-large-tiny": "ForMaskedLM"}
+
+
+class _MLP(nn.Module):
+    """Not a preset: norms, GEMMs and activations, as a block stack has them."""
+
+    def __init__(self, width: int = 64, depth: int = 3) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(),
+                          nn.Linear(4 * width, width)) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return x.pow(2).mean()
+
+
+def _grads(model: nn.Module) -> list[torch.Tensor]:
+    return [p.grad for p in model.parameters()]
+
+
+def _step(model: nn.Module, batch: object) -> torch.Tensor:
+    torch.manual_seed(1)
+    out = model(**batch) if isinstance(batch, dict) else model(batch)
+    loss = out.loss if hasattr(out, "loss") else out
+    loss.backward()
+    return loss.detach()
+
+
+def _recompute(plan: slackswap.Plan) -> set[str]:
+    return {n for n, d in plan.decisions.items() if d == Decision.RECOMPUTE}
+
+
+def _assert_applied_is_plan(compiled: nn.Module) -> None:
+    state = compiled.slackswap
+    applied = state.applied()
+    planned = _recompute(state.plan)
+    assert applied["recomputed"] == len(planned) > 0
+    assert applied["recomputed_bytes"] == sum(state.profile.by_name[n].bytes for n in planned)
+    assert applied["offloaded"] == 0
+
+
+@pytest.mark.parametrize("name", ["llama-7b-tiny", "gpt2-xl-tiny", "bert-large-tiny"])
+def test_presets_under_aot_eager_are_bit_identical_to_torch_compile(name: str) -> None:
+    model, batch = build_model(name, fake=False, dtype="fp32")
+    if name in _LOSS_TYPE:
+        model.loss_type = _LOSS_TYPE[name]
+    reference = copy.deepcopy(model)
+    compiled = slackswap.compile(model, batch, budget=0.8, backend="aot_eager")
+    _assert_applied_is_plan(compiled)
+    # dropout draws the same masks: the plan never recomputes a random op
+    loss = _step(compiled, batch)
+    expected = _step(torch.compile(reference, backend="aot_eager"), batch)
+    assert torch.equal(loss, expected)
+    for got, want in zip(_grads(model), _grads(reference), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_a_tighter_budget_saves_fewer_bytes_in_the_compiled_forward() -> None:
+    torch.manual_seed(0)
+    model, x = _MLP(), torch.randn(64, 64)
+    loose = slackswap.compile(copy.deepcopy(model), x, budget=1.0, backend="aot_eager")
+    tight = slackswap.compile(copy.deepcopy(model), x, budget=0.85, backend="aot_eager")
+    assert loose.slackswap.applied()["recomputed"] == 0
+    _assert_applied_is_plan(tight)
+    applied, kept_all = tight.slackswap.applied(), loose.slackswap.applied()["kept_bytes"]
+    assert kept_all - applied["kept_bytes"] == applied["recomputed_bytes"] > 0
+
+
+def test_inductor_follows_the_plan_and_matches_torch_compile() -> None:
+    torch.manual_seed(0)
+    model, x = _MLP(depth=2), torch.randn(64, 64)
+    reference = copy.deepcopy(model)
+    compiled = slackswap.compile(model, x, budget=0.85, backend="inductor")
+    _assert_applied_is_plan(compiled)
+    loss = _step(compiled, x)
+    expected = _step(torch.compile(reference, backend="inductor"), x)
+    # Inductor fuses a recomputed region differently: equal to rounding, not bit for bit
+    torch.testing.assert_close(loss, expected)
+    for got, want in zip(_grads(model), _grads(reference), strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_compiling_leaves_buffers_and_the_rng_as_they_were() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 1))
+    x, stats = torch.randn(16, 8), model[1].running_mean.clone()
+    rng = torch.random.get_rng_state()
+    slackswap.compile(model, x, budget=1.0, backend="aot_eager")
+    assert torch.equal(model[1].running_mean, stats)
+    assert torch.equal(torch.random.get_rng_state(), rng)
+
+
+class _Breaks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.a(x).relu()
+        torch._dynamo.graph_break()
+        return self.b(x).sum()
+
+
+def test_a_graph_break_is_a_one_line_error_naming_it() -> None:
+    with pytest.raises(InputError, match="graph break at File .*test_compiled.py") as err:
+        slackswap.compile(_Breaks(), torch.randn(4, 8), budget=1.0, backend="aot_eager")
+    assert "\n" not in str(err.value)
+
+
+def test_plans_that_offload_and_unknown_backends_are_refused() -> None:
+    with pytest.raises(InputError, match="recomputes only for now"):
+        slackswap.compile(_MLP(), torch.randn(64, 64), budget=0.6, strategy="offload-only",
+                          backend="aot_eager")
+    with pytest.raises(InputError, match="unknown backend"):
+        slackswap.compile(_MLP(), torch.randn(64, 64), backend="cudagraphs")
+    with pytest.raises(InputError, match="fullgraph=False"):
+        slackswap.compile(_MLP(), torch.randn(64, 64), fullgraph=False)
+
+
+def test_the_compiled_profile_names_activations_as_the_profiler_does() -> None:
+    model, x = _MLP(depth=1), torch.randn(64, 64)
+    compiled = slackswap.compile(copy.deepcopy(model), x, budget=1.0, backend="aot_eager")
+    eager = slackswap.profile(model, (x,), mode="traced", kernels="native")
+    same = set(compiled.slackswap.profile.by_name) & set(eager.by_name)
+    assert {"blocks.0.0:native_layer_norm:0", "blocks.0.1:addmm:0", "blocks.0.2:gelu:0"} <= same
