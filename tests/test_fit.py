@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -169,3 +171,20 @@ def test_no_batch_meets_the_target(name: str) -> None:
     data = json.loads(stdout)
     assert data["largest"] == {"slackswap": None, "checkpoint-blocks": None, "keep-all": None}
     assert data["fastest"] is None and len(data["points"]) == 1
+
+
+def test_readme_commands_are_the_commands() -> None:
+    """The README's `slackswap fit` commands parse as written, on presets and hardware that
+    exist (running them takes minutes: their figures are in the README)."""
+    from slackswap.cli import fit_command
+    from slackswap.models import MODEL_PRESETS
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    section = readme.split("## How large a batch fits", 1)[1].split("\n## ", 1)[0]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    commands = [shlex.split(line) for line in block.splitlines() if line.strip()]
+    assert len(commands) == 3 and all(c[:2] == ["slackswap", "fit"] for c in commands)
+    for command in commands:
+        ctx = fit_command.make_context("fit", command[2:])
+        assert ctx.params["model"] in MODEL_PRESETS
+        load_hardware(ctx.params["hardware"])

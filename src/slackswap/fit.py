@@ -320,7 +320,7 @@ def fit_figure(result: FitResult) -> Any:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter, ScalarFormatter
+    from matplotlib.ticker import FuncFormatter
 
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
     for i, strategy in enumerate(FIT_STRATEGIES):
@@ -336,11 +336,11 @@ def fit_figure(result: FitResult) -> Any:
         if (size := result.largest[strategy]) is not None:
             ax.axvline(size, color=color, ls=":", lw=1)
     ax.set_xscale("log", base=2)
-    ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
     ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:,.0f}"))
     ax.set_xlabel("micro-batch size" if result.search == "batch" else "sequence length")
     ax.set_ylabel("tokens/s (simulated)")
-    ax.set_ylim(bottom=0)
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.08)
     fixed = (f"seq {result.fixed}" if result.search == "batch" else f"batch {result.fixed}")
     ax.set_title(f"{result.model} on {result.hardware}, {fixed}: hollow below "
                  f"{result.min_retention:.0%} of ideal, dotted the largest", fontsize=9)
