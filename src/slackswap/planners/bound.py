@@ -12,7 +12,9 @@ NOTE [why this is a bound]
     Then every constraint below holds for those values, so the optimum is at most the
     plan's overhead over the sum of op times T, and ideal / (T + optimum) is at least
     its retention (ideal: the eager keep-all step, NOTE [bound and the host]). Below,
-    "late" is s_f + s_b + sum q_P c_P, what an op can start after its keep-all time t_k.
+    "late" is s_f + s_b + sum q_P c_P, what an op can start after its keep-all time t_k
+    (in the exact model, s_f + s_b + rho_k in backward, rho_k no more than the rebuilds
+    that can run before op k: ``_BoundLP.late``).
 
     - memory, forward op k (where keep-all exceeds the budget B): memory there is the
       keep-all memory less what evicted activations past their last forward use have
@@ -122,13 +124,18 @@ class _BoundLP:
     GB = 1e-9
 
     def __init__(self, ctx: PlanContext, points: tuple[list[Pressure], list[Pressure]],
-                 chain_depth: int, checkpoint_timing: bool = False) -> None:
+                 chain_depth: int, checkpoint_timing: bool = False,
+                 rebuild_timing: bool = False) -> None:
         p, link = ctx.profile, ctx.hw.host_link
         self.ctx, self.p = ctx, p
         # when offloaded checkpoints leave memory (their copies out timed at each point)
         # and what a checkpoint read through a rebuilt never-saved tensor holds: rows the
         # exact model has, which make a whole workload's LP several times slower to solve
         self.checkpoint_timing = checkpoint_timing
+        # a backward op is late by the rebuilds that can run before it, not by all of
+        # them (``late``): a row per deadline, as many as the exact model has points
+        self.rebuild_timing = rebuild_timing
+        self._late: dict[int, list[tuple[int, float]]] = {}
         self.fwd, self.bwd = points
         self.pts = self.fwd + self.bwd
         self.acts = [t for t in p.saved_activations
@@ -232,6 +239,50 @@ class _BoundLP:
 
     def unsaved_inputs(self, op_index: int) -> list[int]:
         return [u for u in dict.fromkeys(self.p.ops[op_index].inputs) if u in self.unsaved]
+
+    def late(self, j: int) -> list[tuple[int, float]]:
+        """Terms of what op ``j`` can start after its keep-all time, in milliseconds: idle
+        in forward; in backward idle too, and the rebuilds (each re-run producer once,
+        s_b taking the rest). With ``rebuild_timing``, only the rebuilds that can run
+        before j: a producer re-runs for the rebuild of an activation i at i's first
+        backward use, and only if it made i or something i is made from, so
+        rho_j <= sum q_P c_P and rho_j <= sum_{i first needed by j} r_i C_i, C_i the op
+        times of the producers i is made from (itself included)."""
+        if j < self.ctx.first_backward:
+            return [(self.SF, -1e3)]
+        idle = [(self.SF, -1e3), (self.SB, -1e3)]
+        if not self.rebuild_timing:
+            return idle + self.recompute
+        if j not in self._late:
+            cost = self.rebuild_reach()
+            early = [(self.R + i, -cost[i] * 1e3) for i, t in enumerate(self.acts)
+                     if t.first_backward_use <= j and self.upper[self.R + i] and cost[i]]
+            if not early:
+                self._late[j] = idle
+            else:
+                rho = self.column()
+                self.upper[rho] = np.inf
+                self.row([(rho, 1.0)] + self.recompute, 0.0)
+                self.row([(rho, 1.0)] + early, 0.0)
+                self._late[j] = idle + [(rho, -1.0)]
+        return self._late[j]
+
+    def rebuild_reach(self) -> list[float]:
+        """Per activation, the op times of every re-runnable producer it is made from,
+        through any chain of forward tensors (a rebuild re-runs no other): seconds."""
+        if not hasattr(self, "_reach"):
+            ops, tensors = self.p.ops, self.p.tensors
+            ancestors: dict[int, int] = {}  # forward op -> bitset of the ops it reads from
+            for op in ops[: self.ctx.first_backward]:
+                bits = 1 << op.index
+                for u in op.inputs:
+                    made = tensors[u].producer
+                    if made is not None and made < op.index:
+                        bits |= ancestors[made]
+                ancestors[op.index] = bits
+            self._reach = [sum(ops[q].time_s for q in self.made_by
+                               if ancestors[t.producer] >> q & 1) for t in self.acts]
+        return self._reach
 
     def row(self, entries: list[tuple[int, float]], bound: float) -> None:
         """sum(coef * x) <= bound"""
@@ -344,7 +395,7 @@ class _BoundLP:
                 self.row([(D + i * kp + k, 1.0), (self.OFF + i, -1.0)], 0.0)
             # the op starts no later than its keep-all time plus idle time (and, in
             # backward, the recomputation inserted before it)
-            late = [(self.SF, -1e3)] + ([(self.SB, -1e3)] + self.recompute if backward else [])
+            late = self.late(pt.op)
             for tau in taus:
                 self.row([(c, t * 1e3) for c, made, t in out if made >= tau] + late,
                          (t_k - tau) * 1e3)
@@ -378,7 +429,7 @@ class _BoundLP:
         for j in uses[:: max(len(uses) // max_points, 1)]:
             members = [i for i in range(self.n) if self.acts[i].first_backward_use <= j]
             self.row([(self.D + i * self.kp + last, self.h2d[i] * 1e3) for i in members]
-                     + [(self.SF, -1e3), (self.SB, -1e3)] + self.recompute,
+                     + self.late(j),
                      (self.starts[j] - t_last) * 1e3)
 
     def transfer_rows(self, thresholds: int, max_points: int) -> None:
@@ -386,7 +437,6 @@ class _BoundLP:
         after tau and first needed by op j crosses each link between the two, and each
         tensor's reload starts after its copy out has landed. An offloaded checkpoint
         counts where a rebuild that reads it runs by j (g >= f_u + r_i - 1)."""
-        late = [(self.SF, -1e3), (self.SB, -1e3)] + self.recompute
         checkpoints = self.offloaded_checkpoints()
         duplex = self.duplex_cost()
         uses = sorted({t.first_backward_use for t in self.acts})
@@ -403,6 +453,7 @@ class _BoundLP:
                         self.row([(f, 1.0), *((c, 1.0) for c in terms), (g, -1.0)],
                                  float(len(terms)))
                     moves.append((g, made, out, back, self.unsaved[u].bytes))
+            late = self.late(j)
             for tau in _picks(sorted({m[1] for m in moves}), thresholds):
                 chosen = [m for m in moves if m[1] >= tau]
                 for way in (2, 3):
@@ -412,12 +463,13 @@ class _BoundLP:
                     self.row([(m[0], m[4] * duplex * 1e3) for m in chosen] + late,
                              (self.starts[j] - tau) * 1e3)
         for i, t in enumerate(self.acts):  # one tensor's two copies, one after the other
-            self.row([(self.OFF + i, (self.d2h[i] + self.h2d[i]) * 1e3)] + late,
+            self.row([(self.OFF + i, (self.d2h[i] + self.h2d[i]) * 1e3)]
+                     + self.late(t.first_backward_use),
                      (self.starts[t.first_backward_use] - self.produced[i]) * 1e3)
         for u, f, made, out, back in checkpoints:  # (when a rebuild reads it)
             trip = (out + back) * 1e3
             for terms, use in self.checkpoint_reads(u):
-                self.row([(f, trip), *((c, trip) for c in terms)] + late,
+                self.row([(f, trip), *((c, trip) for c in terms)] + self.late(use),
                          (self.starts[use] - made) * 1e3 + trip * len(terms))
 
     def checkpoint_reads(self, u: int) -> list[tuple[list[int], int]]:
@@ -490,7 +542,6 @@ class _BoundLP:
                 back = now
         # the D2H engine copies in production order: an offload's copy lands after those
         # of everything offloaded between tau and its own production, then comes back
-        late = [(self.SF, -1e3), (self.SB, -1e3)] + self.recompute
         checkpoints = self.offloaded_checkpoints()
         big = sum(self.d2h) + sum(self.h2d) + sum(c[3] for c in checkpoints)
         for i, t in enumerate(acts):
@@ -502,14 +553,15 @@ class _BoundLP:
                 self.row([(self.OFF + k, self.d2h[k] * 1e3) for k in ahead]
                          + [(f, out * 1e3) for _, f, made, out, _ in checkpoints
                             if tau <= made < self.produced[i]]
-                         + [(self.OFF + i, (self.d2h[i] + self.h2d[i] + big) * 1e3)] + late,
+                         + [(self.OFF + i, (self.d2h[i] + self.h2d[i] + big) * 1e3)]
+                         + self.late(t.first_backward_use),
                          (self.starts[t.first_backward_use] - tau + big) * 1e3)
         uses = sorted({t.first_backward_use for t in acts})
         for k, pt in enumerate(self.bwd):
             for j in (j for j in uses if j > pt.op):
                 members = [i for i in range(self.n) if pt.op < acts[i].first_backward_use <= j]
                 self.row([(base + i * self.kp + k, self.h2d[i] * 1e3) for i in members]
-                         + late,
+                         + self.late(j),
                          (self.starts[j] - self.starts[pt.op]) * 1e3)
 
     def objective(self) -> np.ndarray:

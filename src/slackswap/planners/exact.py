@@ -51,7 +51,8 @@ def exact_optimum(ctx: PlanContext, time_limit_s: float = 120.0,
     """Solve the integer program of NOTE [exact model] for ``ctx`` (a small step)."""
     if not ctx.reachable:
         return Optimum(0.0, True, None, None)
-    lp = _BoundLP(ctx, _every_point(ctx), chain_depth, checkpoint_timing=True)
+    lp = _BoundLP(ctx, _every_point(ctx), chain_depth, checkpoint_timing=True,
+                  rebuild_timing=True)
     if not lp.pts:
         return Optimum(1.0, True, None, None)
     lp.build(thresholds=len(lp.acts) + 1, max_points=len(ctx.profile.ops))
