@@ -85,12 +85,11 @@ def small(name: str) -> StepProfile:
 
 # (step, budget) where SlackSwap is more than half a point under the program's optimum.
 # Measured (a100-80gb), SlackSwap / the optimum / the program's own plan simulated:
-# bert-large-mlm@1 at 50% 82.9 / 84.7 / 67.9, 60% 87.5 / 89.6 / 74.4, 70% 91.0 / 93.3 /
-# 92.6; llama-7b@1 at 70% 94.3 / 98.5 / 93.2. At bert-large-mlm@1 70% the program's plan
-# beats SlackSwap's by 1.5 points: there the planner is short (its plan is a local
-# optimum of single moves; from a rounding of the LP's solution the search reaches 95.6
-# on llama-7b@1 at 70%). Elsewhere which of the model and the planner is short is open
-# (issue 12). Left out of the gate (they take 4-30 s each to solve).
+# bert-large-mlm@1 at 50% 82.9 / 84.7 / 67.9, 60% 88.4 / 89.6 / 74.4, 70% 92.6 / 93.3 /
+# 92.6; llama-7b@1 at 70% 95.6 / 98.5 / 93.2. No plan we know (the program's, or the
+# search from every baseline's plan and from the LP's solution rounded) is better than
+# SlackSwap's there: which of the model and the planner is short is open (issue 12).
+# Left out of the gate (they take 4-30 s each to solve).
 OPEN = {("bert-large-mlm@1", 0.5), ("bert-large-mlm@1", 0.6), ("bert-large-mlm@1", 0.7),
         ("llama-7b@1", 0.7)}
 CASES = [(name, budget) for name in ("bert-large-mlm@1", "llama-7b@1", "gpt2-xl@2")

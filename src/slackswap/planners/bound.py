@@ -73,7 +73,7 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
-from slackswap.core.plan import MIN_PLANNED_BYTES
+from slackswap.core.plan import MIN_PLANNED_BYTES, Decision
 from slackswap.planners.context import PlanContext
 from slackswap.planners.memory import Pressure, pressure_points
 from slackswap.sim.host import packs
@@ -94,6 +94,32 @@ def retention_bound(ctx: PlanContext, thresholds: int = 4, max_points: int = 12,
     lp = _BoundLP(ctx, _strongest(ctx, points, max_points), chain_depth)
     lp.build(thresholds, max_points)
     return lp.retention(lp.solve())
+
+
+def relaxed_plan(ctx: PlanContext, thresholds: int = 4, max_points: int = 12,
+                 chain_depth: int = 2) -> dict[str, Decision] | None:
+    """The bound's LP solution rounded to a plan's decisions: each activation recomputed
+    or offloaded where the relaxation does so at least half (recompute on a tie), kept
+    otherwise; None when the LP has nothing to decide. A starting point for a search,
+    not a plan that fits."""
+    points = pressure_points(ctx) if ctx.reachable else []
+    if not points:
+        return None
+    lp = _BoundLP(ctx, _strongest(ctx, points, max_points), chain_depth)
+    lp.build(thresholds, max_points)
+    try:
+        if lp.solve() is None or lp.x is None:
+            return None
+    except RuntimeError:  # the solver gave up: no starting point from it
+        return None
+    x, decisions = lp.x, {}
+    for i, t in enumerate(lp.acts):
+        r, o = x[lp.R + i], x[lp.OFF + i]
+        if r >= 0.5 and r >= o:
+            decisions[t.name] = Decision.RECOMPUTE
+        elif o >= 0.5:
+            decisions[t.name] = Decision.OFFLOAD
+    return decisions
 
 
 def _strongest(ctx: PlanContext, points: list[Pressure], most: int

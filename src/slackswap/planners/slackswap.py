@@ -20,16 +20,21 @@ NOTE [slack]
 NOTE [starting points]
     The baselines' plans are candidates too: whichever plan, its own or a baseline's,
     the simulator rates best is where a local search starts (from keep-all and the
-    uniform plans as well, when none fits yet). That search moves one activation at a
-    time: a recompute to offload (the longest-waiting first), an offload to recompute,
-    a moved one back to keep and, while the plan does not fit, a kept one moved; on a
-    step of few candidates, pairs of moves too. A move is kept when the simulated plan
-    fits where it did not, falls less short, or retains more. Moves of the tensors
-    autograd never saved that rebuilds read come first and last: all of them offloaded
-    or kept as checkpoints at once, then each alone. The search stops after a number of
-    simulations fixed by the step's size (``SEARCH_SIMULATIONS``, more on a short step:
-    ``SEARCH_OPS``), so a plan depends on the profile and hardware alone, never on the
-    machine's speed. Measured: bert-large at 30% on h200 gained 2.1 points
+    uniform plans as well, when none fits yet); while simulations of its budget are
+    left, it starts again: from the bound's LP solution rounded (``relaxed_plan``), then
+    from the next best of the others, recompute-only's plan among them (a short step's
+    search often settles in a few passes; on bert-large-mlm@1 at 60 and 70% the search
+    from recompute-only's plan ends 0.9 and 1.5 points above the one from the best
+    start, on llama-7b@1 at 70% the one from the LP's 1.3 points). That search moves one
+    activation at a time: a recompute to offload (the longest-waiting first), an offload
+    to recompute, a moved one back to keep and, while the plan does not fit, a kept one
+    moved; on a step of few candidates, pairs of moves too. A move is kept when the
+    simulated plan fits where it did not, falls less short, or retains more. Moves of
+    the tensors autograd never saved that rebuilds read come first and last: all of them
+    offloaded or kept as checkpoints at once, then each alone. The search stops after a
+    number of simulations fixed by the step's size (``SEARCH_SIMULATIONS``, more on a
+    short step: ``SEARCH_OPS``), so a plan depends on the profile and hardware alone,
+    never on the machine's speed. Measured: bert-large at 30% on h200 gained 2.1 points
     in 24 simulations; on small random steps the plans match the best of every
     keep/offload/recompute assignment (``test_the_best_assignment_on_small_steps``).
 """
@@ -43,6 +48,7 @@ from slackswap.core.plan import Decision, Plan
 from slackswap.core.result import SimResult
 from slackswap.errors import SlackSwapError
 from slackswap.planners import baselines
+from slackswap.planners.bound import relaxed_plan
 from slackswap.planners.context import Candidate, PlanContext
 from slackswap.planners.memory import pressure_points
 from slackswap.planners.prefetch import with_prefetch_points
@@ -55,7 +61,7 @@ __all__ = ["slackswap", "SLACK_FRACTIONS", "SEARCH_SIMULATIONS"]
 SLACK_FRACTIONS = (1.0, 0.75, 0.5, 0.25, 0.0)
 PAIR_SEARCH_CANDIDATES = 10  # steps this small also try pairs of moves
 SEARCH_SIMULATIONS = 24  # the local search's budget: NOTE [starting points]
-SEARCH_OPS = 20_000  # ... or this many simulated ops, when that is more simulations
+SEARCH_OPS = 60_000  # ... or this many simulated ops, when that is more simulations
 # recompute-only is left out: its cover is this planner's with no slack spent
 STARTS = (baselines.capuchin, baselines.offload_only, baselines.checkpoint_blocks,
           baselines.checkpoint_offload, baselines.module_policy)
@@ -72,6 +78,7 @@ def slackswap(ctx: PlanContext) -> Attempt | None:
     slack = offload_within_slack(ctx, order)
     total = sum(c.bytes for c in slack)
     best: Attempt | None = None
+    starts: list[Attempt] = []
     for fraction in SLACK_FRACTIONS:
         offload, spent = [], 0
         for c in slack:  # the most expensive to rebuild first
@@ -79,27 +86,71 @@ def slackswap(ctx: PlanContext) -> Attempt | None:
                 offload.append(c)
                 spent += c.bytes
         attempt = _hybrid(ctx, offload)
+        if attempt is not None:
+            starts.append(attempt)
         if attempt is not None and attempt[1].feasible and (
                 best is None or attempt[1].retention > best[1].retention):
             best = attempt
         if best is not None and best[1].stall_s["reload"] == best[1].stall_s["memory"] == 0:
             break  # the copies hide entirely: spending less slack only adds recompute
     best = or_uniform(ctx, best, "slackswap", (Decision.OFFLOAD, Decision.RECOMPUTE))
+    if best is not None:
+        starts.append(best)
     for start in STARTS:  # NOTE [starting points]
         other = ctx.attempt(start)
-        if other is not None and (best is None or _score(other[1]) > _score(best[1])):
-            best = (ctx.plan("slackswap", dict(other[0].decisions)), other[1])
-    if best is None or not best[1].feasible:  # nothing fits yet: search from there,
-        names = [c.name for c in ctx.candidates]  # keep-all and each uniform plan too
-        starts = [ctx.plan("slackswap", {n: d for n in names})
-                  for d in (Decision.KEEP, Decision.OFFLOAD, Decision.RECOMPUTE)]
-        found = [_local_search(ctx, (p, ctx.simulate(p))) for p in starts]
-        if best is not None:
-            found.append(_local_search(ctx, best))
-        best = max(found, key=lambda a: _score(a[1]))
-    else:
-        best = _local_search(ctx, best)
+        if other is not None:
+            starts.append((ctx.plan("slackswap", dict(other[0].decisions)), other[1]))
+    if not any(a[1].feasible for a in starts):  # nothing fits yet: keep-all and each
+        names = [c.name for c in ctx.candidates]  # uniform plan are starts too
+        for d in (Decision.KEEP, Decision.OFFLOAD, Decision.RECOMPUTE):
+            plan = ctx.plan("slackswap", {n: d for n in names})
+            starts.append((plan, ctx.simulate(plan)))
+    best = _multi_start(ctx, starts)
     return with_prefetch_points(ctx, best) if best[1].feasible else best
+
+
+def _multi_start(ctx: PlanContext, starts: list[Attempt]) -> Attempt:
+    """The local search from the best start, then from the next best while simulations
+    of its budget are left (NOTE [starting points]), recompute-only's plan joining the
+    starts, with the bound's LP solution rounded (``relaxed_plan``), once a search has
+    settled with budget left (a short step: their own simulations and the LP are cheap
+    there); the best plan found."""
+    # where nothing fits yet, one search's budget for each of the four kinds of start
+    left = _search_budget(ctx) * (1 if any(a[1].feasible for a in starts) else 4)
+    pending = sorted(starts, key=lambda a: _score(a[1]), reverse=True)
+    seen: set[tuple] = set()
+    best: Attempt | None = None
+    joined = False
+    while pending and (best is None or left > 0):
+        start = pending.pop(0)
+        key = tuple(sorted(start[0].decisions.items()))
+        if key in seen:
+            continue
+        seen.add(key)
+        found, left = _local_search(ctx, start, left)
+        if best is None or _score(found[1]) > _score(best[1]):
+            best = found
+        if left > 0 and not joined:
+            joined = True
+            other = ctx.attempt(baselines.recompute_only)
+            if other is not None:
+                pending.append((ctx.plan("slackswap", dict(other[0].decisions)), other[1]))
+            pending.sort(key=lambda a: _score(a[1]), reverse=True)
+            if (relaxed := relaxed_plan(ctx)) is not None:  # first: it often does not fit
+                plan = ctx.plan("slackswap", relaxed)  # as rounded, yet starts a search
+                pending.insert(0, (plan, ctx.simulate(plan)))  # in another basin
+                left -= 1
+    assert best is not None
+    return best
+
+
+def _search_budget(ctx: PlanContext) -> int:
+    """Simulations the local search may run: ``SEARCH_SIMULATIONS``, or ``SEARCH_OPS``
+    simulated ops when that is more, and on a step of few candidates enough for several
+    passes of single and pair moves."""
+    n = len(ctx.candidates)
+    return max(SEARCH_SIMULATIONS, SEARCH_OPS // len(ctx.profile.ops)) + (
+        400 if n <= PAIR_SEARCH_CANDIDATES else 8 * n if n <= 16 else 0)
 
 
 def _decisions_of(plan: Plan) -> Callable[[Candidate], str]:
@@ -111,18 +162,15 @@ def _score(result: SimResult) -> tuple[bool, float]:
     return (True, result.retention) if result.feasible else (False, -result.shortfall_bytes)
 
 
-def _local_search(ctx: PlanContext, best: Attempt) -> Attempt:
-    """Passes of single-activation moves within a fixed number of simulations (NOTE
-    [starting points]): each recomputed activation offloaded instead, the longest wait
-    from production to backward use first (its copy has the most compute to hide
-    under); each offloaded one recomputed instead, largest first; each moved one kept,
-    smallest first; and, while the plan does not fit, each kept one moved. A move is kept
-    when the simulated plan scores better (``_score``); a step of few candidates gets
-    simulations for several passes, a large one ``SEARCH_SIMULATIONS``."""
+def _local_search(ctx: PlanContext, best: Attempt, left: int) -> tuple[Attempt, int]:
+    """Passes of single-activation moves within ``left`` simulations (NOTE [starting
+    points]): each recomputed activation offloaded instead, the longest wait from
+    production to backward use first (its copy has the most compute to hide under);
+    each offloaded one recomputed instead, largest first; each moved one kept, smallest
+    first; and, while the plan does not fit, each kept one moved. A move is kept when
+    the simulated plan scores better (``_score``). The best attempt, and the
+    simulations left."""
     n = len(ctx.candidates)
-    # a step of few candidates can afford passes of every move, and pairs of moves
-    left = max(SEARCH_SIMULATIONS, SEARCH_OPS // len(ctx.profile.ops)) + (
-        400 if n <= PAIR_SEARCH_CANDIDATES else 8 * n if n <= 16 else 0)
     recomputable = ctx.profile.recomputable
     improved = True
     while improved and left > 0:
@@ -161,7 +209,7 @@ def _local_search(ctx: PlanContext, best: Attempt) -> Attempt:
                 best, improved = (plan, result), True
         if not improved and n <= PAIR_SEARCH_CANDIDATES:
             best, improved, left = _pair_moves(ctx, best, left)
-    return best
+    return best, left
 
 
 Change = dict[str, Decision | None]  # new decisions; None: a checkpoint left to be rebuilt
