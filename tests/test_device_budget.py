@@ -93,6 +93,42 @@ def test_states_that_fit_sharded_say_over_how_many_gpus(prof: StepProfile) -> No
         assert format_bytes(share) in text and "\n" not in text
 
 
+def test_optimizer_temporaries_must_fit_what_the_states_leave(prof: StepProfile) -> None:
+    """AdamW's foreach step makes one fp32 state-sized tensor per parameter after backward:
+    shown in the breakdown, not taken from the activation budget, and a warning when the
+    states leave less than that (a fused optimizer makes none)."""
+    a100 = load_hardware("a100-80gb")
+    fit = device_budget(prof, a100)
+    assert fit.temporaries == fit.optimizer_states // 2 == 4 * fit.parameters
+    assert device_budget(prof, a100, "sgd").temporaries == 0
+    assert any("optimizer step temporaries" in line for line in fit.lines())
+    room = fit.model_states + RESERVED
+    enough = device_budget(prof, _sized(room + fit.temporaries))
+    assert enough.budget_bytes == fit.temporaries
+    assert not any("warning" in line for line in enough.lines())
+    short = device_budget(prof, _sized(room + fit.temporaries // 2))
+    assert short.budget_bytes == fit.temporaries // 2
+    assert any("warning: the AdamW step's temporaries" in line and "fused=True" in line
+               for line in short.lines())
+
+
+def test_a_sharded_model_holds_two_blocks_and_a_blocks_gradients(prof: StepProfile) -> None:
+    """A rank that holds a quarter of the model (FSDP2) gives up the gather buffers of its
+    largest block: two blocks' parameters and one block's gradients, in their dtype."""
+    listed = sum(t.bytes for t in prof.tensors if t.is_parameter)
+    sharded = prof.model_copy(update={"model_state_bytes": listed // 4})
+    block = max(sum(t.bytes for t in prof.tensors
+                    if t.kind == "parameter" and (t.name or "").startswith(layer + "."))
+                for layer in prof.layers)
+    assert block > 0
+    a100 = load_hardware("a100-80gb")
+    whole, quarter = device_budget(prof, a100), device_budget(sharded, a100)
+    assert whole.gather == 0 and quarter.gather == 3 * block
+    assert quarter.budget_bytes == (a100.memory.capacity_bytes - quarter.model_states
+                                    - RESERVED - 3 * block)
+    assert any("FSDP2 units gathered whole" in line for line in quarter.lines())
+
+
 def test_cli(prof: StepProfile, tmp_path: Path) -> None:
     path = tmp_path / "p.json"
     dump_model(prof, path)

@@ -5,7 +5,10 @@ else the device holds during a step are taken out of its memory.
              - model states: weights and buffers as held, gradients, fp32 master weights,
                optimizer states (``OPTIMIZERS``, ``PRECISIONS``)
              - reserve: the CUDA context and the cuBLAS workspaces (``RESERVE``)
+             - a sharded model's gather buffers (``FSDP2_UNITS_HELD``)
 
+and the optimizer step's temporaries, made after backward has freed the activations,
+must fit what the states leave (``OPTIMIZER_TEMPORARIES``: a warning when they do not).
 Each figure cites its source below. Not counted, for want of a figure that holds across
 machines: the caching allocator's fragmentation (reserved above allocated), kernels the
 CUDA context loads lazily during the step, NCCL buffers of a sharded run; every parameter
@@ -23,8 +26,8 @@ from slackswap.core.profile import StepProfile
 from slackswap.core.units import format_bytes
 from slackswap.errors import InputError
 
-__all__ = ["OPTIMIZERS", "PRECISIONS", "RESERVE", "DeviceBudget", "device_budget", "is_fit",
-           "resolve_fit"]
+__all__ = ["FSDP2_UNITS_HELD", "OPTIMIZERS", "OPTIMIZER_TEMPORARIES", "PRECISIONS", "RESERVE",
+           "DeviceBudget", "device_budget", "is_fit", "resolve_fit"]
 
 # Optimizer state tensors per parameter, each the parameter's size: torch/optim/adam.py
 # (torch 2.13, ``_init_group``) makes ``exp_avg`` and ``exp_avg_sq`` with
@@ -34,6 +37,20 @@ __all__ = ["OPTIMIZERS", "PRECISIONS", "RESERVE", "DeviceBudget", "device_budget
 OPTIMIZERS = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0}
 OPTIMIZER_NAMES = {"adamw": "AdamW", "adam": "Adam", "sgd-momentum": "SGD momentum",
                    "sgd": "SGD"}
+
+# Temporaries of one optimizer step, per parameter, in the optimizer states' dtype: the
+# foreach implementation PyTorch picks by default on CUDA (``_default_to_fused_or_foreach``)
+# makes ``exp_avg_sq_sqrt = torch._foreach_sqrt(device_exp_avg_sqs)`` for every parameter
+# at once (torch/optim/adam.py, ``_multi_tensor_adam``, torch 2.13); SGD without weight
+# decay or Nesterov updates in place (torch/optim/sgd.py, ``_multi_tensor_sgd``).
+OPTIMIZER_TEMPORARIES = {"adamw": 1, "adam": 1, "sgd-momentum": 0, "sgd": 0}
+
+# A model sharded with FSDP2 holds whole, beside its shards, the parameters of the unit
+# running and of the next one, whose all-gather is issued ahead (implicit prefetch in
+# forward and backward: torch/distributed/fsdp/_fully_shard/_fsdp_state.py, torch 2.13),
+# and in backward one unit's unsharded gradients, the reduce-scatter's input. Units are
+# taken to be the transformer blocks (as FSDP2 is usually applied), the largest one.
+FSDP2_UNITS_HELD = 2
 
 # ``mixed``: 16-bit weights and gradients, an fp32 master copy of the weights and fp32
 # optimizer states. ZeRO (Rajbhandari et al., SC 2020, section 3.1): mixed-precision Adam
@@ -77,6 +94,8 @@ class DeviceBudget:
     optimizer: str
     precision: str
     reserve: dict[str, int]
+    gather: int = 0  # FSDP2: unsharded parameters and gradients of the units held whole
+    temporaries: int = 0  # the optimizer step's, after backward (not with activations)
 
     @property
     def model_states(self) -> int:
@@ -84,7 +103,7 @@ class DeviceBudget:
 
     @property
     def budget_bytes(self) -> int:
-        return self.capacity - self.model_states - sum(self.reserve.values())
+        return self.capacity - self.model_states - sum(self.reserve.values()) - self.gather
 
     def _states(self) -> str:
         per = self.model_states / self.parameters if self.parameters else 0.0
@@ -101,12 +120,22 @@ class DeviceBudget:
                 (f"{OPTIMIZER_NAMES[self.optimizer]} states", -self.optimizer_states,
                  f"{OPTIMIZERS[self.optimizer]} per parameter, torch.optim")]
         rows += [(what, -n, RESERVE[what][1]) for what, n in self.reserve.items()]
+        if self.gather:
+            rows.append(("FSDP2 units gathered whole", -self.gather,
+                         f"{FSDP2_UNITS_HELD} blocks' parameters, one's gradients"))
         rows.append(("activation budget", self.budget_bytes, ""))
         width = max(len(r[0]) for r in rows)
         signs = [" "] + ["-"] * (len(rows) - 2) + ["="]
         out = [f"budget fit: {self._states()}"]
         out += [f"  {what:<{width}} {sign}{format_bytes(abs(n)):>11}" + (f"  {src}" if src
                 else "") for (what, n, src), sign in zip(rows, signs, strict=True)]
+        if self.temporaries:
+            out.append(f"  optimizer step temporaries {format_bytes(self.temporaries)} (after "
+                       "backward, in place of activations: torch/optim/adam.py foreach)")
+        if self.temporaries > self.budget_bytes + self.gather:
+            out.append(f"  warning: the {OPTIMIZER_NAMES[self.optimizer]} step's temporaries do "
+                       "not fit what the states leave: use its fused=True (no temporaries) or "
+                       "shard the states")
         out.append("  not counted: allocator fragmentation, kernels loaded during the step, "
                    "NCCL buffers")
         return out
@@ -141,6 +170,7 @@ def device_budget(profile: StepProfile, hardware: Hardware, optimizer: str = "ad
         wide = precision == "mixed"
         master += count * FP32 if wide and size < FP32 else 0
         states += count * OPTIMIZERS[optimizer] * (FP32 if wide else size)
+    per_state = states / OPTIMIZERS[optimizer] if OPTIMIZERS[optimizer] else 0.0
     result = DeviceBudget(
         hardware=hardware.name,
         capacity=int(hardware.memory.capacity_bytes if capacity is None else capacity),
@@ -148,7 +178,9 @@ def device_budget(profile: StepProfile, hardware: Hardware, optimizer: str = "ad
         parameters=round(elements * held), weights=profile.model_state_bytes,
         gradients=round(gradients * held), master=round(master * held),
         optimizer_states=round(states * held), optimizer=optimizer, precision=precision,
-        reserve={what: n for what, (n, _, _) in RESERVE.items()})
+        reserve={what: n for what, (n, _, _) in RESERVE.items()},
+        gather=_gather(profile) if held < 1 else 0,
+        temporaries=round(per_state * held * OPTIMIZER_TEMPORARIES[optimizer]))
     capacity = format_bytes(result.capacity)
     reserve = sum(result.reserve.values())
     if result.model_states + reserve >= result.capacity:
@@ -162,7 +194,20 @@ def device_budget(profile: StepProfile, hardware: Hardware, optimizer: str = "ad
                 else f"the {result._states()} and the {format_bytes(reserve)} reserve (CUDA "
                 "context, cuBLAS workspaces) leave nothing of")
         raise InputError(f"{what} {hardware.name}'s {capacity} of device memory{shard}")
+    if result.budget_bytes <= 0:
+        raise InputError(f"the {result._states()}, the reserve and FSDP2's gathered units "
+                         f"({format_bytes(result.gather)}) leave nothing of {hardware.name}'s "
+                         f"{capacity} of device memory for activations")
     return result
+
+
+def _gather(profile: StepProfile) -> int:
+    """Bytes a sharded model holds whole beside its shards: ``FSDP2_UNITS_HELD`` units'
+    parameters and one unit's gradients, of its largest unit."""
+    params = [t for t in profile.tensors if t.kind == "parameter"]
+    units = [sum(t.bytes for t in params if (t.name or "").startswith(layer + "."))
+             for layer in profile.layers] or [sum(t.bytes for t in params)]
+    return (FSDP2_UNITS_HELD + 1) * max(units)
 
 
 def resolve_fit(budget: str | int | float, profile: StepProfile, hardware: Hardware
