@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from slackswap.cli import main
@@ -146,3 +147,22 @@ def test_cli(prof: StepProfile, tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["plan", str(path), "--budget", "0.5", "--optimizer",
                                        "sgd"])
     assert result.exit_code == 2 and "--budget fit" in result.stderr
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["gpt2-xl-tiny", "--budget", "0.5", "--probe"], "checks a --budget fit plan"),
+    (["gpt2-xl-tiny", "--budget", "fit", "--probe", "--gpus", "2"], "no profile file, --gpus"),
+])
+def test_probe_refusals(args: list[str], message: str, tmp_path: Path) -> None:
+    """``--probe`` runs real steps of a preset's ``--budget fit`` plan on the GPU here: any
+    other use is one line, before anything is profiled."""
+    result = CliRunner().invoke(main, ["plan", *args])
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1
+    assert message in result.stderr and result.stdout == ""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_probe_needs_a_gpu() -> None:
+    result = CliRunner().invoke(main, ["plan", "gpt2-xl-tiny", "--budget", "fit", "--probe"])
+    assert result.exit_code == 2 and result.stdout == ""
+    assert "on a CUDA GPU and none is here" in result.stderr

@@ -198,3 +198,14 @@ def test_budget_fit_reads_the_device_memory() -> None:
     total = torch.cuda.mem_get_info()[1]
     states = device_budget(chosen._profile, slackswap.load_hardware("a100-80gb")).model_states
     assert chosen.budget_bytes == total - states - sum(n for n, _, _ in RESERVE.values())
+
+
+def test_probe_runs_the_fit_plan() -> None:
+    """``--probe``: real AdamW steps under the ``budget="fit"`` plan run, and the device's
+    peak stays within its memory."""
+    from slackswap.runtime.probe import probe
+
+    found = probe("gpt2-xl-tiny", None, "slackswap")
+    assert found.tries == 1 and 0 < found.peak_allocated <= found.peak_reserved
+    assert found.peak_reserved <= found.capacity
+    assert "AdamW steps on" in found.lines()[0]

@@ -231,19 +231,30 @@ def _print_result(prof: StepProfile, result: Any, trace: str | None, plot: str |
               help="With --budget fit: mixed (fp32 master weights and optimizer states, "
                    "16 B/param for AdamW on 16-bit weights) or pure (states in the "
                    "parameters' dtype) [default: mixed].")
+@click.option("--probe", is_flag=True,
+              help="With --budget fit and a preset MODEL, on a CUDA GPU: run a few real AdamW "
+                   "steps under the plan and report the device's memory peak.")
 @_gpus_option
 @_set_option
 @_user_errors
 def plan_command(source: str, budget: str, strategy: str, hardware: str | None,
-                 output: str | None, optimizer: str | None, precision: str | None, gpus: int,
-                 overrides: tuple[str, ...]) -> None:
+                 output: str | None, optimizer: str | None, precision: str | None,
+                 probe: bool, gpus: int, overrides: tuple[str, ...]) -> None:
     """Plan keep / offload / recompute for every saved activation under a budget."""
     from slackswap.core.jsonio import load_model
     from slackswap.planners import plan_with_result
     from slackswap.planners.api import plan as make_plan
 
     given = parse_overrides(overrides)
-    if source.endswith(".json") or Path(source).is_file():
+    from_file = source.endswith(".json") or Path(source).is_file()
+    if probe and (from_file or not is_fit(budget) or gpus > 1 or overrides):
+        raise InputError("--probe checks a --budget fit plan of a preset MODEL on the GPU "
+                         "it runs on (no profile file, --gpus or --set)")
+    if probe:
+        from slackswap.runtime.probe import require_gpu
+
+        require_gpu()
+    if from_file:
         prof = load_model(StepProfile, source)
         hw = load_hardware(hardware or prof.hardware, given)
     else:
@@ -264,6 +275,12 @@ def plan_command(source: str, budget: str, strategy: str, hardware: str | None,
     if output:
         dump_model(chosen, output)
     _print_plan(prof, chosen, result, output)
+    if probe:
+        from slackswap.runtime.probe import probe as run_probe
+
+        with _progress("probing with real steps"):
+            found = run_probe(source, hardware, strategy)
+        Console().print("\n".join(found.lines()), highlight=False)
 
 
 def _fit_budget(prof: StepProfile, hw: Hardware, budget: str, optimizer: str | None,

@@ -12,8 +12,8 @@ must fit what the states leave (``OPTIMIZER_TEMPORARIES``: a warning when they d
 Each figure cites its source below. Not counted, for want of a figure that holds across
 machines: the caching allocator's fragmentation (reserved above allocated), kernels the
 CUDA context loads lazily during the step, NCCL buffers of a sharded run; every parameter
-is taken to be trained (the profile does not record ``requires_grad``). Measuring them on
-the device (``--probe``) is not done here.
+is taken to be trained (the profile does not record ``requires_grad``). ``--probe``
+(:mod:`slackswap.runtime.probe`) checks the answer with real steps on the device.
 """
 
 from __future__ import annotations
