@@ -22,6 +22,7 @@ from slackswap.compiled.joint import (
     Applied,
     JointGraph,
     applied_partition,
+    offloadable,
     read_joint,
     tag_joint,
     uniform_per_op,
@@ -29,8 +30,12 @@ from slackswap.compiled.joint import (
 from slackswap.core.hardware import Hardware, load_hardware
 from slackswap.core.plan import Decision, Plan
 from slackswap.core.profile import StepProfile
+from slackswap.core.units import format_bytes, resolve_budget
+from slackswap.device_budget import resolve_fit
 from slackswap.errors import InputError, SlackSwapError
+from slackswap.planners import STRATEGIES, plan_in_context
 from slackswap.planners import plan as plan_profile
+from slackswap.planners.context import PlanContext
 from slackswap.profiling.sharding import module_class
 from slackswap.profiling.step import (
     Batch,
@@ -64,17 +69,68 @@ _BACKENDS = ("aot_eager", "inductor")
 #       nondeterministic_seeded) are not replayed here: the partitioner would wrap a
 #       rebuilt one in run_and_save_rng_state and save an RNG state, which this module
 #       does not account for yet; what they make is kept;
-#     - offload is not applied yet: a plan that offloads is refused (use
-#       ``strategy="recompute-only"``, the default).
+#     Offloads are the subject of NOTE [compiled offload].
+
+
+# NOTE [compiled offload]
+#     Offloads go through PyTorch's activation-offloading pass
+#     (torch._functorch._activation_offloading), which min_cut_rematerialization_partition
+#     runs on the cut graphs when functorch's ``enable_activation_offloading`` is set (set
+#     here for the one partition call, never globally). It offloads the forward graph's
+#     saved outputs whose node is marked ``should_offload`` and that its ``can_offload``
+#     accepts: not a model output, not a view, not a getitem (so no output of a
+#     multi-output op: LayerNorm's, dropout's, SDPA's output and logsumexp), contiguous.
+#     Which node a partition saves for an activation is made certain: an offloaded one's
+#     aliases (views, detaches) are tagged MUST_RECOMPUTE, so backward makes them again
+#     from the reloaded tensor and the activation's own node is saved (the op's, or the
+#     getitem of a multi-output op's output). Left MUST_SAVE, the partitioner would save a
+#     view (which the pass refuses) or a detach it makes at the end of forward (which the
+#     pass would copy only then, freeing nothing earlier). So the profile knows which
+#     activations the pass can offload: can_offload is asked of that node when the joint
+#     graph is read (JointGraph.not_offloadable: the others, with why). Planning keeps the
+#     others (PassContext: its plans keep what the pass would not offload, as plans keep
+#     what no replay rebuilds), so no strategy plans an offload that cannot happen; a
+#     plan that offloads one anyway is refused before partitioning. After the partition
+#     the copies are read back from the forward graph and checked against the plan, as
+#     recomputes are.
+#     The pass chooses its own timing, and it is not the simulator's:
+#     - its copy to the CPU is issued after the last use it sees (through the ops it counts
+#       as views, which leave out ``_unsafe_view``): between the producer and the last
+#       forward use, where the simulator starts it when the producer ends. The device
+#       memory goes after the last forward use in both (an alias holds it until then);
+#     - this module runs its synchronous path (``prims.device_put``, one node each way):
+#       a copy runs in order with the kernels on the compute stream and does not overlap
+#       them, where the simulator runs copies on streams of their own. A plan cannot place
+#       a copy out, so the simulator stays optimistic by the copies' time;
+#     - a reload is issued right before the first backward node that needs it (a rebuild
+#       that reads it, or the op), which a plan can say: plans are made, and kept, with that
+#       op as each offload's prefetch point (``plan.prefetch``; the schedule issues a reload
+#       at the earlier of it and the first need), so the simulator waits for each reload
+#       where the graph does (``applied.reload_at`` reads the points back).
+#     The asynchronous path (``activation_offload_separate_stream``: ao.offload / reload /
+#     wait_tensor on a transfer stream) needs an accelerator's streams and is not used: it
+#     waits for each copy out right after issuing it unless ``activation_offload_sink_wait``
+#     moves the waits to the end of forward, which holds every offloaded tensor in device
+#     memory until then; its prefetch moves reloads earlier by times it benchmarks while
+#     compiling, which a plan cannot know. Its config calls the pass a testing feature.
+#     On a CPU graph the "offload" is a copy within host memory: it saves nothing, but it
+#     is the same graph rewrite a GPU runs, so the CPU tests check that path.
 
 
 @dataclass
 class PlannedGraph:
-    """One compiled joint graph: its profile, the plan, and what its partition applied."""
+    """One compiled joint graph: its profile, the plan, what its partition applied, and
+    the saved activations PyTorch's offloading pass can offload (NOTE [compiled offload])."""
 
     profile: StepProfile
     plan: Plan
     applied: Applied
+    not_offloadable: dict[str, str]  # saved activation -> why the pass would not offload it
+
+    @property
+    def offloadable(self) -> frozenset[str]:
+        """The saved activations PyTorch's offloading pass can offload."""
+        return offloadable(self.profile, self.not_offloadable)
 
 
 class CompiledPlan:
@@ -102,8 +158,9 @@ class CompiledPlan:
 
     def applied(self, graph: int = 0) -> dict[str, int]:
         """What the partition of a compiled graph saved, recomputed and offloaded: counts
-        and bytes of the profile's saved activations, and forward ops run again in
-        backward (rebuild chains included)."""
+        and bytes of the profile's saved activations (offloaded: the copies to the CPU in
+        the forward graph), and forward ops run again in backward (rebuild chains
+        included)."""
         self.plan  # noqa: B018 - raises when nothing was compiled
         return self.graphs[graph].applied.summary()
 
@@ -119,32 +176,93 @@ class CompiledPlan:
         gm.recompile()
         joint = read_joint(gm, num_fwd_outputs, static, self.hardware, model=self._model_name,
                            fingerprint=self._fingerprint, layers=self._layers)
-        plan = uniform_per_op(joint, self._plan(joint.profile))
+        plan = uniform_per_op(joint, self._plan(joint))
+        check_offloadable(joint, plan)
         tag_joint(gm, joint, plan)
-        fw, bw = min_cut_rematerialization_partition(
-            gm, joint_inputs, compiler=compiler, num_fwd_outputs=num_fwd_outputs,
-            static_lifetime_input_indices=static, **kwargs)
+        offloads = Decision.OFFLOAD in plan.decisions.values()
+        # NOTE [compiled offload]: the pass's synchronous path, for this partition only
+        with functorch_config.patch(enable_activation_offloading=offloads,
+                                    activation_offload_separate_stream=False):
+            fw, bw = min_cut_rematerialization_partition(
+                gm, joint_inputs, compiler=compiler, num_fwd_outputs=num_fwd_outputs,
+                static_lifetime_input_indices=static, **kwargs)
         applied = applied_partition(joint, fw, bw, num_fwd_outputs)
         _check_applied(joint, plan, applied)
-        self.graphs.append(PlannedGraph(joint.profile, plan, applied))
+        self.graphs.append(PlannedGraph(joint.profile, plan, applied, joint.not_offloadable))
         return fw, bw
 
-    def _plan(self, profile: StepProfile) -> Plan:
-        plan = plan_profile(profile, self.budget, self.hardware, self.strategy)
-        if offloaded := [n for n, d in plan.decisions.items() if d == Decision.OFFLOAD]:
+    def _plan(self, joint: JointGraph) -> Plan:
+        """The strategy's plan under the offloading pass's rules (NOTE [compiled offload])."""
+        if self.strategy not in STRATEGIES:
+            raise InputError(f"unknown strategy '{self.strategy}'; strategies: "
+                             f"{', '.join(STRATEGIES)}")
+        profile = joint.profile
+        budget = resolve_fit(self.budget, profile, self.hardware)
+        ctx = PassContext(profile, self.hardware,
+                          resolve_budget(budget, profile.keep_all_peak), joint.offloadable)
+        attempt = plan_in_context(ctx, self.strategy)
+        if attempt is not None and attempt[0].prefetch:
+            # a strategy may write the simulator's reload starts: the pass's are these
+            plan = ctx.plan(attempt[0].strategy, attempt[0].decisions)
+            attempt = plan, ctx.simulate(plan)
+        if attempt is None or not attempt[1].feasible:
+            plan_profile(profile, budget, self.hardware, self.strategy)  # its error, if any
             raise InputError(
-                f"the '{self.strategy}' plan offloads {len(offloaded)} activation(s) (e.g. "
-                f"'{offloaded[0]}'); compiled training recomputes only for now: use "
-                "strategy='recompute-only'")
-        return plan
+                f"budget {format_bytes(ctx.budget)} is out of reach of '{self.strategy}' "
+                f"when only what PyTorch's offloading pass can offload is offloaded "
+                f"({len(joint.offloadable)} of {len(profile.by_name)} saved activations)")
+        check_offloadable(joint, attempt[0])
+        return attempt[0]
+
+
+class PassContext(PlanContext):
+    """A planning context held to what the compiled path applies (NOTE [compiled
+    offload]): activations PyTorch's offloading pass would not offload are kept, and each
+    offload's reload starts at its first backward use, as the pass reloads."""
+
+    def __init__(self, profile: StepProfile, hardware: Hardware, budget: int,
+                 offloadable: frozenset[str]) -> None:
+        super().__init__(profile, hardware, budget)
+        self.offloadable = offloadable
+
+    def plan(self, strategy: str, decisions: dict[str, str],
+             prefetch: dict[str, int] | None = None) -> Plan:
+        """The plan with offloads the pass cannot make kept, and the pass's reload points."""
+        decisions = {n: Decision.KEEP if d == Decision.OFFLOAD and n not in self.offloadable
+                     else d for n, d in decisions.items()}
+        saved = self.profile.by_name
+        reloads = {n: saved[n].first_backward_use for n, d in decisions.items()
+                   if d == Decision.OFFLOAD and saved[n].first_backward_use is not None}
+        return super().plan(strategy, decisions, reloads)
+
+
+def check_offloadable(joint: JointGraph, plan: Plan) -> None:
+    """Refuse a plan that offloads what PyTorch's offloading pass would not."""
+    bad = [n for n, d in plan.decisions.items()
+           if d == Decision.OFFLOAD and n not in joint.offloadable]
+    if bad:
+        why = joint.not_offloadable.get(bad[0], "not a saved activation of this graph")
+        raise InputError(
+            f"the plan offloads {len(bad)} activation(s) PyTorch's offloading pass cannot "
+            f"offload, e.g. '{bad[0]}' ({why}); compiled training offloads only "
+            f"{len(joint.offloadable)} of this graph's saved activations")
 
 
 def _check_applied(joint: JointGraph, plan: Plan, applied: Applied) -> None:
-    """The partition must be the plan: the same activations rebuilt, the rest kept."""
+    """The partition must be the plan: the same activations rebuilt, the same offloaded
+    (each reloaded in backward), the rest kept."""
+    offloads = {n for n, d in plan.decisions.items()
+                if d == Decision.OFFLOAD and n in joint.profile.by_name}
+    if set(applied.offloaded) != offloads or set(applied.reload_at) != offloads:
+        odd = sorted(set(applied.offloaded) ^ offloads) or sorted(
+            offloads - set(applied.reload_at))
+        raise SlackSwapError(
+            f"PyTorch's offloading pass did not offload as planned ({len(odd)} "
+            f"activation(s), e.g. '{odd[0]}'); please report this")
     planned = {n for n, d in plan.decisions.items()
                if d == Decision.RECOMPUTE and n in joint.profile.by_name}
     saved = {t.name for t in joint.profile.saved_activations
-             if t.producer is not None and t.name not in planned}
+             if t.producer is not None and t.name not in planned | offloads}
     if set(applied.recomputed) != planned or not set(applied.kept) <= saved | set(
             n for n, d in plan.decisions.items() if d == Decision.KEEP):
         extra = sorted(set(applied.recomputed) - planned) + sorted(set(applied.kept) - saved)
@@ -203,7 +321,9 @@ def compile(  # noqa: A001 - slackswap.compile mirrors torch.compile
     (``compiled.slackswap.graphs``). ``backend`` is ``"inductor"`` or ``"aot_eager"``;
     other keyword arguments go to ``torch.compile`` (``fullgraph`` is always True: one
     plan covers one graph, and a graph break is an :class:`InputError` naming it).
-    Offload decisions are not applied yet: a plan that offloads is refused.
+    ``strategy`` is a planner strategy (``"recompute-only"`` by default; ``"slackswap"``
+    offloads too): offloads go through PyTorch's activation-offloading pass, and only
+    activations it can offload are planned to be (NOTE [compiled offload]).
     """
     if backend not in _BACKENDS:
         raise InputError(f"unknown backend '{backend}'; use one of {', '.join(_BACKENDS)}")

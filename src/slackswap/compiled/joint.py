@@ -12,7 +12,13 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch._functorch.partitioners import classify_nodes
+from torch._functorch._activation_offloading.activation_offloading import (
+    CPU_OFFLOAD_PREFIX,
+    GPU_RELOAD_PREFIX,
+    can_offload,
+)
+from torch._functorch.partitioners import classify_nodes, get_default_op_list
+from torch.utils._ordered_set import OrderedSet
 from torch.utils.checkpoint import CheckpointPolicy
 
 from slackswap.core.costmodel import OpDetail, step_times
@@ -29,6 +35,8 @@ __all__ = ["JointGraph", "Applied", "read_joint", "tag_joint", "applied_partitio
 # views). The partitioner copies node meta into the graphs it cuts, so a forward node
 # found in the backward graph carries it: that node was recomputed.
 _ID = "slackswap_tensor"
+# Set on every op's node: its profile op index (where a reload lands in backward).
+_OP = "slackswap_op"
 
 
 @dataclass
@@ -39,6 +47,23 @@ class JointGraph:
     tensor_of: dict[str, int]  # node name -> tensor id (views -> their base's)
     producer_node: dict[int, fx.Node]  # tensor id -> the forward node that makes it
     forward: set[str]  # names of the forward nodes (the partitioner's required_fw)
+    # tensor id -> its forward nodes that are no alias (what is saved when it is offloaded)
+    bases: dict[int, list[fx.Node]] = field(default_factory=dict)
+    # saved activation -> why PyTorch's offloading pass would not offload it; the
+    # activations not listed are those it can (NOTE [compiled offload])
+    not_offloadable: dict[str, str] = field(default_factory=dict)
+    op_of: dict[str, int] = field(default_factory=dict)  # node name -> op index
+
+    @property
+    def offloadable(self) -> frozenset[str]:
+        """Saved activations PyTorch's offloading pass can offload (NOTE [compiled offload])."""
+        return offloadable(self.profile, self.not_offloadable)
+
+
+def offloadable(profile: StepProfile, refused: dict[str, str]) -> frozenset[str]:
+    """The profile's saved activations (made by an op) but those ``refused``."""
+    return frozenset(n for n, t in profile.by_name.items()
+                     if t.producer is not None and n not in refused)
 
 
 @dataclass
@@ -47,8 +72,12 @@ class Applied:
 
     kept: dict[str, int] = field(default_factory=dict)  # activation id -> bytes
     recomputed: dict[str, int] = field(default_factory=dict)
-    offloaded: dict[str, int] = field(default_factory=dict)  # always empty for now
+    offloaded: dict[str, int] = field(default_factory=dict)
     recomputed_ops: int = 0  # forward ops run again in backward (chains included)
+    # offloaded activation -> the forward op its copy follows, and the backward op its
+    # reload comes right before (the rebuilds that need it, if any, run there too)
+    offload_after: dict[str, int] = field(default_factory=dict)
+    reload_at: dict[str, int] = field(default_factory=dict)
 
     def summary(self) -> dict[str, int]:
         """Counts and bytes, the figures a plan is checked against."""
@@ -134,6 +163,7 @@ def read_joint(gm: fx.GraphModule, num_fwd_outputs: int, static_inputs: list[int
     ordered = forward + [n for n in calls if not info.is_required_fw(n)]
     ops: list[OpRecord] = []
     details: list[OpDetail] = []
+    op_of: dict[str, int] = {}
     namer = ActivationNamer()
     for node in ordered:
         if node.target is operator.getitem:
@@ -151,7 +181,7 @@ def read_joint(gm: fx.GraphModule, num_fwd_outputs: int, static_inputs: list[int
             continue
         phase = "forward" if info.is_required_fw(node) else "backward"
         func, kind = node.target, op_kind(node.target)
-        index = len(ops)
+        index = op_of[node.name] = len(ops)
         inputs = list(dict.fromkeys(tensor_of[a.name] for a in node.all_input_nodes
                                     if a.name in tensor_of))
         outs = _tensor_vals(node.meta.get("val"))
@@ -211,7 +241,51 @@ def read_joint(gm: fx.GraphModule, num_fwd_outputs: int, static_inputs: list[int
         model=model, fingerprint=f"{fingerprint}:joint:{code}", hardware=hw.name,
         mode="analytic", kernels="native", device=_device(primals), layers=layers,
         model_state_bytes=state_bytes, ops=ops, tensors=tensors)
-    return JointGraph(profile, tensor_of, producer_node, {n.name for n in forward})
+    names = {n.name for n in forward}
+    bases = _bases(calls, tensor_of, profile)
+    outputs = OrderedSet(n for n in joint_outputs[:num_fwd_outputs] if isinstance(n, fx.Node))
+    not_offloadable = {}
+    for t in profile.saved_activations:
+        if t.name is not None and t.producer is not None:
+            why = _offload_refusal(bases.get(t.id, []), outputs)
+            if why is not None:
+                not_offloadable[t.name] = why
+    return JointGraph(profile, tensor_of, producer_node, names, bases, not_offloadable,
+                      op_of)
+
+
+def _bases(calls: list[fx.Node], tensor_of: dict[str, int], profile: StepProfile,
+           ) -> dict[int, list[fx.Node]]:
+    """For each tensor made in forward, its nodes that are no alias: the op's node, or
+    the getitem of a multi-output op's output. Its aliases (views, detaches) are rebuilt
+    in backward when it is offloaded, so these are what the partition saves then."""
+    bases: dict[int, list[fx.Node]] = {}
+    for node in calls:
+        tid = tensor_of.get(node.name)
+        producer = profile.tensors[tid].producer if tid is not None else None
+        if producer is not None and profile.ops[producer].phase == "forward" \
+                and not _is_alias(node):
+            bases.setdefault(tid, []).append(node)
+    return bases
+
+
+def _offload_refusal(nodes: list[fx.Node], model_outputs: OrderedSet[fx.Node]) -> str | None:
+    """Why PyTorch's offloading pass would not offload a tensor saved as ``nodes`` (its
+    ``can_offload``, asked of each), or None when it would."""
+    if not nodes:
+        return "no forward node makes it"
+    saved = OrderedSet(nodes)
+    for node in nodes:
+        if can_offload(node, saved, model_outputs, OrderedSet()):
+            continue
+        if node in model_outputs:
+            return f"{node.name} is an output of the model"
+        if node.target is operator.getitem:
+            return f"{node.name} is one output of a multi-output op (a getitem)"
+        if get_default_op_list().is_view(node):
+            return f"{node.name} is a view"
+        return f"{node.name} is not contiguous"
+    return None
 
 
 def _device(placeholders: list[fx.Node]) -> str:
@@ -235,14 +309,25 @@ def uniform_per_op(joint: JointGraph, plan: Plan) -> Plan:
             decisions.update({n: Decision.RECOMPUTE for n in names})
     if decisions == plan.decisions:
         return plan
-    return plan.model_copy(update={"decisions": decisions})
+    prefetch = {n: i for n, i in plan.prefetch.items() if decisions.get(n) == Decision.OFFLOAD}
+    return plan.model_copy(update={"decisions": decisions, "prefetch": prefetch})
 
 
 def tag_joint(gm: fx.GraphModule, joint: JointGraph, plan: Plan) -> None:
     """Tag every forward node MUST_SAVE or MUST_RECOMPUTE by the plan (NOTE [compiled
     recompute]); nodes outside forward that the partitioner could still run in forward
-    are MUST_RECOMPUTE, so it saves nothing the plan does not."""
+    are MUST_RECOMPUTE, so it saves nothing the plan does not. An offloaded activation's
+    nodes that are no alias are marked ``should_offload``, as PyTorch's
+    offloading pass asks, and their aliases MUST_RECOMPUTE, so backward makes them again
+    from the reloaded tensor and the partition saves no view of it (NOTE [compiled
+    offload])."""
     p = joint.profile
+    offloaded: set[int] = set()
+    for name, d in plan.decisions.items():
+        if d == Decision.OFFLOAD and name in p.by_name:
+            offloaded.add(p.by_name[name].id)
+            for node in joint.bases.get(p.by_name[name].id, []):
+                node.meta["should_offload"] = True
     policy: dict[int, CheckpointPolicy] = {}  # op index -> tag
     for op in p.ops:
         if op.phase != "forward":
@@ -258,12 +343,15 @@ def tag_joint(gm: fx.GraphModule, joint: JointGraph, plan: Plan) -> None:
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
+        if node.name in joint.op_of:
+            node.meta[_OP] = joint.op_of[node.name]
         tid = joint.tensor_of.get(node.name)
         if tid is None:  # a multi-output op: its outputs are named "<node>#k"
             tid = joint.tensor_of.get(f"{node.name}#0")
         record = p.tensors[tid] if tid is not None else None
         if record is not None and record.producer in policy:  # made in forward, or a view
-            node.meta["recompute"] = policy[record.producer]
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE if (
+                tid in offloaded and _is_alias(node)) else policy[record.producer]
             node.meta[_ID] = tid
         elif node.name in joint.forward or not any(
                 a.op == "placeholder" and "tangents" in a.name for a in node.all_input_nodes):
@@ -273,17 +361,25 @@ def tag_joint(gm: fx.GraphModule, joint: JointGraph, plan: Plan) -> None:
 
 def applied_partition(joint: JointGraph, fw: fx.GraphModule, bw: fx.GraphModule,
                       num_fwd_outputs: int) -> Applied:
-    """What the cut graphs save (the forward graph's outputs after its own) and rebuild
+    """What the cut graphs save (the forward graph's outputs after its own), offload (the
+    saved outputs that are copies to the CPU the offloading pass added) and rebuild
     (forward nodes found in the backward graph), for the profile's saved activations.
     Nodes are matched by the tensor id :func:`tag_joint` wrote into their meta, which the
     partitioner copies (their names may change)."""
     p = joint.profile
     out = Applied()
     outputs = next(iter(fw.graph.find_nodes(op="output"))).args[0][num_fwd_outputs:]
+    copies: dict[str, str] = {}  # offload node name -> activation
     for node in outputs:
         if not isinstance(node, fx.Node) or node.op == "placeholder" or not isinstance(
                 node.meta.get("val"), torch.Tensor):
             continue  # parameters and inputs; sizes
+        if (source := _offloaded(node)) is not None:
+            t = p.tensors[source.meta[_ID]]
+            out.offloaded[t.name] = t.bytes
+            copies[node.name] = t.name
+            out.offload_after[t.name] = _op_before(node)
+            continue
         tid = node.meta.get(_ID)
         if tid is None:  # made after profiling: a save no plan decided on
             out.kept[f"(unplanned) {node.name}"] = _nbytes(node.meta["val"])
@@ -302,4 +398,36 @@ def applied_partition(joint: JointGraph, fw: fx.GraphModule, bw: fx.GraphModule,
         t = p.tensors[tid]
         if t.saved and t.name not in out.kept:
             out.recomputed[t.name] = t.bytes
+    for node in bw.graph.find_nodes(op="call_function",
+                                    target=torch.ops.prims.device_put.default):
+        source = node.args[0]
+        if node.name.startswith(GPU_RELOAD_PREFIX) and source.name in copies:
+            out.reload_at[copies[source.name]] = _backward_op_after(node, p)
     return out
+
+
+def _offloaded(node: fx.Node) -> fx.Node | None:
+    """The forward node an offload copy (``prims.device_put`` to the CPU, as the pass's
+    synchronous path writes it) copies, or None."""
+    if node.target is torch.ops.prims.device_put.default and node.name.startswith(
+            CPU_OFFLOAD_PREFIX) and isinstance(node.args[0], fx.Node) \
+            and _ID in node.args[0].meta:
+        return node.args[0]
+    return None
+
+
+def _op_before(node: fx.Node) -> int:
+    """The profile op of the last op node before ``node`` (-1 if none)."""
+    while (node := node.prev).op != "root":
+        if _OP in node.meta:
+            return node.meta[_OP]
+    return -1
+
+
+def _backward_op_after(node: fx.Node, p: StepProfile) -> int:
+    """The profile op of the first backward op node after ``node``: where the compute
+    stream is when a reload placed at ``node`` starts (a rebuild runs at that op too)."""
+    while (node := node.next).op != "root":
+        if _OP in node.meta and p.ops[node.meta[_OP]].phase == "backward":
+            return node.meta[_OP]
+    return len(p.ops) - 1

@@ -1,0 +1,141 @@
+"""slackswap.compile's offloads: PyTorch's activation-offloading pass, run on CPU (its
+synchronous path: the same graph rewrite, a copy within host memory)."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+from torch._functorch import config as functorch_config
+
+import slackswap
+from slackswap.compiled import api
+from slackswap.core.plan import Decision
+from slackswap.errors import InputError
+from slackswap.models.presets import build_model
+from slackswap.planners import plan as plan_profile
+from tests.test_compiled import _LOSS_TYPE, _MLP, _assert_steps_as_torch_compile
+
+
+def _preset(name: str) -> tuple[nn.Module, Any]:
+    model, batch = build_model(name, fake=False, dtype="fp32")
+    if name in _LOSS_TYPE:
+        model.loss_type = _LOSS_TYPE[name]
+    return model, batch
+
+
+def _offloads(plan: slackswap.Plan) -> set[str]:
+    return {n for n, d in plan.decisions.items() if d == Decision.OFFLOAD}
+
+
+@pytest.mark.parametrize("name", ["llama-7b-tiny", "gpt2-xl-tiny", "bert-large-tiny"])
+def test_the_profile_marks_offloadable_what_the_pass_offloads(
+        name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every saved activation marked for the pass: it offloads exactly the offloadable."""
+    seen: list[tuple[set[str], Any]] = []
+
+    def offload_all(self: api.CompiledPlan, joint: Any) -> slackswap.Plan:
+        made = {n for n, t in joint.profile.by_name.items() if t.producer is not None}
+        return slackswap.Plan.keep_all(joint.profile).model_copy(update={
+            "decisions": {n: Decision.OFFLOAD for n in made}})
+
+    def record(joint: Any, plan: slackswap.Plan, applied: Any) -> None:
+        seen.append((set(applied.offloaded), joint))
+
+    monkeypatch.setattr(api.CompiledPlan, "_plan", offload_all)
+    monkeypatch.setattr(api, "check_offloadable", lambda joint, plan: None)
+    monkeypatch.setattr(api, "_check_applied", record)
+    model, batch = _preset(name)
+    slackswap.compile(model, batch, backend="aot_eager")
+    offloaded, joint = seen[0]
+    assert offloaded == joint.offloadable
+    assert 0 < len(offloaded) < len(joint.profile.by_name)
+    reasons = {why.split(" ", 1)[1] for why in joint.not_offloadable.values()}
+    assert reasons <= {"is one output of a multi-output op (a getitem)", "is not contiguous",
+                       "is an output of the model"}
+
+
+def test_planning_never_offloads_what_the_pass_cannot() -> None:
+    torch.manual_seed(0)
+    model, x = _MLP(depth=2), torch.randn(64, 64)
+    state = slackswap.compile(model, x, budget=1.0, backend="aot_eager").slackswap
+    graph = state.graphs[0]
+    profile, offloadable = graph.profile, graph.offloadable
+    assert set(profile.by_name) - offloadable  # LayerNorm's outputs (getitems), say
+    joint = SimpleNamespace(profile=profile, offloadable=offloadable,
+                            not_offloadable=graph.not_offloadable)
+    for state.strategy, state.budget in (("offload-only", 0.8), ("slackswap", 0.6)):
+        plan = state._plan(joint)
+        assert _offloads(plan) and _offloads(plan) <= offloadable
+        # reloads start where the pass issues them: at the first backward use
+        assert plan.prefetch == {n: profile.by_name[n].first_backward_use
+                                 for n in _offloads(plan)}
+    # the same strategy offloads what the pass cannot when not held to its rules
+    unheld = plan_profile(profile, 0.6, state.hardware, "slackswap")
+    assert _offloads(unheld) - offloadable
+
+
+def test_a_plan_offloading_what_the_pass_cannot_is_refused_in_one_line(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def offload_all(self: api.CompiledPlan, joint: Any) -> slackswap.Plan:
+        made = {n for n, t in joint.profile.by_name.items() if t.producer is not None}
+        return slackswap.Plan.keep_all(joint.profile).model_copy(update={
+            "decisions": {n: Decision.OFFLOAD for n in made}})
+
+    monkeypatch.setattr(api.CompiledPlan, "_plan", offload_all)
+    with pytest.raises(InputError, match="offloading pass cannot offload, e.g. .* is ") as err:
+        slackswap.compile(_MLP(depth=1), torch.randn(64, 64), backend="aot_eager")
+    assert "\n" not in str(err.value)
+
+
+def _assert_offloads_applied(state: Any) -> None:
+    graph = state.graphs[0]
+    plan, applied, profile = graph.plan, graph.applied, graph.profile
+    planned = _offloads(plan)
+    summary = state.applied()
+    assert summary["offloaded"] == len(planned) > 0
+    assert summary["offloaded_bytes"] == sum(profile.by_name[n].bytes for n in planned)
+    recompute = {n for n, d in plan.decisions.items() if d == Decision.RECOMPUTE}
+    assert set(applied.recomputed) == recompute
+    for n in planned:
+        t = profile.by_name[n]
+        # the pass copies after the last forward use, and reloads before the first
+        # backward node that needs it: the op, or a rebuild run before an earlier op
+        assert t.producer <= applied.offload_after[n] <= max(t.forward_consumers)
+        assert applied.reload_at[n] <= plan.prefetch[n] == t.first_backward_use
+
+
+@pytest.mark.parametrize(("name", "budget"), [("llama-7b-tiny", 0.5), ("bert-large-tiny", 0.7)])
+def test_presets_offloading_under_aot_eager_are_bit_identical_to_torch_compile(
+        name: str, budget: float) -> None:
+    model, batch = _preset(name)
+    reference = copy.deepcopy(model)
+    compiled = slackswap.compile(model, batch, budget=budget, strategy="slackswap",
+                                 backend="aot_eager")
+    _assert_offloads_applied(compiled.slackswap)
+    assert not functorch_config.enable_activation_offloading  # patched for the partition only
+    _assert_steps_as_torch_compile(compiled, model, reference, batch)
+
+
+def test_inductor_offloads_as_planned() -> None:
+    torch.manual_seed(0)
+    model, x = _MLP(depth=2), torch.randn(64, 64)
+    reference = copy.deepcopy(model)
+    compiled = slackswap.compile(model, x, budget=0.6, strategy="offload-only")
+    _assert_offloads_applied(compiled.slackswap)
+    _assert_steps_as_torch_compile(compiled, model, reference, x, backend="inductor")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_offloads_to_the_host_on_a_gpu_are_bit_identical() -> None:
+    torch.manual_seed(0)
+    model, x = _MLP(width=256, depth=3).cuda(), torch.randn(512, 256, device="cuda")
+    reference = copy.deepcopy(model)
+    compiled = slackswap.compile(model, x, budget=0.6, strategy="slackswap",
+                                 backend="aot_eager")
+    _assert_offloads_applied(compiled.slackswap)
+    _assert_steps_as_torch_compile(compiled, model, reference, x)
