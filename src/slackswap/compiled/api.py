@@ -62,13 +62,13 @@ _BACKENDS = ("aot_eager", "inductor")
 #     ids), plans it, tags *every* forward node (so no choice is left to the min-cut
 #     heuristics), partitions, and reads back from the cut graphs what was saved and
 #     rebuilt; a difference from the plan is an error, never a silent change.
-#     Three rules follow from the graph:
+#     Two rules follow from the graph:
 #     - a graph rebuilds an op, not one output of it: an op with any output to recompute
 #       recomputes them all (the plan is made uniform per op before tagging);
 #     - ops that may draw from the RNG (dropout, and attention kernels, which are tagged
 #       nondeterministic_seeded) are not replayed here: the partitioner would wrap a
 #       rebuilt one in run_and_save_rng_state and save an RNG state, which this module
-#       does not account for yet; what they make is kept;
+#       does not account for yet; what they make is kept.
 #     Offloads are the subject of NOTE [compiled offload].
 
 
