@@ -22,11 +22,12 @@ from stepgraphs import (
     random_step,
 )
 
-from slackswap.core.hardware import load_hardware
+from slackswap.core.hardware import load_hardware, with_overrides
 from slackswap.core.plan import Plan
 from slackswap.errors import InputError
 from slackswap.sim import simulate
 from slackswap.sim.outputs import chrome_trace, write_memory_plot, write_trace
+from slackswap.sim.schedule import build_schedule
 from slackswap.sim.simulate import offload_frees
 
 SETTINGS = settings(max_examples=150, deadline=None,
@@ -484,3 +485,27 @@ def test_bad_inputs(tmp_path) -> None:
     bad.write_text(preset.read_text().replace("h2d_bandwidth = 24.8e9", "h2d_bandwidth = 0"))
     with pytest.raises(InputError, match=r"bad\.toml: field 'host_link\.h2d_bandwidth'"):
         simulate(profile, hardware=bad)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_copies_on_the_compute_stream_add_their_time(seed: int) -> None:
+    """``host_link.stream = "compute"`` (PyTorch's activation-offloading pass): every copy
+    blocks the compute stream, so with no limit and no host the step is its kernels, its
+    rebuilds and each copy's latency plus bytes over the link's solo rate, and nothing
+    waits for a reload; under its own peak as the limit it runs the same."""
+    rng = random.Random(seed)
+    profile = random_step(rng, rng.randint(3, 14))
+    plan = random_plan(rng, profile)
+    rate_out, rate_in = rng.uniform(1e9, 3e10), rng.uniform(1e9, 3e10)
+    hw = with_overrides(link_hardware(rate_out, rate_in, 1e9, 1e9, 1e-6, host=NO_HOST),
+                        {"host_link.stream": "compute"})
+    built = build_schedule(profile, plan)
+    copies = (sum(1e-6 + c.bytes / rate_out for c in built.d2h)
+              + sum(1e-6 + c.bytes / rate_in for c in built.h2d))
+    free = simulate(profile, plan, hw)
+    assert free.feasible and free.stall_s["reload"] == 0
+    kernels = sum(item.duration for item in built.items)
+    assert free.step_time_s == pytest.approx(kernels + copies, rel=1e-12, abs=1e-15)
+    assert free.d2h_bytes == sum(c.bytes for c in built.d2h)
+    held = simulate(profile, plan, hw, memory_limit=free.peak_bytes)
+    assert held.feasible and held.step_time_s == pytest.approx(free.step_time_s, rel=1e-12)

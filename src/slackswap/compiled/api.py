@@ -27,7 +27,7 @@ from slackswap.compiled.joint import (
     tag_joint,
     uniform_per_op,
 )
-from slackswap.core.hardware import Hardware, load_hardware
+from slackswap.core.hardware import Hardware, load_hardware, with_overrides
 from slackswap.core.plan import Decision, Plan
 from slackswap.core.profile import StepProfile
 from slackswap.core.units import format_bytes, resolve_budget
@@ -100,8 +100,11 @@ _BACKENDS = ("aot_eager", "inductor")
 #       memory goes after the last forward use in both (an alias holds it until then);
 #     - this module runs its synchronous path (``prims.device_put``, one node each way):
 #       a copy runs in order with the kernels on the compute stream and does not overlap
-#       them, where the simulator runs copies on streams of their own. A plan cannot place
-#       a copy out, so the simulator stays optimistic by the copies' time;
+#       them. PassContext simulates so (``host_link.stream = "compute"``: each copy an item
+#       of the compute stream, after the last forward item that reads the tensor, or right
+#       before the first that needs it back), so plans pay for copies as the graph does.
+#       Not simulated: a copy to pageable host memory also makes the host wait for the
+#       GPU, so the host cannot run ahead of it (the simulated step is optimistic there);
 #     - a reload is issued right before the first backward node that needs it (a rebuild
 #       that reads it, or the op), which a plan can say: plans are made, and kept, with that
 #       op as each offload's prefetch point (``plan.prefetch``; the schedule issues a reload
@@ -201,8 +204,8 @@ class CompiledPlan:
         ctx = PassContext(profile, self.hardware,
                           resolve_budget(budget, profile.keep_all_peak), joint.offloadable)
         attempt = plan_in_context(ctx, self.strategy)
-        if attempt is not None and attempt[0].prefetch:
-            # a strategy may write the simulator's reload starts: the pass's are these
+        if attempt is not None and Decision.OFFLOAD in attempt[0].decisions.values():
+            # a strategy may write its own reload starts, or none: the pass's are these
             plan = ctx.plan(attempt[0].strategy, attempt[0].decisions)
             attempt = plan, ctx.simulate(plan)
         if attempt is None or not attempt[1].feasible:
@@ -217,12 +220,17 @@ class CompiledPlan:
 
 class PassContext(PlanContext):
     """A planning context held to what the compiled path applies (NOTE [compiled
-    offload]): activations PyTorch's offloading pass would not offload are kept, and each
-    offload's reload starts at its first backward use, as the pass reloads."""
+    offload]): activations PyTorch's offloading pass would not offload are kept, each
+    offload's reload starts at its first backward use, as the pass reloads, and copies
+    run on the compute stream, as the pass's synchronous path runs them."""
 
     def __init__(self, profile: StepProfile, hardware: Hardware, budget: int,
                  offloadable: frozenset[str]) -> None:
-        super().__init__(profile, hardware, budget)
+        # the pass's copies run on the compute stream, and no runtime of ours runs Python
+        # per op: no packs, watches, replays or unpacks on the host (NOTE [host costs])
+        super().__init__(profile, with_overrides(hardware, {"host_link.stream": "compute"} | {
+            f"host.{cost}": 0.0 for cost in ("pack_s", "watch_s", "replay_s", "unpack_s")}),
+            budget)
         self.offloadable = offloadable
 
     def plan(self, strategy: str, decisions: dict[str, str],

@@ -95,6 +95,10 @@ class HostLink(_Strict):
     duplex_d2h_bandwidth: Positive
     duplex_h2d_bandwidth: Positive
     latency_s: Seconds
+    # "copy": the copy engines move offloads while kernels run (the runtime's side
+    # streams); "compute": each copy runs on the compute stream, between kernels, as
+    # PyTorch's activation-offloading pass issues them (``sim.schedule.on_compute_stream``)
+    stream: Literal["copy", "compute"] = "copy"
 
 
 # NOTE [host costs]
@@ -114,6 +118,12 @@ _MACHINE = ("this project's 2-core CPU machine, 2026-11-30, one thread (a slow C
 _BENCH = ("`python benchmarks/runtime_overhead.py --steps 50` (gpt2-xl-tiny, traced, fp32, "
           f"side by side with plain eager, 68 saves and 104 watched ops a step) on {_MACHINE}, "
           "mean of two runs")
+# Not a measured figure: which stream the copies run on is how the offloads are issued.
+STREAM_SOURCE = (
+    "default \"copy\": slackswap's runtime issues copies on side streams, which the GPU's "
+    "copy engines run while kernels run (runtime/copies.py); \"compute\" is what PyTorch's "
+    "activation-offloading pass issues on its synchronous path (prims.device_put in "
+    "torch/_functorch/_activation_offloading, torch 2.13), set by slackswap.compile.")
 HOST_SOURCES: dict[str, str] = {
     "dispatch_s": (
         "pytorch/pytorch issue #41383 (Large overhead (7 microseconds) for PyTorch "
@@ -209,6 +219,8 @@ class Hardware(_Strict):
         for name, source in HOST_SOURCES.items():
             if name not in given:
                 sources.setdefault(f"host.{name}", f"default (NOTE [host costs]): {source}")
+        if "stream" not in (data.get("host_link") or {}):
+            sources.setdefault("host_link.stream", STREAM_SOURCE)
         return {**data, "sources": sources}
 
     def peak(self, dtype: str) -> float:

@@ -16,6 +16,8 @@ def with_prefetch_points(ctx: PlanContext, attempt: Attempt) -> Attempt:
     plan, result = attempt
     run = result.run
     items, h2d = run.schedule.items, run.schedule.h2d
+    if not h2d:  # no reload on a copy engine (copies on the compute stream reload in place)
+        return attempt
     compute = [s for s in run.timeline.spans if s.stream == "compute"]
     starts = [s.start for s in compute]
     prefetch = {}

@@ -38,7 +38,8 @@ from typing import Literal
 from slackswap.core.plan import MIN_PLANNED_BYTES, Decision, Plan
 from slackswap.core.profile import StepProfile, TensorRecord
 
-__all__ = ["Item", "Residency", "Copy", "Schedule", "build_schedule", "min_working_set"]
+__all__ = ["Item", "Residency", "Copy", "Schedule", "build_schedule", "min_working_set",
+           "on_compute_stream"]
 
 
 @dataclass(slots=True)
@@ -357,6 +358,38 @@ class _Builder:
         return Schedule(self.items, self.res, self.d2h, self.h2d,
                         ideal_time=sum(op.time_s for op in self.ops),
                         first_backward=self.first_backward)
+
+
+def on_compute_stream(sched: Schedule, d2h_s: list[float], h2d_s: list[float]) -> Schedule:
+    """``sched`` with every copy a compute item of its own (``d2h_s``, ``h2d_s``: each
+    copy's seconds), as PyTorch's activation-offloading pass issues them on the compute
+    stream: a copy out right after the last forward item that reads the tensor (freeing
+    it there, as the copy engine's completion would), a reload right before the first
+    item that needs it (allocating it). The copy engines are left with nothing to do."""
+    last_read: dict[int, int] = {}  # residency -> last forward item reading it
+    for k, item in enumerate(sched.items):
+        if item.position >= sched.first_backward:
+            break
+        for rid in (*item.allocs, *item.reads):
+            last_read[rid] = k
+    after: dict[int, list[Item]] = {}  # item -> copies out right after it
+    for copy, seconds in zip(sched.d2h, d2h_s, strict=True):
+        k = last_read[copy.residency]
+        position = sched.items[k].position
+        after.setdefault(k, []).append(Item(sched.items[k].op, position, seconds, False,
+                                            frees=[copy.residency]))
+    before: dict[int, list[Item]] = {}  # item -> reloads right before it
+    for copy, seconds in zip(sched.h2d, h2d_s, strict=True):
+        need = sched.items[copy.need_item]
+        before.setdefault(copy.need_item, []).append(Item(need.op, need.position, seconds,
+                                                          False, allocs=[copy.residency]))
+    items = []
+    for k, item in enumerate(sched.items):
+        items += before.get(k, [])
+        items.append(Item(item.op, item.position, item.duration, item.recompute,
+                          list(item.allocs), list(item.frees), [], list(item.reads)))
+        items += after.get(k, [])
+    return Schedule(items, sched.residencies, [], [], sched.ideal_time, sched.first_backward)
 
 
 def min_working_set(profile: StepProfile) -> tuple[int, int]:

@@ -17,7 +17,7 @@ from slackswap.core.units import format_bytes, resolve_budget
 from slackswap.errors import InputError
 from slackswap.sim.engine import Blocked, Timeline, run_schedule
 from slackswap.sim.host import HostTimes, eager_step_time, host_times
-from slackswap.sim.schedule import Schedule, build_schedule, min_working_set
+from slackswap.sim.schedule import Schedule, build_schedule, min_working_set, on_compute_stream
 
 __all__ = ["simulate", "SimRun", "collector_paused", "offload_frees"]
 
@@ -60,12 +60,18 @@ def simulate(
                 f"({format_bytes(minimum)}) of activations at once"
             )
     with collector_paused():
-        schedule = build_schedule(profile, plan)
+        built = build_schedule(profile, plan)
+        schedule = built
+        link = hw.host_link
+        if link.stream == "compute":  # each copy a kernel of its own (HostLink.stream)
+            schedule = on_compute_stream(
+                built, [link.latency_s + c.bytes / link.d2h_bandwidth for c in built.d2h],
+                [link.latency_s + c.bytes / link.h2d_bandwidth for c in built.h2d])
         host = host_times(profile, plan, schedule, hw.host)
         tl = run_schedule(schedule, hw.host_link, math.inf if limit is None else limit, host)
     feasible = tl.blocked is None
     reason = None if feasible else _describe(profile, schedule, tl.blocked)
-    pinned = sum(c.bytes for c in schedule.d2h)  # host memory a rank pins for its copies
+    pinned = sum(c.bytes for c in built.d2h)  # host memory a rank pins for its copies
     if feasible and hw.node is not None and pinned * hw.ranks > hw.node.host_memory_bytes:
         # NOTE [the node]: every rank pins its offloads in the one host memory
         feasible = False
@@ -97,7 +103,7 @@ def simulate(
         memory_limit_bytes=limit,
         stall_s={**tl.stall, "recompute": recompute},
         d2h_bytes=pinned,
-        h2d_bytes=sum(c.bytes for c in schedule.h2d),
+        h2d_bytes=sum(c.bytes for c in built.h2d),
         recompute_s=recompute,
         busy_fraction={k: v / step if step > 0 else 0.0 for k, v in busy.items()},
     )
