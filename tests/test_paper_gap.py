@@ -149,7 +149,7 @@ def test_cli_set_on_simulate(tmp_path) -> None:
     assert code == 2
     assert err.strip() == ("error: unknown hardware field 'host_link.nope'; host_link has "
                            "kind, d2h_bandwidth, h2d_bandwidth, duplex_d2h_bandwidth, "
-                           "duplex_h2d_bandwidth, latency_s")
+                           "duplex_h2d_bandwidth, latency_s, stream")
     code, _, err = _run("simulate", str(prof), "--set", "oops")
     assert code == 2 and "expected KEY=VALUE" in err
 
