@@ -70,7 +70,9 @@ def _assert_applied_is_plan(compiled: nn.Module) -> None:
     planned = _recompute(state.plan)
     assert applied["recomputed"] == len(planned) > 0
     assert applied["recomputed_bytes"] == sum(state.profile.by_name[n].bytes for n in planned)
-    assert applied["offloaded"] == 0
+    offloads = [n for n, d in state.plan.decisions.items() if d == Decision.OFFLOAD]
+    assert applied["offloaded"] == len(offloads)
+    assert applied["offloaded_bytes"] == sum(state.profile.by_name[n].bytes for n in offloads)
 
 
 @pytest.mark.parametrize("name", ["llama-7b-tiny", "gpt2-xl-tiny", "bert-large-tiny"])

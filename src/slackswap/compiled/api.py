@@ -316,7 +316,7 @@ def compile(  # noqa: A001 - slackswap.compile mirrors torch.compile
     batch: Batch,
     budget: str | int | float = 0.5,
     hardware: str | Path | Hardware | None = None,
-    strategy: str = "recompute-only",
+    strategy: str = "slackswap",
     backend: str = "inductor",
     **compile_kwargs: Any,
 ) -> torch.nn.Module:
@@ -329,9 +329,10 @@ def compile(  # noqa: A001 - slackswap.compile mirrors torch.compile
     (``compiled.slackswap.graphs``). ``backend`` is ``"inductor"`` or ``"aot_eager"``;
     other keyword arguments go to ``torch.compile`` (``fullgraph`` is always True: one
     plan covers one graph, and a graph break is an :class:`InputError` naming it).
-    ``strategy`` is a planner strategy (``"recompute-only"`` by default; ``"slackswap"``
-    offloads too): offloads go through PyTorch's activation-offloading pass, and only
-    activations it can offload are planned to be (NOTE [compiled offload]).
+    ``strategy`` is a planner strategy (``"slackswap"`` by default, which offloads where
+    the pass's copies cost less than recomputing): offloads go through PyTorch's
+    activation-offloading pass, and only activations it can offload are planned to be
+    (NOTE [compiled offload]).
     """
     if backend not in _BACKENDS:
         raise InputError(f"unknown backend '{backend}'; use one of {', '.join(_BACKENDS)}")
