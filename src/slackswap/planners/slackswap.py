@@ -61,7 +61,7 @@ __all__ = ["slackswap", "SLACK_FRACTIONS", "SEARCH_SIMULATIONS"]
 SLACK_FRACTIONS = (1.0, 0.75, 0.5, 0.25, 0.0)
 PAIR_SEARCH_CANDIDATES = 10  # steps this small also try pairs of moves
 SEARCH_SIMULATIONS = 24  # the local search's budget: NOTE [starting points]
-SEARCH_OPS = 60_000  # ... or this many simulated ops, when that is more simulations
+SEARCH_OPS = 40_000  # ... or this many simulated ops, when that is more simulations
 # recompute-only is left out: its cover is this planner's with no slack spent
 STARTS = (baselines.capuchin, baselines.offload_only, baselines.checkpoint_blocks,
           baselines.checkpoint_offload, baselines.module_policy)
