@@ -3,9 +3,8 @@ save and recompute exactly as planned."""
 
 from __future__ import annotations
 
-import contextlib
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +40,7 @@ from slackswap.profiling.step import (
     Batch,
     batch_fingerprint,
     batch_tensors,
+    leaves_no_trace,
     model_fingerprint,
     transformer_blocks,
 )
@@ -349,7 +349,7 @@ def compile(  # noqa: A001 - slackswap.compile mirrors torch.compile
     compiled = torch.compile(model, backend=compiler, fullgraph=True, options=options,
                              **compile_kwargs)
     compiled.slackswap = state
-    with _state_restored(model), torch.enable_grad():
+    with leaves_no_trace(model), torch.enable_grad():
         try:
             _call(compiled, batch)
         except SlackSwapError:
@@ -383,21 +383,3 @@ def _compile_error(e: Exception) -> SlackSwapError:
                           "with slackswap.attach")
     return SlackSwapError(f"torch.compile failed: {type(e).__name__}: "
                           f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}")
-
-
-@contextlib.contextmanager
-def _state_restored(model: torch.nn.Module) -> Iterator[None]:
-    """Buffers (BatchNorm statistics) and RNG state as they were: compiling runs a forward."""
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    cpu_rng = torch.random.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for name, b in model.named_buffers():
-                if name in buffers:
-                    b.copy_(buffers[name])
-        torch.random.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)

@@ -32,7 +32,8 @@ from slackswap.profiling.sharding import (
 
 __all__ = ["batch_fingerprint", "batch_tensors", "default_device", "eager_module", "fingerprint",
            "model_fingerprint", "model_state", "profile", "refuse_own_checkpointing",
-           "refusing_own_checkpoint_calls", "transformer_blocks", "wrappers", "gathered"]
+           "refusing_own_checkpoint_calls", "transformer_blocks", "wrappers", "gathered",
+           "leaves_no_trace"]
 
 Batch = Mapping[str, Any] | tuple | list | torch.Tensor
 
@@ -78,7 +79,7 @@ def profile(
         used_kernels = kernels or hw.kernels
     elif mode in ("measured", "traced"):
         # NOTE [FSDP2's hooks are not the step]: a sharded model runs as its unsharded self
-        with unsharded(model), _leaves_no_trace(model):
+        with unsharded(model), leaves_no_trace(model):
             rec, device = _trace_measured(model, _own_leaves(batch), loss_fn, name,
                                           warmup if mode == "measured" else 0)
         used_kernels = "cuda" if device.startswith("cuda") else "native"
@@ -440,7 +441,7 @@ def _map_batch(batch: Batch, fn: Callable[[torch.Tensor], torch.Tensor]) -> Batc
 
 
 @contextlib.contextmanager
-def _leaves_no_trace(model: torch.nn.Module) -> Iterator[None]:
+def leaves_no_trace(model: torch.nn.Module) -> Iterator[None]:
     """A measured step runs the model for real: afterwards its gradients, buffers (batch
     norm statistics) and the RNG streams are as they were, so profiling mid-training
     changes nothing the training would see."""
