@@ -362,6 +362,21 @@ def test_a_prefetch_makes_no_reload_that_nothing_reads() -> None:
     assert tl.memory[-1][1] == 0 and set(tl.free_time) == set(range(len(sched.residencies)))
 
 
+def test_no_reload_starts_before_backward() -> None:
+    """The runtime issues reloads from backward's unpacks, so a prefetch point in forward
+    is backward's first op: the tensor, copied out long before, comes back once backward
+    has begun, and the plan simulates as with its prefetch point there."""
+    profile = _two_megabytes()
+    hw = link_hardware(1e10, 1e10, 1e10, 1e10, 0.0, host=NO_HOST)  # 0.1 ms a copy
+    runs = [simulate(profile, Plan(fingerprint=profile.fingerprint, strategy="hand",
+                                   decisions={"t0": "offload"}, prefetch={"t0": at}), hw)
+            for at in (0, 2)]
+    for r in runs:
+        reloads = [s for s in r.run.timeline.spans if s.stream == "h2d"]
+        assert len(reloads) == 1 and reloads[0].start >= 2e-3
+    assert runs[0].step_time_s == runs[1].step_time_s
+
+
 def _two_megabytes():
     """f0 -> A, f1 -> B (1 MB each, saved); backward: b0 reads B, b1 reads A."""
     ms = 1e-3

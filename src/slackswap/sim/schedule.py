@@ -285,7 +285,8 @@ class _Builder:
         rid = len(self.res)
         self.res.append(Residency(t.id, t.bytes, "reload"))
         self.uses[rid] = []
-        issue = min(self.prefetch.get(t.id, self.first_backward), pos)
+        # (the runtime issues reloads from backward's unpacks: none before backward)
+        issue = max(min(self.prefetch.get(t.id, self.first_backward), pos), self.first_backward)
         if self.d2h_of is None:  # the offloads are all known once forward is laid out
             self.d2h_of = {c.tensor: i for i, c in enumerate(self.d2h)}
         d2h = self.d2h_of[t.id]
