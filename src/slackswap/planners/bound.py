@@ -26,9 +26,12 @@ NOTE [why this is a bound]
     - D2H: what is off the device at op k went over the link after its production
       and before op k started; production is at or after tau in the keep-all step
       issued by a host that pays dispatch and the runtime's packs (every moving plan
-      packs): sum_{i away at k, p_i >= tau} d_ik (latency + b_i / D2H) <= t_k + late - tau;
+      packs), and, for a tensor autograd saves, after that host has reached its first
+      pack (the pack hook issues the copy):
+      sum_{i away at k, p_i >= tau} d_ik (latency + b_i / D2H) <= t_k + late - tau;
     - H2D: what was off the device at the last forward pressure point came back after
-      it and before its first use j;
+      it, and after forward (the runtime issues reloads from backward's unpacks; the
+      simulator likewise starts none before backward), and before its first use j;
     - both links, away or not: every offload made at or after tau and first needed by
       op j crosses each link between the two (and, where the links slow each other
       down, both at once within the window: ``duplex_cost``), and each one's reload
@@ -162,6 +165,7 @@ class _BoundLP:
         # them (``late``): a row per deadline, as many as the exact model has points
         self.rebuild_timing = rebuild_timing
         self._late: dict[int, list[tuple[int, float]]] = {}
+        self.lam: dict[int, int] = {}  # op -> its lateness column (``lateness``)
         self.fwd, self.bwd = points
         self.pts = self.fwd + self.bwd
         self.acts = [t for t in p.saved_activations
@@ -170,8 +174,10 @@ class _BoundLP:
         self.freed = [max([t.producer, *(c for c in t.forward_consumers
                                           if c < ctx.first_backward)]) for t in acts]
         # a copy out starts no earlier than its tensor is made with the runtime's packs
-        self.made = _packed_chain(ctx)[1]
-        self.produced = [self.made[t.producer] for t in acts]
+        self.issued_starts, self.made = _packed_chain(ctx)
+        # ... and, for what autograd saves, no earlier than its first pack issues it
+        ready = _pack_issued(ctx)
+        self.produced = [max(self.made[t.producer], ready.get(t.id, 0.0)) for t in acts]
         self.starts = _kernel_starts(ctx)  # deadlines: none later, but for its idle time
         self.d2h = [link.latency_s + t.bytes / link.d2h_bandwidth for t in acts]
         self.h2d = [link.latency_s + t.bytes / link.h2d_bandwidth for t in acts]
@@ -274,6 +280,33 @@ class _BoundLP:
         backward use, and only if it made i or something i is made from, so
         rho_j <= sum q_P c_P and rho_j <= sum_{i first needed by j} r_i C_i, C_i the op
         times of the producers i is made from (itself included)."""
+        if self.rebuild_timing:
+            return [(self.lateness(j), -1.0)]
+        return self._late_terms(j)
+
+    def lateness(self, j: int) -> int:
+        """In the exact model, the column lambda_j: milliseconds op ``j`` starts after its
+        keep-all time t_j. At most ``late``'s terms, at least what the host's issue of
+        the keep-all step makes it (``_packed_chain``), and never less than an earlier
+        op's (``lateness_rows``): so the windows of copies that open at one op and close
+        at another shrink by what the step has lost by the first."""
+        if j not in self.lam:
+            col = self.lam[j] = self.column()
+            self.upper[col] = np.inf
+            self.row([(col, 1.0)] + self._late_terms(j), 0.0)
+            issued = self.issued_starts[j] - self.starts[j]
+            if issued > 0:
+                self.row([(col, -1.0)], -issued * 1e3)
+        return self.lam[j]
+
+    def lateness_rows(self) -> None:
+        """lambda never falls from one op to a later one: each op starts after the one
+        before it, which takes its keep-all time or more."""
+        ops = sorted(self.lam)
+        for a, b in zip(ops, ops[1:], strict=False):
+            self.row([(self.lam[a], 1.0), (self.lam[b], -1.0)], 0.0)
+
+    def _late_terms(self, j: int) -> list[tuple[int, float]]:
         if j < self.ctx.first_backward:
             return [(self.SF, -1e3)]
         idle = [(self.SF, -1e3), (self.SB, -1e3)]
@@ -450,7 +483,9 @@ class _BoundLP:
         after it and before its first use."""
         if not self.fwd:
             return
-        last, t_last = len(self.fwd) - 1, self.ctx.op_start[self.fwd[-1].op]
+        # ... and after forward: the runtime issues reloads from backward's unpacks
+        last = len(self.fwd) - 1
+        t_last = max(self.ctx.op_start[self.fwd[-1].op], self.ctx.forward_end)
         uses = sorted({t.first_backward_use for t in self.acts})
         for j in uses[:: max(len(uses) // max_points, 1)]:
             members = [i for i in range(self.n) if self.acts[i].first_backward_use <= j]
@@ -586,8 +621,9 @@ class _BoundLP:
         for k, pt in enumerate(self.bwd):
             for j in (j for j in uses if j > pt.op):
                 members = [i for i in range(self.n) if pt.op < acts[i].first_backward_use <= j]
+                opens = [(self.lateness(pt.op), 1.0)] if self.rebuild_timing else []
                 self.row([(base + i * self.kp + k, self.h2d[i] * 1e3) for i in members]
-                         + self.late(j),
+                         + self.late(j) + opens,
                          (self.starts[j] - self.starts[pt.op]) * 1e3)
 
     def objective(self) -> np.ndarray:
@@ -616,10 +652,11 @@ class _BoundLP:
             {*np.linspace(0, len(ops) - 1, max_points).astype(int), ctx.first_backward})
         overhead = [(col, -v) for col, v in enumerate(self.objective()) if v]
         rebuild = host.dispatch_s + host.replay_s
+        watch = self.watch_terms()
         for j in cuts:
             terms = list(overhead)
-            terms += [(self.V + k, host.watch_s * 1e3) for k, op in enumerate(self.made_by)
-                      if op <= j and op < ctx.first_backward]
+            terms += [(col, host.watch_s * 1e3 * max(min(end, j + 1) - start, 0))
+                      for col, start, end in watch if start <= j]
             if j < ctx.first_backward:  # every rebuild's kernels run after the cut
                 terms += [(col, -v) for col, v in self.recompute]
             else:  # rebuilds and unpacks of what is needed by then
@@ -636,6 +673,27 @@ class _BoundLP:
                         self.row([(self.R + i, 1.0), (h, -1.0)], 0.0)
             self.row(terms, -(issued[j] + rest[j] - kernels) * 1e3)
 
+    def watch_terms(self) -> list[tuple[int, int, int]]:
+        """(column, first op, one past the last) of the forward ops the runtime watches:
+        each producer a plan re-runs or keeps a checkpoint of (v_P); in the exact model
+        every op of the segments that hold those producers, as ``runtime/watch.py``
+        watches them (a column per segment, at least each of its producers' v_P)."""
+        if not self.rebuild_timing or not self.p.module_events:
+            return [(self.V + k, op, op + 1) for k, op in enumerate(self.made_by)
+                    if op < self.ctx.first_backward]
+        # imported here: runtime.watch imports the schedule through runtime.checks
+        from slackswap.runtime.watch import forward_segments
+
+        out = []
+        for start, end in forward_segments(self.p):
+            inside = [k for k, op in enumerate(self.made_by) if start <= op < end]
+            if inside:
+                seg = self.column()
+                for k in inside:
+                    self.row([(self.V + k, 1.0), (seg, -1.0)], 0.0)
+                out.append((seg, start, end))
+        return out
+
     def column(self) -> int:
         """A new column in [0, 1], no cost."""
         self.cols += 1
@@ -648,8 +706,8 @@ class _BoundLP:
         when infeasible. The solution, when there is one, is left in ``self.x``."""
         r, c, v = zip(*self.entries, strict=True)
         a = coo_matrix((v, (r, c)), shape=(len(self.rhs), self.cols)).tocsr()
-        integrality = np.ones(self.cols) if integral else np.zeros(self.cols)
-        integrality[[self.SF, self.SB]] = 0
+        # decisions are 0 or 1; what is unbounded (idle, rebuild time) is continuous
+        integrality = (self.upper <= 1).astype(float) if integral else np.zeros(self.cols)
         options = {} if time_limit_s is None else {"time_limit": time_limit_s}
         res = milp(self.objective(), constraints=LinearConstraint(a, -np.inf, np.array(self.rhs)),
                    bounds=Bounds(np.zeros(self.cols), self.upper), integrality=integrality,
@@ -699,6 +757,20 @@ def _least_host_chain(ctx: PlanContext) -> tuple[float, float]:
     starts, ends = _packed_chain(ctx)
     forward = starts[ctx.first_backward] if ctx.first_backward < len(p.ops) else ends[-1]
     return forward - sum(op.time_s for op in p.ops[: ctx.first_backward]), ends[-1]
+
+
+def _pack_issued(ctx: PlanContext) -> dict[int, float]:
+    """Per saved tensor, when the host of ``_packed_chain`` has issued every op before its
+    first pack: a plan's pack hook, which issues the copy out, runs no earlier."""
+    p, host = ctx.profile, ctx.hw.host
+    cost = [host.dispatch_s] * len(p.ops)
+    first: dict[int, int] = {}
+    for tid, before in packs(p):
+        cost[min(before, len(p.ops) - 1)] += host.pack_s
+        first.setdefault(tid, before)
+    issued = np.concatenate([[0.0], np.cumsum(cost)])
+    return {tid: float(issued[min(before, len(p.ops))]) for tid, before in first.items()
+            if tid >= 0}
 
 
 def _packed_chain(ctx: PlanContext) -> tuple[list[float], list[float]]:

@@ -6,9 +6,12 @@ NOTE [exact model]
     The integer program is the bound's relaxation of the simulator made as tight as a
     small step allows: each activation is kept, offloaded or recomputed (0 or 1, not a
     fraction), each offloaded one is off the device or back at every op of the step
-    (its reload time is the op after the last one it is away at), and memory is checked
+    (its reload is issued as the last op it is away at starts), and memory is checked
     at every op where keep-all memory, with every never-saved tensor a rebuild may read,
-    exceeds the budget, not only at a dozen peaks. Every row still holds for every
+    exceeds the budget, not only at a dozen peaks. Each op the rows time has its own
+    lateness (``_BoundLP.lateness``), so what the step has lost by the op where a
+    reload's window opens shortens that window, and the runtime watches whole module
+    segments, each one's ops at the host's cost. Every row still holds for every
     plan's simulated step, so its optimum is a retention no plan exceeds; its solution
     is a plan, simulated as any other, whose retention no optimum falls below. The true
     optimum lies between the two: when they meet it is known exactly, and a planner
@@ -57,6 +60,7 @@ def exact_optimum(ctx: PlanContext, time_limit_s: float = 120.0,
         return Optimum(1.0, True, None, None)
     lp.build(thresholds=len(lp.acts) + 1, max_points=len(ctx.profile.ops))
     lp.timing_rows()
+    lp.lateness_rows()
     overhead = lp.solve(integral=True, time_limit_s=time_limit_s)
     bound = lp.retention(overhead)
     if overhead is None or lp.x is None:
@@ -93,9 +97,10 @@ def _plan_of(ctx: PlanContext, lp: _BoundLP) -> Plan:
         elif x[lp.OFF + i] > 0.5:
             decisions[t.name] = Decision.OFFLOAD
             away = [pt.op for k, pt in enumerate(lp.bwd)
-                    if x[lp.D + i * lp.kp + len(lp.fwd) + k] > 0.5]
-            if away:
-                prefetch[t.name] = min(max(away) + 1, t.first_backward_use)
+                    if pt.op < t.first_backward_use
+                    and x[lp.D + i * lp.kp + len(lp.fwd) + k] > 0.5]
+            if away:  # (issued as that op starts, after what it allocates)
+                prefetch[t.name] = max(away)
         else:
             decisions[t.name] = Decision.KEEP
     checkpointable = ctx.profile.checkpointable

@@ -93,6 +93,12 @@ def _forward(profile: StepProfile) -> _Forward:
         starts=starts, ends=[*starts[1:], len(ops)])
 
 
+def forward_segments(profile: StepProfile) -> list[tuple[int, int]]:
+    """Each segment of the forward pass as (index of its first op, one past its last)."""
+    f = profile.derived("watch", lambda: _forward(profile))
+    return list(zip(f.starts, f.ends, strict=True))
+
+
 def watched_segments(profile: StepProfile, plan: Plan) -> list[bool]:
     """Per segment of the forward pass (``StepProfile.module_events``), whether the
     runtime watches it for ``plan``: the ops a rebuild replays, and the in-place writes
