@@ -63,7 +63,6 @@ class PlanContext:
             self.memory.append(level)
             level -= sum(res[r].bytes for r in item.frees)
         self._attempts: dict[Callable, Any] = {}
-        self.rebuild_costs: dict[str, float] = {}  # candidate -> seconds, as first priced
 
     def attempt(self, strategy: Callable[[PlanContext], Any]) -> Any:
         """``strategy(self)``, worked out once per context: SlackSwap starts from the
