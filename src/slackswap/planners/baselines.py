@@ -139,4 +139,5 @@ def module_policy(ctx: PlanContext) -> Attempt | None:
         return ctx.plan("module-policy", {n: d for n, d in rules.items()
                                           if by_layer[n] is not None and by_layer[n] < k})
 
-    return smallest_fitting(ctx, make, 0, layers) if layers else None
+    # fixed rules often cannot reach the budget even on every block: try that first
+    return smallest_fitting(ctx, make, 0, layers, hi_first=True) if layers else None

@@ -47,10 +47,17 @@ def fit_margin(ctx: PlanContext, make: Callable[[int], Plan | None],
 
 
 def smallest_fitting(ctx: PlanContext, make: Callable[[int], Plan], lo: int,
-                     hi: int) -> Attempt | None:
+                     hi: int, hi_first: bool = False) -> Attempt | None:
     """Binary search the smallest ``k`` in ``[lo, hi]`` whose plan is feasible (assuming
-    more ``k`` evicts more); its attempt, or the attempt at ``hi`` when none fits."""
+    more ``k`` evicts more); its attempt, or the attempt at ``hi`` when none fits. With
+    ``hi_first`` (a family that often cannot reach the budget), ``hi`` is simulated
+    first, and when it does not fit the search ends there."""
     found = None  # always the attempt at ``hi`` once set
+    if hi_first:
+        plan = make(hi)
+        found = (plan, ctx.simulate(plan))
+        if not found[1].feasible:
+            return found
     while lo < hi:
         mid = (lo + hi) // 2
         plan = make(mid)
