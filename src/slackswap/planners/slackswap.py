@@ -39,8 +39,8 @@ NOTE [starting points]
     at 30% on h200 gained 2.1 points in 24 simulations, better with nearly every one; on
     a100-80gb at 50% the searches of gpt2-xl and llama-7b found all they would in their
     first three (now 11 and 8 simulations, not 24); on small random steps the plans
-    match the best of every
-    keep/offload/recompute assignment (``test_the_best_assignment_on_small_steps``).
+    match the best of every keep/offload/recompute assignment
+    (``test_the_best_assignment_on_small_steps``).
 """
 
 from __future__ import annotations
