@@ -643,10 +643,7 @@ class _BoundLP:
         forward_idle, _ = _least_host_chain(ctx)
         if forward_idle > 0:  # s_f >= the chain's idle time in forward
             self.row([(self.SF, -1e3)], -forward_idle * 1e3)
-        base = [host.dispatch_s] * len(ops)
-        for _, before in packs(p):
-            base[min(before, len(ops) - 1)] += host.pack_s
-        issued = np.cumsum(base)
+        issued = np.cumsum(_packed_costs(ctx))
         rest = np.cumsum([op.time_s for op in reversed(ops)])[::-1]  # kernels from op j on
         cuts = range(len(ops)) if max_points >= len(ops) else sorted(
             {*np.linspace(0, len(ops) - 1, max_points).astype(int), ctx.first_backward})
@@ -759,16 +756,24 @@ def _least_host_chain(ctx: PlanContext) -> tuple[float, float]:
     return forward - sum(op.time_s for op in p.ops[: ctx.first_backward]), ends[-1]
 
 
+def _packed_costs(ctx: PlanContext) -> list[float]:
+    """Host seconds per op of keep-all under a plan that moves something: its dispatch
+    and the packs autograd makes before it."""
+    p, host = ctx.profile, ctx.hw.host
+    cost = [host.dispatch_s] * len(p.ops)
+    for _, before in packs(p):
+        cost[min(before, len(p.ops) - 1)] += host.pack_s
+    return cost
+
+
 def _pack_issued(ctx: PlanContext) -> dict[int, float]:
     """Per saved tensor, when the host of ``_packed_chain`` has issued every op before its
     first pack: a plan's pack hook, which issues the copy out, runs no earlier."""
-    p, host = ctx.profile, ctx.hw.host
-    cost = [host.dispatch_s] * len(p.ops)
+    p = ctx.profile
     first: dict[int, int] = {}
     for tid, before in packs(p):
-        cost[min(before, len(p.ops) - 1)] += host.pack_s
         first.setdefault(tid, before)
-    issued = np.concatenate([[0.0], np.cumsum(cost)])
+    issued = np.concatenate([[0.0], np.cumsum(_packed_costs(ctx))])
     return {tid: float(issued[min(before, len(p.ops))]) for tid, before in first.items()
             if tid >= 0}
 
@@ -777,13 +782,9 @@ def _packed_chain(ctx: PlanContext) -> tuple[list[float], list[float]]:
     """When each op of keep-all starts and ends, issued by a host that pays its dispatch
     and the packs before it: no earlier in any plan that moves something (so a copy
     out starts no earlier than its tensor's end here)."""
-    p, host = ctx.profile, ctx.hw.host
-    cost = [host.dispatch_s] * len(p.ops)
-    for _, before in packs(p):
-        cost[min(before, len(p.ops) - 1)] += host.pack_s
     issued = end = 0.0
     starts, ends = [], []
-    for op, h in zip(p.ops, cost, strict=True):
+    for op, h in zip(ctx.profile.ops, _packed_costs(ctx), strict=True):
         issued += h
         starts.append(max(end, issued))
         end = starts[-1] + op.time_s
