@@ -165,6 +165,8 @@ class _BoundLP:
         # them (``late``): a row per deadline, as many as the exact model has points
         self.rebuild_timing = rebuild_timing
         self._late: dict[int, list[tuple[int, float]]] = {}
+        # point -> (column, tensor) of each offloaded checkpoint that may be away there
+        self.away_checkpoints: dict[int, list[tuple[int, int]]] = {}
         self.lam: dict[int, int] = {}  # op -> its lateness column (``lateness``)
         self.fwd, self.bwd = points
         self.pts = self.fwd + self.bwd
@@ -225,6 +227,17 @@ class _BoundLP:
                 for u in self.unsaved_inputs(self.unsaved[v].producer):
                     if u in self.chain:
                         self.fed[u].append(v)
+        # every never-saved v made from u, and the activations whose rebuild may read v,
+        # directly or through other never-saved tensors (``memory_rows``)
+        self.made_from: dict[int, list[int]] = {u: [] for u in self.chain}
+        for v in self.chain:
+            for u in self.unsaved_inputs(self.unsaved[v].producer):
+                if u in self.chain:
+                    self.made_from[u].append(v)
+        self.reach: dict[int, set[int]] = {}
+        for v in sorted(self.chain, key=lambda v: -self.unsaved[v].producer):
+            self.reach[v] = set(self.readers[v]).union(
+                *(self.reach.get(w, ()) for w in self.made_from[v]))
         # rebuilds that read activation a, directly or through rebuilt activations
         # between (i, those between): a comes back with i's rebuild
         index = {t.id: i for i, t in enumerate(acts)}
@@ -362,6 +375,8 @@ class _BoundLP:
             self.row([(R + i, 1.0), (self.Q + self.q[t.producer], -1.0)], 0.0)
         for u, col in self.chain.items():  # q_P >= z_u, v_P >= k_u, v_P >= f_u
             k = self.q[self.unsaved[u].producer]
+            if self.checkpoint_timing:  # one of: rebuilt, kept or offloaded
+                self.row([(Z + col, 1.0), (K + col, 1.0), (self.F + col, 1.0)], 1.0)
             self.row([(Z + col, 1.0), (self.Q + k, -1.0)], 0.0)
             self.row([(K + col, 1.0), (self.V + k, -1.0)], 0.0)
             self.row([(self.F + col, 1.0), (self.V + k, -1.0)], 0.0)
@@ -393,11 +408,11 @@ class _BoundLP:
                 for u, col in self.chain.items():
                     w = W + col * kb + jb  # u resident at j
                     later = [i for i in self.readers[u] if acts[i].first_backward_use > pt.op]
-                    # v made from u, rebuilt after j: none of v's readers by j rebuilt
+                    # v made from u, rebuilt after j: no rebuild by j that may read v
                     fed = [(self.Z + self.chain[v], [
-                        (R + i, -1.0) for i in self.readers[v]
+                        (R + i, -1.0) for i in self.reach[v]
                         if acts[i].first_backward_use <= pt.op])
-                        for v in self.fed[u] if self.checkpoint_timing]
+                        for v in self.made_from[u] if self.checkpoint_timing]
                     if later or fed:
                         kept.append((w, self.unsaved[u].bytes * gb))
                     # read by a rebuild after j, u is resident unless rebuilt or away (an
@@ -440,6 +455,7 @@ class _BoundLP:
                                 away.append((e, u))
                             else:
                                 pooled.append(u)
+            self.away_checkpoints[k] = away
             t_k = self.starts[pt.op]
             out = [(D + i * kp + k, self.produced[i], self.d2h[i]) for i in members]
             out += [(e, self.made[self.unsaved[u].producer], self.checkpoint_d2h(u))
@@ -625,6 +641,49 @@ class _BoundLP:
                 self.row([(base + i * self.kp + k, self.h2d[i] * 1e3) for i in members]
                          + self.late(j) + opens,
                          (self.starts[j] - self.starts[pt.op]) * 1e3)
+
+    def queue_rows(self) -> None:
+        """The D2H engine copies in producer order (``sim/schedule.py``), each copy once
+        its tensor is made and packed, so an offload lands no earlier than everything
+        offloaded before it has crossed: Q_g, when the copies of the tensors made by
+        producers up to g have landed, is at least Q_{g-1} plus those of g's outputs,
+        and at least their production plus them; one of g's lands at least its own
+        copy after Q_{g-1}, and it is away at a point only once landed."""
+        # (producer, made, D2H time, offload column)
+        items = [(t.producer, self.produced[i], self.d2h[i], self.OFF + i)
+                 for i, t in enumerate(self.acts) if self.upper[self.OFF + i]]
+        checkpoints = self.offloaded_checkpoints()
+        items += [(self.unsaved[u].producer, made, out, f)
+                  for u, f, made, out, _ in checkpoints]
+        if not items:
+            return
+        f_col = {u: f for u, f, _, _, _ in checkpoints}
+        big = (max(m for _, m, _, _ in items) + sum(d for _, _, d, _ in items)) * 1e3
+        landed: dict[int, int] = {}
+        prev = None
+        for producer in sorted({it[0] for it in items}):
+            group = [(made * 1e3, d * 1e3, col) for op, made, d, col in items if op == producer]
+            after = [(prev, 1.0)] if prev is not None else []
+            q = self.column()
+            self.upper[q] = np.inf
+            self.row(after + [(col, d) for _, d, col in group] + [(q, -1.0)], 0.0)
+            for made, d, col in group:
+                self.row([(col, made)] + [(c, v) for _, v, c in group] + [(q, -1.0)], 0.0)
+                land = landed[col] = self.column()
+                self.upper[land] = np.inf
+                self.row(after + [(col, d), (land, -1.0)], 0.0)
+                self.row([(col, made + d), (land, -1.0)], 0.0)
+            prev = q
+        for k, pt in enumerate(self.pts):
+            t_k = self.starts[pt.op]
+            late = self.late(pt.op)
+            members = [i for i in range(self.n) if self.OFF + i in landed and (
+                self.acts[i].first_backward_use > pt.op if pt.op >= self.ctx.first_backward
+                else self.freed[i] < pt.op)]
+            away = [(landed[self.OFF + i], self.D + i * self.kp + k) for i in members]
+            away += [(landed[f_col[u]], e) for e, u in self.away_checkpoints.get(k, ())]
+            for land, d in away:  # landed by then, or not away: L - big (1 - d) <= t_k + late
+                self.row([(land, 1.0), (d, big)] + late, t_k * 1e3 + big)
 
     def objective(self) -> np.ndarray:
         """Milliseconds over the op times: each re-run producer once, idle time."""

@@ -11,7 +11,11 @@ NOTE [exact model]
     exceeds the budget, not only at a dozen peaks. Each op the rows time has its own
     lateness (``_BoundLP.lateness``), so what the step has lost by the op where a
     reload's window opens shortens that window, and the runtime watches whole module
-    segments, each one's ops at the host's cost. Every row still holds for every
+    segments, each one's ops at the host's cost. The D2H engine copies in producer
+    order, so an offload is away only once everything offloaded before it has crossed
+    (``_BoundLP.queue_rows``); a never-saved tensor is rebuilt, kept or offloaded (one
+    of them), and held wherever a rebuild after the op may read it through other
+    never-saved tensors. Every row still holds for every
     plan's simulated step, so its optimum is a retention no plan exceeds; its solution
     is a plan, simulated as any other, whose retention no optimum falls below. The true
     optimum lies between the two: when they meet it is known exactly, and a planner
@@ -60,6 +64,7 @@ def exact_optimum(ctx: PlanContext, time_limit_s: float = 120.0,
         return Optimum(1.0, True, None, None)
     lp.build(thresholds=len(lp.acts) + 1, max_points=len(ctx.profile.ops))
     lp.timing_rows()
+    lp.queue_rows()
     lp.lateness_rows()
     overhead = lp.solve(integral=True, time_limit_s=time_limit_s)
     bound = lp.retention(overhead)
@@ -87,9 +92,9 @@ def _every_point(ctx: PlanContext) -> tuple[list[Pressure], list[Pressure]]:
 
 
 def _plan_of(ctx: PlanContext, lp: _BoundLP) -> Plan:
-    """The program's decisions, each offloaded activation reloaded at the op after the
-    last backward point it is away at (or at the start of backward), and the
-    never-saved tensors it keeps or offloads as checkpoints."""
+    """The program's decisions, each offloaded activation reloaded as the last backward
+    point it is away at starts (or at the start of backward), and the never-saved
+    tensors it keeps or offloads as checkpoints where a rebuild reads them."""
     x, decisions, prefetch = lp.x, {}, {}
     for i, t in enumerate(lp.acts):
         if x[lp.R + i] > 0.5:
@@ -103,11 +108,23 @@ def _plan_of(ctx: PlanContext, lp: _BoundLP) -> Plan:
                 prefetch[t.name] = max(away)
         else:
             decisions[t.name] = Decision.KEEP
-    checkpointable = ctx.profile.checkpointable
-    for u, col in lp.chain.items():  # never-saved tensors kept since forward
-        name = lp.unsaved[u].name
-        if x[lp.K + col] > 0.5 and name in checkpointable:
-            decisions[name] = Decision.KEEP
-        elif x[lp.F + col] > 0.5 and name in checkpointable:
-            decisions[name] = Decision.OFFLOAD
+    # never-saved tensors kept or offloaded since forward, where a rebuild reads them (a
+    # kept one no rebuild reads would stay on the device to the end of the step)
+    p, checkpointable = ctx.profile, ctx.profile.checkpointable
+    held = {u for u, col in lp.chain.items() if p.tensors[u].name in checkpointable
+            and (x[lp.K + col] > 0.5 or x[lp.F + col] > 0.5)}
+    frontier = [u for i, t in enumerate(lp.acts) if x[lp.R + i] > 0.5
+                for u in lp.unsaved_inputs(t.producer)]
+    read: set[int] = set()
+    while frontier:
+        u = frontier.pop()
+        if u in read:
+            continue
+        read.add(u)
+        if u not in held:  # rebuilt from its own inputs
+            frontier += lp.unsaved_inputs(p.tensors[u].producer)
+    for u in held & read:
+        col = lp.chain[u]
+        decisions[p.tensors[u].name] = (Decision.KEEP if x[lp.K + col] > 0.5
+                                        else Decision.OFFLOAD)
     return ctx.plan("exact", decisions, prefetch)
