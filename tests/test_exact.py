@@ -91,16 +91,15 @@ def small(name: str) -> StepProfile:
 
 # (step, budget) where SlackSwap is more than half a point under the program's optimum.
 # Measured (a100-80gb), SlackSwap / the optimum: bert-large-mlm@1 at 50% 82.9 / 84.7, 60%
-# 88.4 / 89.6, 70% 92.6 / 93.3; llama-7b@1 at 70% 95.6 / 97.7. The planner is short in two
-# of them: at bert-large-mlm@1 70% a plan the program found simulates at 93.3 (it keeps the
-# output dense's result as a checkpoint and recomputes the cheap ops after it, several
-# moves away from SlackSwap's plan), and at llama-7b@1 70% one at 97.4 (it keeps the block
-# output as a checkpoint and the gate projection, recomputes both norms whole and offloads
-# the attention output: six activations and a checkpoint away from SlackSwap's plan, and
-# no single move from either end improves). In the other two no plan we know beats
-# SlackSwap's (the program's, or the search from every baseline's plan and from the LP's
-# solution rounded): which of the model and the planner is short is open (issue 12). Left
-# out of the gate (8-22 s each to solve).
+# 88.4 / 89.6, 70% 92.6 / 93.3; llama-7b@1 at 70% 95.6 / 97.7. At llama-7b@1 70% the
+# planner is short: a plan the program found while its rows were being built simulates at
+# 97.4 (it keeps the block output as a checkpoint and the gate projection, recomputes both
+# norms whole and offloads the attention output: six activations and a checkpoint away
+# from SlackSwap's plan; no single move from either end improves, nor does re-covering
+# the recomputes at the checkpoint-cut rebuild costs). In the other three no plan we know
+# beats SlackSwap's (the program's, simulated at 77.0, 85.6 and 91.4, or the search from
+# every baseline's plan and from the LP's solution rounded): which of the model and the
+# planner is short is open (issue 12). Left out of the gate (8-22 s each to solve).
 OPEN = {("bert-large-mlm@1", 0.5), ("bert-large-mlm@1", 0.6), ("bert-large-mlm@1", 0.7),
         ("llama-7b@1", 0.7)}
 CASES = [(name, budget) for name in ("bert-large-mlm@1", "llama-7b@1", "gpt2-xl@2")
