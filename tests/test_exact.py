@@ -99,7 +99,7 @@ def small(name: str) -> StepProfile:
 # the recomputes at the checkpoint-cut rebuild costs). In the other three no plan we know
 # beats SlackSwap's (the program's, simulated at 77.0, 85.6 and 91.4, or the search from
 # every baseline's plan and from the LP's solution rounded): which of the model and the
-# planner is short is open (issue 12). Left out of the gate (8-22 s each to solve).
+# planner is short is open (issue 12). Left out of the gate (8-31 s each to solve).
 OPEN = {("bert-large-mlm@1", 0.5), ("bert-large-mlm@1", 0.6), ("bert-large-mlm@1", 0.7),
         ("llama-7b@1", 0.7)}
 CASES = [(name, budget) for name in ("bert-large-mlm@1", "llama-7b@1", "gpt2-xl@2")
