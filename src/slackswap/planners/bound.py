@@ -456,7 +456,7 @@ class _BoundLP:
                             else:
                                 pooled.append(u)
             self.away_checkpoints[k] = away
-            t_k = self.starts[pt.op]
+            t_k = self._until(pt)
             out = [(D + i * kp + k, self.produced[i], self.d2h[i]) for i in members]
             out += [(e, self.made[self.unsaved[u].producer], self.checkpoint_d2h(u))
                     for e, u in away]
@@ -640,7 +640,12 @@ class _BoundLP:
                 opens = [(self.lateness(pt.op), 1.0)] if self.rebuild_timing else []
                 self.row([(base + i * self.kp + k, self.h2d[i] * 1e3) for i in members]
                          + self.late(j) + opens,
-                         (self.starts[j] - self.starts[pt.op]) * 1e3)
+                         (self.starts[j] - self._until(pt)) * 1e3)
+
+    def _until(self, pt: Pressure) -> float:
+        """The keep-all kernel time of a point: its op's start, or its end for a point
+        that checks memory as the op ends (a copy landed, or a reload started, by then)."""
+        return self.starts[pt.op] + (self.p.ops[pt.op].time_s if pt.ends else 0.0)
 
     def queue_rows(self) -> None:
         """The D2H engine copies in producer order (``sim/schedule.py``), each copy once
@@ -675,7 +680,7 @@ class _BoundLP:
                 self.row([(col, made + d), (land, -1.0)], 0.0)
             prev = q
         for k, pt in enumerate(self.pts):
-            t_k = self.starts[pt.op]
+            t_k = self._until(pt)
             late = self.late(pt.op)
             members = [i for i in range(self.n) if self.OFF + i in landed and (
                 self.acts[i].first_backward_use > pt.op if pt.op >= self.ctx.first_backward

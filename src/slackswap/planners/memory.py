@@ -16,6 +16,8 @@ class Pressure:
 
     op: int
     excess: int  # bytes over the budget at that op, keep-all
+    # (exact model) memory as the op ends, with what the links moved while it ran
+    ends: bool = False
 
 
 def pressure_points(ctx: PlanContext, margin: int = 0) -> list[Pressure]:
