@@ -15,14 +15,13 @@ NOTE [exact model]
     order, so an offload is away only once everything offloaded before it has crossed
     (``_BoundLP.queue_rows``); a never-saved tensor is rebuilt, kept or offloaded (one
     of them), and held wherever a rebuild after the op may read it through other
-    never-saved tensors. Every row still holds for every
-    plan's simulated step, so its optimum is a retention no plan exceeds; its solution
-    is a plan, simulated as any other, whose retention no optimum falls below. The true
-    optimum lies between the two: when they meet it is known exactly, and a planner
-    within half a point of the program's optimum is within half a point of the best
-    plan. Sizes: one or two full-size layers solve in seconds at most budgets (at tight
-    ones on two layers, a minute without a proof); whole workloads are the LP bound's
-    job.
+    never-saved tensors. Every row still holds for every plan's simulated step, so its
+    optimum is a retention no plan exceeds; its solution is a plan, simulated as any
+    other, whose retention no optimum falls below. The true optimum lies between the
+    two: when they meet it is known exactly, and a planner within half a point of the
+    program's optimum is within half a point of the best plan. Sizes: one or two
+    full-size layers solve in seconds to half a minute at most budgets (at tight ones on
+    two layers, a minute without a proof); whole workloads are the LP bound's job.
 """
 
 from __future__ import annotations
