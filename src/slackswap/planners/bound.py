@@ -214,19 +214,9 @@ class _BoundLP:
         self.cols = self.F + m
         self.q = {op: k for k, op in enumerate(self.made_by)}
         self.readers: dict[int, list[int]] = {u: [] for u in self.chain}  # rebuilt from u
-        # never-saved tensors a rebuild of another never-saved tensor may read
-        self.feeds_chain = {w for u in self.chain for w in self.unsaved_inputs(
-            self.unsaved[u].producer) if w in self.chain}
         for i, t in enumerate(acts):
             for u in self.unsaved_inputs(t.producer):
                 self.readers[u].append(i)
-        # never-saved tensors made from u that only activations read
-        self.fed: dict[int, list[int]] = {u: [] for u in self.chain}
-        for v in self.chain:
-            if v not in self.feeds_chain:
-                for u in self.unsaved_inputs(self.unsaved[v].producer):
-                    if u in self.chain:
-                        self.fed[u].append(v)
         # every never-saved v made from u, and the activations whose rebuild may read v,
         # directly or through other never-saved tensors (``memory_rows``)
         self.made_from: dict[int, list[int]] = {u: [] for u in self.chain}
@@ -234,6 +224,11 @@ class _BoundLP:
             for u in self.unsaved_inputs(self.unsaved[v].producer):
                 if u in self.chain:
                     self.made_from[u].append(v)
+        # never-saved tensors a rebuild of another never-saved tensor may read, and those
+        # made from u that only activations read
+        self.feeds_chain = {u for u, made in self.made_from.items() if made}
+        self.fed = {u: [v for v in made if v not in self.feeds_chain]
+                    for u, made in self.made_from.items()}
         self.reach: dict[int, set[int]] = {}
         for v in sorted(self.chain, key=lambda v: -self.unsaved[v].producer):
             self.reach[v] = set(self.readers[v]).union(
