@@ -49,6 +49,21 @@ def small_profile() -> StepProfile:
                        model_state_bytes=4, ops=ops, tensors=tensors)
 
 
+def test_a_copy_derives_its_own_tables() -> None:
+    """A profile copied with other op times simulates as a fresh profile of those times,
+    not with the tables the original cached (the schedule keeps op times per profile)."""
+    from slackswap.sim.simulate import simulate
+
+    p = small_profile()
+    simulate(p, Plan.keep_all(p), "a100-80gb", 1.0)  # fills the original's caches
+    slower = p.model_copy(update={"ops": [op.model_copy(update={"time_s": 3 * op.time_s})
+                                          for op in p.ops]})
+    fresh = StepProfile.model_validate(slower.model_dump())
+    copied, rebuilt = (simulate(q, Plan.keep_all(q), "a100-80gb", 1.0) for q in (slower, fresh))
+    assert copied.step_time_s == rebuilt.step_time_s > simulate(p).step_time_s
+    assert copied.ideal_step_time_s == rebuilt.ideal_step_time_s
+
+
 def test_profile_views() -> None:
     p = small_profile()
     # the parameter is excluded, the batch input is not

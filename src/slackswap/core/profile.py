@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from functools import cached_property
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -182,6 +182,15 @@ class StepProfile(JsonFile, _Record):
     def _derived(self) -> dict[str, Any]:
         return {}
 
+    def model_copy(self, *, update: Mapping[str, Any] | None = None,
+                   deep: bool = False) -> StepProfile:
+        """A copy, with nothing derived from this profile: pydantic's copy would share
+        the cached tables, stale once ``update`` changes ops or tensors."""
+        copy = super().model_copy(update=update, deep=deep)
+        for name in _cached_names(type(self)):
+            copy.__dict__.pop(name, None)
+        return copy
+
     @cached_property
     def saved_activations(self) -> list[TensorRecord]:
         """Tensors saved for backward that a plan may decide on (not parameters or buffers)."""
@@ -335,3 +344,9 @@ class StepProfile(JsonFile, _Record):
             "model_state_bytes": self.model_state_bytes,
             "gradient_bytes": self.gradient_bytes,
         }
+
+
+def _cached_names(cls: type) -> list[str]:
+    """The cached properties of ``cls`` and its bases."""
+    return [name for klass in cls.__mro__ for name, value in vars(klass).items()
+            if isinstance(value, cached_property)]
