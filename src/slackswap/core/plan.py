@@ -73,13 +73,14 @@ class Plan(JsonFile, pydantic.BaseModel):
                 f"plan was made for a different model or batch shape (fingerprint "
                 f"{self.fingerprint[:12]} != {profile.fingerprint[:12]}); re-plan for this profile"
             )
-        state = {t.name for t in profile.tensors if t.is_parameter}
+        state, inputs = profile.derived("plan-check", lambda: (
+            {t.name for t in profile.tensors if t.is_parameter},
+            {t.name for t in profile.saved_activations if t.producer is None}))
         planned = [n for n, d in self.decisions.items() if d != Decision.KEEP] + list(self.prefetch)
         if fixed := [n for n in planned if n in state]:
             raise InputError(
                 f"plan moves '{fixed[0]}', a parameter or buffer; model state is never planned"
             )
-        inputs = {t.name for t in profile.saved_activations if t.producer is None}
         if fixed := [n for n in planned if n in inputs]:
             raise InputError(
                 f"plan moves '{fixed[0]}', a batch input; only activations can be planned"

@@ -76,9 +76,6 @@ class _Transfer:
         self.rate = 0.0
         self.start = 0.0
 
-    def moving(self, now: float) -> bool:
-        return self.active is not None and now >= self.latency_end
-
     def next_event(self, now: float) -> float:
         if self.active is None:
             return math.inf
@@ -97,16 +94,19 @@ class _Headroom:
     consumer order, so an earlier reload never waits behind a later one.
     """
 
-    def __init__(self, sched: Schedule) -> None:
+    def __init__(self, sched: Schedule, need_of: list[int]) -> None:
+        """``need_of``: the bytes each item allocates."""
         res = sched.residencies
+        freed = [r.bytes if r.source == "compute" else 0 for r in res]
         level = 0
         self.before: list[int] = []  # compute-allocated bytes resident before item k starts
         self.during: list[int] = []  # ... while item k runs
-        for item in sched.items:
+        for item, need in zip(sched.items, need_of, strict=True):
             self.before.append(level)
-            level += sum(res[r].bytes for r in item.allocs)
+            level += need
             self.during.append(level)
-            level -= sum(res[r].bytes for r in item.frees if res[r].source == "compute")
+            for r in item.frees:
+                level -= freed[r]
         # sparse table for range maxima of ``during`` (rows built by numpy, read as lists)
         self.table = [self.during]
         row, width = np.asarray(self.during, dtype=np.int64), 1
@@ -128,18 +128,27 @@ def run_schedule(sched: Schedule, link: HostLink, limit: float = math.inf,
                  host: HostTimes | None = None) -> Timeline:
     """Time ``sched`` on ``link`` under a memory ``limit`` (bytes of activation memory);
     with ``host``, no item or copy starts before the host has issued it."""
+    # The loop below is the planner's hot path (tens of simulations of thousands of items
+    # per plan): per-item sums are taken once and the helpers are written out inline.
     items, res = sched.items, sched.residencies
     issued = host.issued if host is not None else None
     d2h_ready = host.d2h_ready if host is not None else None
     h2d_ready = host.h2d_ready if host is not None else None
-    headroom = _Headroom(sched) if limit < math.inf else None
     tl = Timeline()
+    spans, memory, alloc_time, free_time = tl.spans, tl.memory, tl.alloc_time, tl.free_time
     used = 0
+    size = [r.bytes for r in res]
     holds = [r.holds for r in res]
+    need_of = [sum(size[r] for r in item.allocs) for item in items]
+    # (only a reload under a limit asks how much room compute will take)
+    headroom = _Headroom(sched, need_of) if limit < math.inf and sched.h2d else None
+    n_items = len(items)
     d2h, h2d = _Transfer(sched.d2h), _Transfer(sched.h2d)
-    d2h_done = [False] * len(sched.d2h)
-    h2d_done = [False] * len(sched.h2d)
-    item_end = [math.inf] * len(items)
+    n_d2h, n_h2d = len(sched.d2h), len(sched.h2d)
+    d2h_done = [False] * n_d2h
+    h2d_done = [False] * n_h2d
+    item_end = [math.inf] * n_items
+    latency = link.latency_s
     nxt = 0  # next compute item
     running = -1  # item on the compute stream, or -1
     run_end = 0.0
@@ -147,32 +156,13 @@ def run_schedule(sched: Schedule, link: HostLink, limit: float = math.inf,
     idle_since: float | None = None
     cause = "reload"
 
-    def allocate(rid: int) -> None:
-        nonlocal used
-        used += res[rid].bytes
-        tl.alloc_time[rid] = now
-        tl.memory.append((now, used))
-        if used > tl.peak:
-            tl.peak, tl.peak_time = used, now
-
     def release(rid: int) -> None:
         nonlocal used
         holds[rid] -= 1
         if holds[rid] == 0:
-            used -= res[rid].bytes
-            tl.free_time[rid] = now
-            tl.memory.append((now, used))
-
-    def set_rates() -> None:
-        both = d2h.moving(now) and h2d.moving(now)
-        d2h.rate = link.duplex_d2h_bandwidth if both else link.d2h_bandwidth
-        h2d.rate = link.duplex_h2d_bandwidth if both else link.h2d_bandwidth
-
-    def start_copy(eng: _Transfer) -> None:
-        eng.active = eng.queue[eng.head]
-        eng.start = now
-        eng.latency_end = now + link.latency_s
-        eng.remaining = float(eng.active.bytes)
+            used -= size[rid]
+            free_time[rid] = now
+            memory.append((now, used))
 
     while True:
         # -- start what can start at ``now`` (compute has first claim on memory) ------------
@@ -180,10 +170,10 @@ def run_schedule(sched: Schedule, link: HostLink, limit: float = math.inf,
         progress = True
         while progress:
             progress = False
-            if running < 0 and nxt < len(items):
+            if running < 0 and nxt < n_items:
                 item = items[nxt]
-                need = sum(res[r].bytes for r in item.allocs)
-                ready = all(h2d_done[h] for h in item.needs)
+                need = need_of[nxt]
+                ready = all(h2d_done[h] for h in item.needs) if item.needs else True
                 waits_host = issued is not None and issued[nxt] > now
                 if ready and used + need <= limit and not waits_host:
                     if idle_since is not None:
@@ -197,9 +187,13 @@ def run_schedule(sched: Schedule, link: HostLink, limit: float = math.inf,
                                 tl.stall[cause] += now - max(issued[nxt], idle_since)
                         idle_since = None
                     for rid in item.allocs:
-                        allocate(rid)
+                        used += size[rid]
+                        alloc_time[rid] = now
+                        memory.append((now, used))
+                        if used > tl.peak:
+                            tl.peak, tl.peak_time = used, now
                     running, run_end = nxt, now + item.duration
-                    tl.spans.append(Span("compute", nxt, now, run_end))
+                    spans.append(Span("compute", nxt, now, run_end))
                     nxt += 1
                     progress = True
                 else:
@@ -211,60 +205,77 @@ def run_schedule(sched: Schedule, link: HostLink, limit: float = math.inf,
                         cause = "memory"
                     if waits_host:
                         t_host = min(t_host, issued[nxt])  # type: ignore[index]
-            if d2h.active is None and d2h.head < len(d2h.queue):
+            if d2h.active is None and d2h.head < n_d2h:
                 copy = d2h.queue[d2h.head]
                 if item_end[copy.after_item] <= now:
                     if d2h_ready is None or d2h_ready[d2h.head] <= now:
-                        start_copy(d2h)
+                        d2h.active, d2h.start = copy, now
+                        d2h.latency_end, d2h.remaining = now + latency, float(copy.bytes)
                         progress = True
                     else:
                         t_host = min(t_host, d2h_ready[d2h.head])
-            if h2d.active is None and h2d.head < len(h2d.queue):
+            if h2d.active is None and h2d.head < n_h2d:
                 copy = h2d.queue[h2d.head]
                 current = running if running >= 0 else nxt
-                cursor = items[current].position if current < len(items) else math.inf
-                reserve = 0
-                if headroom is not None and current < copy.need_item:
-                    reserve = headroom.growth(current, copy.need_item, running >= 0)
+                cursor = items[current].position if current < n_items else math.inf
                 if (cursor >= copy.issue_position and d2h_done[copy.d2h]
-                        and used + copy.bytes + reserve <= limit):
+                        and used + copy.bytes + (
+                            headroom.growth(current, copy.need_item, running >= 0)
+                            if headroom is not None and current < copy.need_item else 0)
+                        <= limit):
                     if h2d_ready is None or h2d_ready[h2d.head] <= now:
-                        allocate(copy.residency)
-                        start_copy(h2d)
+                        rid = copy.residency
+                        used += size[rid]
+                        alloc_time[rid] = now
+                        memory.append((now, used))
+                        if used > tl.peak:
+                            tl.peak, tl.peak_time = used, now
+                        h2d.active, h2d.start = copy, now
+                        h2d.latency_end, h2d.remaining = now + latency, float(copy.bytes)
                         progress = True
                     else:
                         t_host = min(t_host, h2d_ready[h2d.head])
-        set_rates()
+        # the rates the link allows now: both directions moving share it (duplex)
+        d2h_moving = d2h.active is not None and now >= d2h.latency_end
+        h2d_moving = h2d.active is not None and now >= h2d.latency_end
+        both = d2h_moving and h2d_moving
+        d2h.rate = link.duplex_d2h_bandwidth if both else link.d2h_bandwidth
+        h2d.rate = link.duplex_h2d_bandwidth if both else link.h2d_bandwidth
         # -- advance to the next event -------------------------------------------------------
         t_compute = run_end if running >= 0 else math.inf
-        t_d2h, t_h2d = d2h.next_event(now), h2d.next_event(now)
+        t_d2h = d2h.next_event(now) if d2h.active is not None else math.inf
+        t_h2d = h2d.next_event(now) if h2d.active is not None else math.inf
         t_next = min(t_compute, t_d2h, t_h2d, t_host)
         if t_next == math.inf:
             break
-        done_d2h = d2h.moving(now) and t_d2h == t_next
-        done_h2d = h2d.moving(now) and t_h2d == t_next
-        for eng in (d2h, h2d):
-            if eng.moving(now):
-                eng.remaining -= eng.rate * (t_next - now)
+        done_d2h = d2h_moving and t_d2h == t_next
+        done_h2d = h2d_moving and t_h2d == t_next
+        if d2h_moving:
+            d2h.remaining -= d2h.rate * (t_next - now)
+        if h2d_moving:
+            h2d.remaining -= h2d.rate * (t_next - now)
         now = t_next
         if running >= 0 and run_end == now:
             item_end[running] = now
             for rid in items[running].frees:
                 release(rid)
             running = -1
-        for eng, done, finished, name in ((d2h, done_d2h, d2h_done, "d2h"),
-                                          (h2d, done_h2d, h2d_done, "h2d")):
-            if done:
-                assert eng.active is not None
-                eng.remaining = 0.0
-                tl.spans.append(Span(name, eng.head, eng.start, now))
-                finished[eng.head] = True
-                if name == "d2h":
-                    release(eng.active.residency)
-                eng.active = None
-                eng.head += 1
+        if done_d2h:
+            copy = d2h.active  # type: ignore[assignment]
+            d2h.remaining = 0.0
+            spans.append(Span("d2h", d2h.head, d2h.start, now))
+            d2h_done[d2h.head] = True
+            release(copy.residency)
+            d2h.active = None
+            d2h.head += 1
+        if done_h2d:
+            h2d.remaining = 0.0
+            spans.append(Span("h2d", h2d.head, h2d.start, now))
+            h2d_done[h2d.head] = True
+            h2d.active = None
+            h2d.head += 1
     tl.end = now
-    if nxt < len(items) or running >= 0:
+    if nxt < n_items or running >= 0:
         tl.blocked = _why_blocked(sched, nxt, used, limit, h2d.head)
     return tl
 

@@ -74,10 +74,13 @@ def chain_end(durations: list[float], issued: list[float]) -> float:
 def eager_step_time(profile: StepProfile, dispatch_s: float) -> float:
     """The ideal step: keep-all, no limit, no runtime, each op dispatched eagerly (the
     keep-all schedule has one item per op, in order)."""
-    durations = [op.time_s for op in profile.ops]
-    if dispatch_s == 0:
-        return sum(durations)
-    return chain_end(durations, issue_times([dispatch_s] * len(durations)))
+    def ideal() -> float:
+        durations = [op.time_s for op in profile.ops]
+        if dispatch_s == 0:
+            return sum(durations)
+        return chain_end(durations, issue_times([dispatch_s] * len(durations)))
+
+    return profile.derived(f"eager-step:{dispatch_s!r}", ideal)
 
 
 def packs(profile: StepProfile) -> list[tuple[int, int]]:

@@ -110,6 +110,49 @@ class _Step:
     mutators: dict[int, list[int]]  # tensor -> forward in-place ops on it
     resets: list[int]  # backward ops before which the rebuild group goes
     needed_at: dict[int, list[int]]  # backward op -> saved tensors it first needs
+    forward: _Forward
+    # backward op -> (op, seconds, activations it reads or first needs, activations it makes)
+    backward: list[tuple[int, float, list[int], list[int]]]
+    ideal_time: float  # the sum of op times
+
+
+@dataclass(frozen=True, slots=True)
+class _Forward:
+    """Forward's items and residencies, the same under every plan: each activation
+    forward makes stays resident until forward ends (a plan acts only from there)."""
+
+    items: list[tuple[int, float, list[int], list[int]]]  # op, seconds, allocs, reads
+    residencies: list[tuple[int, int]]  # tensor, bytes
+    uses: list[list[int]]  # residency -> forward items reading it
+    live: dict[int, int]  # tensor -> its residency when forward ends
+
+
+def _lay_out_forward(profile: StepProfile, first_backward: int) -> _Forward:
+    tensors = profile.tensors
+    items: list[tuple[int, float, list[int], list[int]]] = []
+    residencies: list[tuple[int, int]] = []
+    uses: list[list[int]] = []
+    live: dict[int, int] = {}
+    for op in profile.ops[:first_backward]:
+        k, allocs, reads = op.index, [], []
+        for tid in dict.fromkeys(op.inputs):
+            if (rid := live.get(tid)) is not None:
+                uses[rid].append(k)
+                reads.append(rid)
+        for tid in op.outputs:
+            t = tensors[tid]
+            if t.producer == op.index and _is_activation(t) and tid not in live:
+                live[tid] = rid = len(residencies)
+                residencies.append((tid, t.bytes))
+                uses.append([k])
+                allocs.append(rid)
+        for tid in op.outputs:  # an input changed in place is read by the op too
+            rid = live.get(tid)
+            if rid is not None and k not in uses[rid]:
+                uses[rid].append(k)
+                reads.append(rid)
+        items.append((op.index, op.time_s, allocs, reads))
+    return _Forward(items, residencies, uses, live)
 
 
 def _step(profile: StepProfile) -> _Step:
@@ -134,8 +177,16 @@ def _step(profile: StepProfile) -> _Step:
                if t.producer is not None or n in profile.checkpointable}
     kept = {t.id: Decision.KEEP for t in profile.saved_activations
             if t.producer is not None and t.name is not None}
+    backward = []
+    for op in ops[first_backward:]:
+        wanted = [tid for tid in dict.fromkeys([*op.inputs, *needed_at.get(op.index, [])])
+                  if _is_activation(tensors[tid])]
+        makes = [tid for tid in op.outputs
+                 if tensors[tid].producer == op.index and _is_activation(tensors[tid])]
+        backward.append((op.index, op.time_s, wanted, makes))
     return _Step(first_backward, named, planned, kept, end, mutators, _group_resets(profile),
-                 needed_at)
+                 needed_at, _lay_out_forward(profile, first_backward), backward,
+                 sum(op.time_s for op in ops))
 
 
 def _group_resets(profile: StepProfile) -> list[int]:
@@ -184,6 +235,8 @@ class _Builder:
         self.end = step.end
         self.resets = step.resets
         self.needed_at = step.needed_at
+        self.forward, self.backward = step.forward, step.backward
+        self.ideal_time = step.ideal_time
         self.first_item: dict[int, int] = {}  # backward op -> its first item (rebuilds first)
         self.members: list[tuple[int, int]] = []  # (residency, op) joined that op's group
 
@@ -212,20 +265,12 @@ class _Builder:
 
     # -- forward ------------------------------------------------------------------------
     def _forward(self) -> None:
-        for op in self.ops[: self.first_backward]:
-            k = len(self.items)
-            self.items.append(Item(op.index, op.index, op.time_s, False))
-            for tid in dict.fromkeys(op.inputs):
-                if (rid := self.live.get(tid)) is not None:
-                    self._read(rid, k)
-            for tid in op.outputs:
-                t = self.tensors[tid]
-                if t.producer == op.index and _is_activation(t) and tid not in self.live:
-                    self.live[tid] = self._new_residency(t, "compute", k)
-            for tid in op.outputs:
-                rid = self.live.get(tid)
-                if rid is not None and k not in self.uses[rid]:
-                    self._read(rid, k)
+        f = self.forward  # (laid out once per profile: copied, as the build extends it)
+        self.items = [Item(op, op, seconds, False, list(allocs), [], [], list(reads))
+                      for op, seconds, allocs, reads in f.items]
+        self.res = [Residency(tid, size, "compute") for tid, size in f.residencies]
+        self.uses = dict(enumerate(list(u) for u in f.uses))
+        self.live = dict(f.live)
         # End of forward: what backward will not find resident leaves the live set.
         for tid in list(self.live):
             t = self.tensors[tid]
@@ -312,27 +357,24 @@ class _Builder:
             copy.d2h = index[id(old[copy.d2h])]
 
     def _backward(self) -> None:
-        needed_at = self.needed_at
-        for op in self.ops[self.first_backward:]:
+        live, end, decision, tensors = self.live, self.end, self.decision, self.tensors
+        moved = (Decision.OFFLOAD, Decision.RECOMPUTE)
+        for index, seconds, wanted, makes in self.backward:
             made: list[int] = []
-            self.first_item[op.index] = len(self.items)
-            wanted = dict.fromkeys([*op.inputs, *needed_at.get(op.index, [])])
-            reads = [r for tid in wanted
-                     if (r := self._ensure(tid, op.index, made)) is not None]
+            self.first_item[index] = len(self.items)
+            reads = [r for tid in wanted if (r := self._ensure(tid, index, made)) is not None]
             for tid in wanted:  # unpacked for the last time: the group holds it
-                if (self.end.get(tid) == op.index and tid in self.live
-                        and self.decision.get(tid) in (Decision.OFFLOAD, Decision.RECOMPUTE)):
-                    self.members.append((self.live[tid], op.index))
+                if end.get(tid) == index and tid in live and decision.get(tid) in moved:
+                    self.members.append((live[tid], index))
             k = len(self.items)
-            self.items.append(Item(op.index, op.index, op.time_s, False))
+            self.items.append(Item(index, index, seconds, False))
             for rid in dict.fromkeys(reads):
                 self._read(rid, k)
-            for tid in op.outputs:
-                t = self.tensors[tid]
-                if t.producer == op.index and _is_activation(t) and tid not in self.live:
-                    self.live[tid] = self._new_residency(t, "compute", k)
+            for tid in makes:
+                if tid not in live:
+                    live[tid] = self._new_residency(tensors[tid], "compute", k)
             for tid in made:  # intermediates rebuilt for this op only
-                self.live.pop(tid, None)
+                live.pop(tid, None)
 
     def build(self) -> Schedule:
         self._forward()
@@ -353,11 +395,12 @@ class _Builder:
         self.h2d.sort(key=lambda c: (c.issue_position, c.need_item))
         for h, copy in enumerate(self.h2d):
             self.reload_of[copy.tensor] = h
-        for item in self.items:
-            item.needs = sorted({self.reload_of[self.res[rid].tensor]
-                                 for rid in item.reads if self.res[rid].source == "reload"})
+        reload = {copy.residency: h for h, copy in enumerate(self.h2d)}
+        if reload:
+            for item in self.items:
+                item.needs = sorted({reload[rid] for rid in item.reads if rid in reload})
         return Schedule(self.items, self.res, self.d2h, self.h2d,
-                        ideal_time=sum(op.time_s for op in self.ops),
+                        ideal_time=self.ideal_time,
                         first_backward=self.first_backward)
 
 
