@@ -156,6 +156,14 @@ def run_schedule(sched: Schedule, link: HostLink, limit: float = math.inf,
     idle_since: float | None = None
     cause = "reload"
 
+    def allocate(rid: int) -> None:
+        nonlocal used
+        used += size[rid]
+        alloc_time[rid] = now
+        memory.append((now, used))
+        if used > tl.peak:
+            tl.peak, tl.peak_time = used, now
+
     def release(rid: int) -> None:
         nonlocal used
         holds[rid] -= 1
@@ -173,7 +181,7 @@ def run_schedule(sched: Schedule, link: HostLink, limit: float = math.inf,
             if running < 0 and nxt < n_items:
                 item = items[nxt]
                 need = need_of[nxt]
-                ready = all(h2d_done[h] for h in item.needs) if item.needs else True
+                ready = all(h2d_done[h] for h in item.needs)
                 waits_host = issued is not None and issued[nxt] > now
                 if ready and used + need <= limit and not waits_host:
                     if idle_since is not None:
@@ -187,11 +195,7 @@ def run_schedule(sched: Schedule, link: HostLink, limit: float = math.inf,
                                 tl.stall[cause] += now - max(issued[nxt], idle_since)
                         idle_since = None
                     for rid in item.allocs:
-                        used += size[rid]
-                        alloc_time[rid] = now
-                        memory.append((now, used))
-                        if used > tl.peak:
-                            tl.peak, tl.peak_time = used, now
+                        allocate(rid)
                     running, run_end = nxt, now + item.duration
                     spans.append(Span("compute", nxt, now, run_end))
                     nxt += 1
@@ -218,22 +222,17 @@ def run_schedule(sched: Schedule, link: HostLink, limit: float = math.inf,
                 copy = h2d.queue[h2d.head]
                 current = running if running >= 0 else nxt
                 cursor = items[current].position if current < n_items else math.inf
-                if (cursor >= copy.issue_position and d2h_done[copy.d2h]
-                        and used + copy.bytes + (
-                            headroom.growth(current, copy.need_item, running >= 0)
-                            if headroom is not None and current < copy.need_item else 0)
-                        <= limit):
-                    if h2d_ready is None or h2d_ready[h2d.head] <= now:
-                        rid = copy.residency
-                        used += size[rid]
-                        alloc_time[rid] = now
-                        memory.append((now, used))
-                        if used > tl.peak:
-                            tl.peak, tl.peak_time = used, now
+                if cursor >= copy.issue_position and d2h_done[copy.d2h]:
+                    reserve = 0  # (a range maximum: asked only of a reload otherwise ready)
+                    if headroom is not None and current < copy.need_item:
+                        reserve = headroom.growth(current, copy.need_item, running >= 0)
+                    fits = used + copy.bytes + reserve <= limit
+                    if fits and (h2d_ready is None or h2d_ready[h2d.head] <= now):
+                        allocate(copy.residency)
                         h2d.active, h2d.start = copy, now
                         h2d.latency_end, h2d.remaining = now + latency, float(copy.bytes)
                         progress = True
-                    else:
+                    elif fits:
                         t_host = min(t_host, h2d_ready[h2d.head])
         # the rates the link allows now: both directions moving share it (duplex)
         d2h_moving = d2h.active is not None and now >= d2h.latency_end
@@ -243,8 +242,7 @@ def run_schedule(sched: Schedule, link: HostLink, limit: float = math.inf,
         h2d.rate = link.duplex_h2d_bandwidth if both else link.h2d_bandwidth
         # -- advance to the next event -------------------------------------------------------
         t_compute = run_end if running >= 0 else math.inf
-        t_d2h = d2h.next_event(now) if d2h.active is not None else math.inf
-        t_h2d = h2d.next_event(now) if h2d.active is not None else math.inf
+        t_d2h, t_h2d = d2h.next_event(now), h2d.next_event(now)
         t_next = min(t_compute, t_d2h, t_h2d, t_host)
         if t_next == math.inf:
             break

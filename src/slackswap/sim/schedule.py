@@ -109,7 +109,6 @@ class _Step:
     end: dict[int, int]  # saved tensor -> the last backward op that reads it
     mutators: dict[int, list[int]]  # tensor -> forward in-place ops on it
     resets: list[int]  # backward ops before which the rebuild group goes
-    needed_at: dict[int, list[int]]  # backward op -> saved tensors it first needs
     forward: _Forward
     # backward op -> (op, seconds, activations it reads or first needs, activations it makes)
     backward: list[tuple[int, float, list[int], list[int]]]
@@ -185,7 +184,7 @@ def _step(profile: StepProfile) -> _Step:
                  if tensors[tid].producer == op.index and _is_activation(tensors[tid])]
         backward.append((op.index, op.time_s, wanted, makes))
     return _Step(first_backward, named, planned, kept, end, mutators, _group_resets(profile),
-                 needed_at, _lay_out_forward(profile, first_backward), backward,
+                 _lay_out_forward(profile, first_backward), backward,
                  sum(op.time_s for op in ops))
 
 
@@ -234,7 +233,6 @@ class _Builder:
         self.mutators = step.mutators
         self.end = step.end
         self.resets = step.resets
-        self.needed_at = step.needed_at
         self.forward, self.backward = step.forward, step.backward
         self.ideal_time = step.ideal_time
         self.first_item: dict[int, int] = {}  # backward op -> its first item (rebuilds first)
