@@ -68,6 +68,26 @@ NOTE [bound and the host]
     op times from j on (and, for a forward cut, every rebuild's). Watching whole module
     segments, replays of never-saved chains and later unpacks are left out: they only
     add to a real plan's cost.
+
+NOTE [tight timing]
+    Rows the exact model adds with ``tight``, each true of every plan's simulated step.
+    (1) A rebuild for op j that reads offloaded a through rebuilt never-saved tensors
+    (the embeddings' LayerNorm output, rebuilt for the query projection's input) needs
+    a back then: a is resident from j on, and it lands, then every producer on the way
+    re-runs, before j starts (``early_read_rows``); its reload also follows its own copy
+    out's landing in the D2H queue (``reload_after_landing``). (2) Op j's lateness
+    lambda_j is at least what forward lost (phi: the keep-all chain's, or at any forward
+    op the host's issue so far with the plan's watches, less the op's keep-all start)
+    plus every producer re-run for what j or an earlier op needs (``rebuilt_by_rows``),
+    and at most idle time plus the producers that may have re-run by j, each once: a
+    producer re-runs only where a chain of rebuilt tensors leads to it from something
+    needed by then (``rerun_reasons``). Measured on bert-large-mlm@1 with ``op_ends``
+    (``benchmarks/exact_gap.py``): at 50% the optimum falls from 84.71 to 83.02 (the
+    old optimum's plan, simulated at 77.04, is now valued at 81.6, not 84.7); at 60%
+    from 89.57 to 89.07, its own plan simulating at 88.94; at 70% it stays 93.28, now
+    reached by the program's own plan (92.59 before), so the best plan is known
+    exactly. Off by default: minutes per case (50%: 489 s) where the gate's take
+    seconds, and without ``op_ends`` the gate's optima do not move.
 """
 
 from __future__ import annotations
@@ -154,7 +174,7 @@ class _BoundLP:
 
     def __init__(self, ctx: PlanContext, points: tuple[list[Pressure], list[Pressure]],
                  chain_depth: int, checkpoint_timing: bool = False,
-                 rebuild_timing: bool = False) -> None:
+                 rebuild_timing: bool = False, tight: bool = False) -> None:
         p, link = ctx.profile, ctx.hw.host_link
         self.ctx, self.p = ctx, p
         # when offloaded checkpoints leave memory (their copies out timed at each point)
@@ -164,6 +184,11 @@ class _BoundLP:
         # a backward op is late by the rebuilds that can run before it, not by all of
         # them (``late``): a row per deadline, as many as the exact model has points
         self.rebuild_timing = rebuild_timing
+        # the exact model's tightest timing (``exact_optimum``'s ``tight``): reads of
+        # offloads through rebuilt never-saved tensors, and lateness bounded from below
+        # by what forward and the rebuilds so far lost and from above by the rebuilds
+        # that can have run; several times the solve time on one or two layers
+        self.tight = tight
         self._late: dict[int, list[tuple[int, float]]] = {}
         # point -> (column, tensor) of each offloaded checkpoint that may be away there
         self.away_checkpoints: dict[int, list[tuple[int, int]]] = {}
@@ -233,20 +258,28 @@ class _BoundLP:
         for v in sorted(self.chain, key=lambda v: -self.unsaved[v].producer):
             self.reach[v] = set(self.readers[v]).union(
                 *(self.reach.get(w, ()) for w in self.made_from[v]))
-        # rebuilds that read activation a, directly or through rebuilt activations
-        # between (i, those between): a comes back with i's rebuild
+        # rebuilds that read activation a, directly or through rebuilt activations (and,
+        # with ``tight``, rebuilt never-saved tensors) between: (i, the columns
+        # of those between, all 1 when the read happens, the producers re-run from a's
+        # read to i's rebuild); a comes back with i's rebuild
         index = {t.id: i for i, t in enumerate(acts)}
-        reads = [[index[u] for u in dict.fromkeys(p.ops[t.producer].inputs)
-                  if u in index and index[u] != i] for i, t in enumerate(acts)]
-        self.read_by: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
-        for i in range(len(acts)):
-            paths = [(a, ()) for a in reads[i]]
+        self.read_by: dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...]]]] = {}
+        for i, t in enumerate(acts):
+            paths = [(u, (), (t.producer,)) for u in dict.fromkeys(p.ops[t.producer].inputs)]
             for _ in range(REBUILD_DEPTH):  # deeper ones are left out: the bound only loosens
                 deeper = []
-                for a, between in paths:
-                    self.read_by.setdefault(a, []).append((i, between))
-                    deeper += [(b, (*between, a)) for b in reads[a]
-                               if b != i and b not in between]
+                for u, cols, ops in paths:
+                    if u in index and index[u] != i and self.R + index[u] not in cols:
+                        a = index[u]
+                        self.read_by.setdefault(a, []).append((i, cols, ops))
+                        col = self.R + a
+                    elif u in self.chain and tight and self.Z + self.chain[u] not in cols:
+                        col = self.Z + self.chain[u]
+                    else:
+                        continue
+                    made = p.tensors[u].producer
+                    deeper += [(w, (*cols, col), (*ops, made))
+                               for w in dict.fromkeys(p.ops[made].inputs)]
                 paths = deeper
         # time inserted in backward by the rebuilds: each re-run producer once
         self.recompute = [(self.Q + k, -p.ops[op].time_s * 1e3)
@@ -313,6 +346,46 @@ class _BoundLP:
         ops = sorted(self.lam)
         for a, b in zip(ops, ops[1:], strict=False):
             self.row([(self.lam[a], 1.0), (self.lam[b], -1.0)], 0.0)
+        if self.tight:
+            self.rebuilt_by_rows()
+
+    def rebuilt_by_rows(self) -> None:
+        """Backward op j starts after what forward lost (phi: at least the keep-all
+        chain's, and for every forward op c the host's issue of c, its costs and watches
+        so far, less c's keep-all start) and every producer re-run for an activation
+        first needed by j or read by a rebuild for j or before (y_Pj, each producer
+        once): lambda_j >= phi + sum c_P y_Pj."""
+        fb, watch_s = self.ctx.first_backward, self.ctx.hw.host.watch_s
+        phi = self.column()
+        self.upper[phi] = np.inf
+        self.row([(phi, -1.0)], -max(self.issued_starts[fb] - self.starts[fb], 0.0) * 1e3)
+        issued = np.cumsum(_packed_costs(self.ctx))
+        watch = self.watch_terms()
+        for c in range(fb):
+            self.row([(phi, -1.0)] + [(col, watch_s * 1e3 * (min(end, c + 1) - start))
+                                      for col, start, end in watch if start <= c],
+                     -(issued[c] - self.starts[c]) * 1e3)
+        for j in sorted(o for o in self.lam if o >= fb):
+            reruns = []  # (producer, y_Pj)
+            for op in self.made_by:
+                reads = []  # columns all 1 when op re-runs by j
+                for i, t in enumerate(self.acts):
+                    if t.producer != op or not self.upper[self.R + i]:
+                        continue
+                    if t.first_backward_use <= j:
+                        reads.append([self.R + i])
+                    else:
+                        reads += [[self.R + i, self.R + r, *between]
+                                  for r, between, _ in self.read_by.get(i, ())
+                                  if self.acts[r].first_backward_use <= j]
+                if not reads:
+                    continue
+                y = self.column()
+                for cols in reads:
+                    self.row([*((c, 1.0) for c in cols), (y, -1.0)], float(len(cols) - 1))
+                reruns.append((op, y))
+            self.row([(self.lam[j], -1.0), (phi, 1.0),
+                      *((y, self.p.ops[op].time_s * 1e3) for op, y in reruns)], 0.0)
 
     def _late_terms(self, j: int) -> list[tuple[int, float]]:
         if j < self.ctx.first_backward:
@@ -322,8 +395,9 @@ class _BoundLP:
             return idle + self.recompute
         if j not in self._late:
             cost = self.rebuild_reach()
-            early = [(self.R + i, -cost[i] * 1e3) for i, t in enumerate(self.acts)
-                     if t.first_backward_use <= j and self.upper[self.R + i] and cost[i]]
+            early = [(self.R + i, -cost[t.producer] * 1e3) for i, t in enumerate(self.acts)
+                     if t.first_backward_use <= j and self.upper[self.R + i]
+                     and cost[t.producer]]
             if not early:
                 self._late[j] = idle
             else:
@@ -331,24 +405,97 @@ class _BoundLP:
                 self.upper[rho] = np.inf
                 self.row([(rho, 1.0)] + self.recompute, 0.0)
                 self.row([(rho, 1.0)] + early, 0.0)
+                if self.tight:
+                    self.row([(rho, 1.0)] + self._reruns_by(j), 0.0)
                 self._late[j] = idle + [(rho, -1.0)]
         return self._late[j]
 
-    def rebuild_reach(self) -> list[float]:
-        """Per activation, the op times of every re-runnable producer it is made from,
-        through any chain of forward tensors (a rebuild re-runs no other): seconds."""
-        if not hasattr(self, "_reach"):
+    def _reruns_by(self, j: int) -> list[tuple[int, float]]:
+        """-c_P u_P for each producer that may re-run by op j, u_P at most the sum of
+        the reasons it would (``rerun_reasons``) and at most 1: each producer once."""
+        by_op: dict[int, list[int]] = {}
+        for use, col, op in self.rerun_reasons():
+            if use <= j:
+                by_op.setdefault(op, []).append(col)
+        terms = []
+        for op, cols in by_op.items():
+            u = self.column()
+            self.row([(u, 1.0)] + [(c, -1.0) for c in dict.fromkeys(cols)], 0.0)
+            terms.append((u, -self.p.ops[op].time_s * 1e3))
+        return terms
+
+    def rerun_reasons(self) -> list[tuple[int, int, int]]:
+        """Why a producer may re-run before op j, as (j, column, producer): rebuilding
+        activation i, first needed by j, re-runs its producer and, where what that
+        reads is itself rebuilt (a recomputed activation, a never-saved tensor not
+        checkpointed), that one's producer, and so on (the column is 1 only when every
+        link is: w <= each). REBUILD_DEPTH links down, every producer a chain reaches
+        from there may re-run."""
+        if hasattr(self, "_reasons"):
+            return self._reasons
+        p, acts = self.p, self.acts
+        index = {t.id: i for i, t in enumerate(acts)}
+        ancestors = self.ancestors()
+        out: list[tuple[int, int, int]] = []
+
+        def add(use: int, cols: tuple[int, ...], ops: list[int]) -> None:
+            if not ops:
+                return
+            col = cols[0]
+            if len(cols) > 1:
+                col = self.column()
+                for c in cols:
+                    self.row([(col, 1.0), (c, -1.0)], 0.0)
+            out.extend((use, col, op) for op in ops)
+
+        for i, t in enumerate(acts):
+            if not self.upper[self.R + i]:
+                continue
+            use = t.first_backward_use
+            paths = [(t.producer, (self.R + i,))]
+            for depth in range(REBUILD_DEPTH + 1):
+                deeper = []
+                for op, cols in paths:
+                    if depth == REBUILD_DEPTH:  # every producer a chain from here reaches
+                        add(use, cols, [q for q in self.made_by if ancestors[op] >> q & 1])
+                        continue
+                    add(use, cols, [op] if op in self.q else [])
+                    for u in dict.fromkeys(p.ops[op].inputs):
+                        made = p.tensors[u].producer
+                        if made is None or made >= op:
+                            continue
+                        if u in index:  # rebuilt only when recomputed
+                            if self.upper[self.R + index[u]]:
+                                deeper.append((made, (*cols, self.R + index[u])))
+                        elif u in self.unsaved:  # rebuilt unless checkpointed
+                            link = (self.Z + self.chain[u],) if u in self.chain else ()
+                            deeper.append((made, (*cols, *link)))
+                paths = deeper
+        self._reasons = out
+        return out
+
+    def ancestors(self) -> dict[int, int]:
+        """Per forward op, the bitset of the ops its outputs are made from, itself
+        included, through any chain of forward tensors."""
+        if not hasattr(self, "_ancestors"):
             ops, tensors = self.p.ops, self.p.tensors
-            ancestors: dict[int, int] = {}  # forward op -> bitset of the ops it reads from
+            self._ancestors: dict[int, int] = {}
             for op in ops[: self.ctx.first_backward]:
                 bits = 1 << op.index
                 for u in op.inputs:
                     made = tensors[u].producer
                     if made is not None and made < op.index:
-                        bits |= ancestors[made]
-                ancestors[op.index] = bits
-            self._reach = [sum(ops[q].time_s for q in self.made_by
-                               if ancestors[t.producer] >> q & 1) for t in self.acts]
+                        bits |= self._ancestors[made]
+                self._ancestors[op.index] = bits
+        return self._ancestors
+
+    def rebuild_reach(self) -> dict[int, float]:
+        """Per forward op, the op times of every re-runnable producer its outputs are
+        made from, itself included (a rebuild re-runs no other): seconds."""
+        if not hasattr(self, "_reach"):
+            ops = self.p.ops
+            self._reach = {k: sum(ops[q].time_s for q in self.made_by if bits >> q & 1)
+                           for k, bits in self.ancestors().items()}
         return self._reach
 
     def row(self, entries: list[tuple[int, float]], bound: float) -> None:
@@ -426,13 +573,13 @@ class _BoundLP:
                 # rebuilt ones) brings a back for good: a neither rebuilt later
                 # (y >= r_a + r_i + r_between - 1 - len(between)) nor away at j
                 for a in members:
-                    early = [(i, between) for i, between in self.read_by.get(a, ())
+                    early = [(i, between) for i, between, _ in self.read_by.get(a, ())
                              if acts[i].first_backward_use <= pt.op]
                     if early:
                         y = self.column()
                         kept.append((y, acts[a].bytes * gb))
                     for i, between in early:
-                        path = [(R + b, 1.0) for b in (i, *between)]
+                        path = [(c, 1.0) for c in (R + i, *between)]
                         self.row([(R + a, 1.0), (y, -1.0), *path], float(len(path)))
                         self.row([(D + a * kp + k, 1.0), *path], float(len(path)))
             else:  # a kept checkpoint occupies memory; an offloaded one until it is away
@@ -636,6 +783,43 @@ class _BoundLP:
                 self.row([(base + i * self.kp + k, self.h2d[i] * 1e3) for i in members]
                          + self.late(j) + opens,
                          (self.starts[j] - self._until(pt)) * 1e3)
+        if self.tight:
+            self.early_read_rows()
+
+    def early_read_rows(self) -> None:
+        """An offloaded activation a that the rebuild for op j reads (directly or through
+        rebuilt tensors between) is needed before j: it lands, then every producer on
+        the way re-runs (C seconds), all before j starts. So, with e >= d_aq + r_i + the
+        path's columns - their number, between the starts of point q and of j: a and
+        those re-runs fit; with what is away at q and first needed by j, a fits; and
+        with what is first needed before j, a fits and so does C or op j-1, the shorter
+        (the re-runs may have run before j-1)."""
+        acts, base, ops = self.acts, self.D + len(self.fwd), self.p.ops
+        for a, paths in self.read_by.items():
+            if self.upper[self.OFF + a] == 0:
+                continue
+            for i, between, made in paths:
+                j = acts[i].first_backward_use
+                if j >= acts[a].first_backward_use:
+                    continue
+                rerun = sum(ops[o].time_s for o in set(made)) * 1e3
+                path = [(c, 1.0) for c in (self.R + i, *between)]
+                for k, pt in enumerate(self.bwd):
+                    if pt.op >= j:
+                        continue
+                    e = self.column()
+                    self.row([(base + a * self.kp + k, 1.0), *path, (e, -1.0)],
+                             float(len(path)))
+                    window = self.late(j) + [(self.lateness(pt.op), 1.0)]
+                    until = (self.starts[j] - self._until(pt)) * 1e3
+                    h2d = self.h2d[a] * 1e3
+                    self.row([(e, h2d + rerun)] + window, until)
+                    for last, extra in ((j, 0.0), (j - 1, min(rerun, ops[j - 1].time_s * 1e3))):
+                        members = [m for m in range(self.n)
+                                   if pt.op < acts[m].first_backward_use <= last]
+                        if members:
+                            self.row([(base + m * self.kp + k, self.h2d[m] * 1e3)
+                                      for m in members] + [(e, h2d + extra)] + window, until)
 
     def _until(self, pt: Pressure) -> float:
         """The keep-all kernel time of a point: its op's start, or its end for a point
@@ -684,6 +868,31 @@ class _BoundLP:
             away += [(landed[f_col[u]], e) for e, u in self.away_checkpoints.get(k, ())]
             for land, d in away:  # landed by then, or not away: L - big (1 - d) <= t_k + late
                 self.row([(land, 1.0), (d, big)] + late, t_k * 1e3 + big)
+        if self.tight:
+            self.reload_after_landing(landed, big)
+
+    def reload_after_landing(self, landed: dict[int, int], big: float) -> None:
+        """An offload's reload starts once its copy out has landed and is back before the
+        op that first needs it, or before the first rebuild that reads it (then the
+        re-runs on the way follow, ``early_read_rows``): L + reload (+ C) - big (1 - g)
+        <= t_j + lambda_j, with g the offload (and the read's path)."""
+        acts, ops = self.acts, self.p.ops
+        for a, t in enumerate(acts):
+            if self.OFF + a not in landed:
+                continue
+            land, h2d = landed[self.OFF + a], self.h2d[a] * 1e3
+            reads = [([self.OFF + a], t.first_backward_use, 0.0)]
+            reads += [([self.OFF + a, self.R + i, *between], acts[i].first_backward_use,
+                       sum(ops[o].time_s for o in set(made)) * 1e3)
+                      for i, between, made in self.read_by.get(a, ())
+                      if acts[i].first_backward_use < t.first_backward_use]
+            for cols, j, rerun in reads:
+                g = cols[0]
+                if len(cols) > 1:
+                    g = self.column()
+                    self.row([*((c, 1.0) for c in cols), (g, -1.0)], float(len(cols) - 1))
+                self.row([(land, 1.0), (g, h2d + rerun + big)] + self.late(j),
+                         self.starts[j] * 1e3 + big)
 
     def objective(self) -> np.ndarray:
         """Milliseconds over the op times: each re-run producer once, idle time."""
@@ -734,9 +943,12 @@ class _BoundLP:
         each producer a plan re-runs or keeps a checkpoint of (v_P); in the exact model
         every op of the segments that hold those producers, as ``runtime/watch.py``
         watches them (a column per segment, at least each of its producers' v_P)."""
+        if hasattr(self, "_watch"):
+            return self._watch
         if not self.rebuild_timing or not self.p.module_events:
-            return [(self.V + k, op, op + 1) for k, op in enumerate(self.made_by)
-                    if op < self.ctx.first_backward]
+            self._watch = [(self.V + k, op, op + 1) for k, op in enumerate(self.made_by)
+                           if op < self.ctx.first_backward]
+            return self._watch
         # imported here: runtime.watch imports the schedule through runtime.checks
         from slackswap.runtime.watch import forward_segments
 
@@ -748,6 +960,7 @@ class _BoundLP:
                 for k in inside:
                     self.row([(self.V + k, 1.0), (seg, -1.0)], 0.0)
                 out.append((seg, start, end))
+        self._watch = out
         return out
 
     def column(self) -> int:

@@ -1,0 +1,57 @@
+"""SlackSwap against the exact model's optimum on small steps (the gate's cases, issue 12).
+
+Run: python benchmarks/exact_gap.py [--steps bert-large-mlm@1,llama-7b@1]
+         [--budgets 0.5,0.6,0.7] [--op-ends] [--tight] [--time-limit 120]
+For each step and budget: SlackSwap's simulated retention, the integer program's optimum
+(a retention no plan exceeds; 'proven' when solved to optimality) and the program's own
+plan, simulated. Where that plan reaches the optimum the best plan is known exactly, and
+a gap there is the planner's. ``--op-ends --tight`` is the program at its tightest
+(NOTE [tight timing] in ``planners/bound.py``): minutes per case instead of seconds.
+Profiles are cached as ``slackswap reproduce`` caches them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import slackswap
+from slackswap.models.presets import with_layers
+from slackswap.planners import STRATEGIES
+from slackswap.planners.context import PlanContext
+from slackswap.planners.exact import exact_optimum
+from slackswap.reproduce import cached_profile
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", default="bert-large-mlm@1,llama-7b@1")
+    parser.add_argument("--budgets", default="0.5,0.6,0.7,0.8,0.9")
+    parser.add_argument("--hardware", default="a100-80gb")
+    parser.add_argument("--op-ends", action="store_true")
+    parser.add_argument("--tight", action="store_true")
+    parser.add_argument("--time-limit", type=float, default=120.0)
+    args = parser.parse_args()
+    hw = slackswap.load_hardware(args.hardware)
+    print(f"{'step':18s} {'budget':>6s} {'slackswap':>9s} {'optimum':>8s} {'proven':>6s} "
+          f"{'its plan':>8s} {'gap':>6s} {'solve':>6s}")
+    for step in args.steps.split(","):
+        base, layers = step.split("@")
+        profile = cached_profile(with_layers(base, int(layers)), hw)
+        for budget in (float(b) for b in args.budgets.split(",")):
+            ctx = PlanContext(profile, hw, int(budget * profile.keep_all_peak))
+            if not ctx.reachable:
+                print(f"{step:18s} {budget:6.0%} below the step's working set")
+                continue
+            start = time.perf_counter()
+            exact = exact_optimum(ctx, time_limit_s=args.time_limit, op_ends=args.op_ends,
+                                  tight=args.tight)
+            solve = time.perf_counter() - start
+            ours = ctx.attempt(STRATEGIES["slackswap"])[1].retention
+            print(f"{step:18s} {budget:6.0%} {ours:9.2%} {exact.bound:8.2%} "
+                  f"{'yes' if exact.proven else 'no':>6s} {exact.achieved:8.2%} "
+                  f"{(exact.bound - ours) * 100:6.2f} {solve:5.0f}s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
