@@ -365,14 +365,16 @@ class _BoundLP:
             self.row([(phi, -1.0)] + [(col, watch_s * 1e3 * (min(end, c + 1) - start))
                                       for col, start, end in watch if start <= c],
                      -(issued[c] - self.starts[c]) * 1e3)
+        outputs: dict[int, list[int]] = {}  # producer -> its recomputable activations
+        for i, t in enumerate(self.acts):
+            if self.upper[self.R + i]:
+                outputs.setdefault(t.producer, []).append(i)
         for j in sorted(o for o in self.lam if o >= fb):
             reruns = []  # (producer, y_Pj)
-            for op in self.made_by:
+            for op, made in outputs.items():
                 reads = []  # columns all 1 when op re-runs by j
-                for i, t in enumerate(self.acts):
-                    if t.producer != op or not self.upper[self.R + i]:
-                        continue
-                    if t.first_backward_use <= j:
+                for i in made:
+                    if self.acts[i].first_backward_use <= j:
                         reads.append([self.R + i])
                     else:
                         reads += [[self.R + i, self.R + r, *between]
@@ -802,7 +804,7 @@ class _BoundLP:
                 j = acts[i].first_backward_use
                 if j >= acts[a].first_backward_use:
                     continue
-                rerun = sum(ops[o].time_s for o in set(made)) * 1e3
+                rerun = self._rerun_ms(made)
                 path = [(c, 1.0) for c in (self.R + i, *between)]
                 for k, pt in enumerate(self.bwd):
                     if pt.op >= j:
@@ -820,6 +822,10 @@ class _BoundLP:
                         if members:
                             self.row([(base + m * self.kp + k, self.h2d[m] * 1e3)
                                       for m in members] + [(e, h2d + extra)] + window, until)
+
+    def _rerun_ms(self, made: tuple[int, ...]) -> float:
+        """Milliseconds of the producers on a read's path (``read_by``), each once."""
+        return sum(self.p.ops[o].time_s for o in set(made)) * 1e3
 
     def _until(self, pt: Pressure) -> float:
         """The keep-all kernel time of a point: its op's start, or its end for a point
@@ -876,14 +882,14 @@ class _BoundLP:
         op that first needs it, or before the first rebuild that reads it (then the
         re-runs on the way follow, ``early_read_rows``): L + reload (+ C) - big (1 - g)
         <= t_j + lambda_j, with g the offload (and the read's path)."""
-        acts, ops = self.acts, self.p.ops
+        acts = self.acts
         for a, t in enumerate(acts):
             if self.OFF + a not in landed:
                 continue
             land, h2d = landed[self.OFF + a], self.h2d[a] * 1e3
             reads = [([self.OFF + a], t.first_backward_use, 0.0)]
             reads += [([self.OFF + a, self.R + i, *between], acts[i].first_backward_use,
-                       sum(ops[o].time_s for o in set(made)) * 1e3)
+                       self._rerun_ms(made))
                       for i, between, made in self.read_by.get(a, ())
                       if acts[i].first_backward_use < t.first_backward_use]
             for cols, j, rerun in reads:
