@@ -257,3 +257,18 @@ def test_the_fused_stack_changes_memory_bound_times_only() -> None:
             assert e.time_s == f.time_s
     memory = [sum(o.time_s for o in p.ops if o.category == "memory") for p in (eager, fused)]
     assert 0 < memory[1] < 0.8 * memory[0]
+
+
+def test_the_innermost_module_does_not_turn_on_hash_order() -> None:
+    """In backward, sibling modules of equal path length can be active at once (the
+    tracker holds a set): the one named is the same whatever the set's order, so a
+    profile is the same in every process (it was not: Q's or V's projection, by the
+    string hash seed)."""
+    from types import SimpleNamespace
+
+    from slackswap.profiling.naming import module_path
+
+    active = ["Global", "M", "M.attn", "M.attn.query", "M.attn.value", "M.attn.key"]
+    for shift in range(len(active)):
+        tracker = SimpleNamespace(parents=active[shift:] + active[:shift])
+        assert module_path(tracker, "M")() == "attn.value"  # type: ignore[arg-type]

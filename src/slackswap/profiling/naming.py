@@ -152,8 +152,10 @@ def module_path(tracker: ModTracker, root: str) -> Callable[[], str]:
     prefix = root + "."
 
     def innermost() -> str:
+        # (a set: in backward, sibling modules of equal path length can be active at
+        # once, Q's and V's projections; ties go to the later name, not to hash order)
         names = [p for p in tracker.parents if p != "Global"]
-        path = max(names, key=len, default="")
+        path = max(names, key=lambda p: (len(p), p), default="")
         return path[len(prefix):] if path.startswith(prefix) else ""
 
     return innermost
