@@ -170,6 +170,109 @@ def test_nested_rows_cost_what_dense_rows_cost() -> None:
     assert solved >= 10
 
 
+def _chain_seconds(ctx: PlanContext, chosen: set[str], kept: set[str], shared: bool) -> float:
+    """What rebuilding ``chosen`` re-runs, each op at the longer of its kernel and host
+    time, reading ``kept`` checkpoints instead of re-running their producers: per
+    activation, or each op once (``shared``). Written apart from the cover's columns."""
+    p, issue = ctx.profile, ctx.hw.host.dispatch_s + ctx.hw.host.replay_s
+    runs: list[int] = []
+    for c in ctx.candidates:
+        if c.name not in chosen:
+            continue
+        seen, stack = {c.producer}, [c.producer]
+        while stack:
+            op = stack.pop()
+            runs.append(op)
+            for tid in dict.fromkeys(p.ops[op].inputs):
+                t = p.tensors[tid]
+                if tid in p.never_saved and t.name not in kept and t.producer not in seen:
+                    seen.add(t.producer)
+                    stack.append(t.producer)
+    return sum(max(p.ops[op].time_s, issue) for op in (set(runs) if shared else runs))
+
+
+def _checkpoint_readers(ctx: PlanContext) -> tuple[dict[str, int], dict[str, set[str]]]:
+    """Each checkpoint a rebuild may read: the last first use of an activation whose
+    chain reads it, and those activations."""
+    p = ctx.profile
+    last: dict[str, int] = {}
+    readers: dict[str, set[str]] = {}
+    for c in ctx.candidates:
+        if c.name not in p.recomputable:
+            continue
+        stack = [c.producer]
+        while stack:
+            for tid in p.ops[stack.pop()].inputs:
+                t = p.tensors[tid]
+                if tid in p.never_saved:
+                    if t.name in p.checkpointable and t.bytes >= 1024:
+                        last[t.name] = max(last.get(t.name, 0), c.first_use)
+                        readers.setdefault(t.name, set()).add(c.name)
+                    stack.append(t.producer)
+    return last, readers
+
+
+def _covered(ctx: PlanContext, last: dict[str, int], chosen: set[str], kept: set[str]) -> bool:
+    """Every point of pressure, densely: a recompute frees its bytes where ``evicted_at``
+    says, a kept checkpoint holds its bytes past its last forward use and, in backward,
+    before ``last``."""
+    p, fb = ctx.profile, ctx.first_backward
+
+    def held(name: str, op: int) -> bool:
+        t = p.checkpointable[name]
+        if op < fb:
+            return op > max([t.producer, *(q for q in t.forward_consumers if q < fb)])
+        return op < last[name]
+
+    return all(sum(c.bytes for c in ctx.candidates
+                   if c.name in chosen and evicted_at(c, pt.op, ctx))
+               - sum(p.checkpointable[n].bytes for n in kept if held(n, pt.op))
+               >= pt.excess for pt in pressure_points(ctx, 0))
+
+
+def test_covers_with_checkpoints_cost_the_least_of_every_choice() -> None:
+    """The cover with chain columns (NOTE [chain columns]) on block steps, whose rebuilds
+    read never-saved tensors: against every set of recomputes and kept checkpoints, each
+    row checked densely (``_covered``), it covers every row at the least re-run time,
+    per activation and with each op paid once, and keeps no checkpoint that no
+    recompute reads; keeping checkpoints is the best choice on some steps."""
+    from itertools import combinations
+
+    from stepgraphs import block_step
+
+    checked = kept_some = 0
+    for seed in range(200):
+        rng = random.Random(seed)
+        profile = block_step(rng, rng.randint(1, 2))
+        hw = link_hardware(1e9, 1e9, 1e9, 1e9, 0.0, host=NO_HOST if seed % 2 else None)
+        ctx = PlanContext(profile, hw, int(rng.uniform(0.3, 0.9) * profile.keep_all_peak))
+        points = pressure_points(ctx, 0)
+        cands = [c.name for c in ctx.candidates if c.name in profile.recomputable]
+        last, readers = _checkpoint_readers(ctx)
+        names = list(last)
+        if not points or not names or len(cands) + len(names) > 12:
+            continue
+        choices = [(set(x), set(k)) for r in range(len(cands) + 1)
+                   for x in combinations(cands, r)
+                   for q in range(len(names) + 1) for k in combinations(names, q)]
+        choices = [(x, k) for x, k in choices if _covered(ctx, last, x, k)]
+        for shared in (False, True):
+            cover = recompute.choose_cover(ctx, ctx.candidates, points, checkpoints=True,
+                                           shared=shared)
+            if not choices:
+                assert cover is None
+                continue
+            best = min(_chain_seconds(ctx, x, k, shared) for x, k in choices)
+            chosen = {n for n, d in cover.items() if d == "recompute"}
+            kept = {n for n, d in cover.items() if d == "keep"}
+            assert _covered(ctx, last, chosen, kept), seed
+            assert all(readers[n] & chosen for n in kept), seed  # none kept for nothing
+            assert _chain_seconds(ctx, chosen, kept, shared) <= best * (1 + 6e-3) + 1e-12, seed
+            kept_some += bool(kept)
+            checked += 1
+    assert checked >= 20 and kept_some >= 2, (checked, kept_some)
+
+
 def test_the_best_assignment_on_small_steps() -> None:
     """On small random steps (3 to 7 planable activations, every budget from 30%), the
     plan retains within half a point of the best of all 3^n keep/offload/recompute
