@@ -1,21 +1,26 @@
 """SlackSwap against the exact model's optimum on small steps (the gate's cases, issue 12).
 
 Run: python benchmarks/exact_gap.py [--steps bert-large-mlm@1,llama-7b@1]
-         [--budgets 0.5,0.6,0.7] [--op-ends] [--tight] [--time-limit 120]
+         [--budgets 0.5,0.6,0.7] [--op-ends] [--tight] [--time-limit 120] [--store FILE]
 For each step and budget: SlackSwap's simulated retention, the integer program's optimum
 (a retention no plan exceeds; 'proven' when solved to optimality) and the program's own
 plan, simulated. Where that plan reaches the optimum the best plan is known exactly, and
 a gap there is the planner's. ``--op-ends --tight`` is the program at its tightest
 (NOTE [tight timing] in ``planners/bound.py``): minutes per case instead of seconds.
-Profiles are cached as ``slackswap reproduce`` caches them.
+Profiles are cached as ``slackswap reproduce`` caches them. ``--store`` adds each proven
+optimum, with the program's plan and digests of the profile and hardware it was solved
+for, to a JSON file (``tests/data/exact_optima.json`` is the gate's: ``tests/test_exact.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
+from pathlib import Path
 
 import slackswap
+from slackswap.core.jsonio import atomic_write_text, content_digest
 from slackswap.models.presets import with_layers
 from slackswap.planners import STRATEGIES
 from slackswap.planners.context import PlanContext
@@ -31,7 +36,9 @@ def main() -> None:
     parser.add_argument("--op-ends", action="store_true")
     parser.add_argument("--tight", action="store_true")
     parser.add_argument("--time-limit", type=float, default=120.0)
+    parser.add_argument("--store", type=Path, default=None)
     args = parser.parse_args()
+    stored = json.loads(args.store.read_text()) if args.store and args.store.exists() else []
     hw = slackswap.load_hardware(args.hardware)
     print(f"{'step':18s} {'budget':>6s} {'slackswap':>9s} {'optimum':>8s} {'proven':>6s} "
           f"{'its plan':>8s} {'gap':>6s} {'solve':>6s}")
@@ -51,6 +58,17 @@ def main() -> None:
             print(f"{step:18s} {budget:6.0%} {ours:9.2%} {exact.bound:8.2%} "
                   f"{'yes' if exact.proven else 'no':>6s} {exact.achieved:8.2%} "
                   f"{(exact.bound - ours) * 100:6.2f} {solve:5.0f}s", flush=True)
+            if args.store and exact.proven and exact.plan is not None:
+                entry = {"step": step, "budget": budget, "hardware": args.hardware,
+                         "op_ends": args.op_ends, "tight": args.tight, "optimum": exact.bound,
+                         "plan": {"decisions": exact.plan.decisions,
+                                  "prefetch": exact.plan.prefetch},
+                         "plan_retention": exact.achieved,
+                         "profile_digest": content_digest(profile),
+                         "hardware_digest": content_digest(hw)}
+                stored = [e for e in stored if (e["step"], e["budget"], e["hardware"])
+                          != (step, budget, args.hardware)] + [entry]
+                atomic_write_text(args.store, json.dumps(stored, indent=1) + "\n")
 
 
 if __name__ == "__main__":

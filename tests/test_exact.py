@@ -4,12 +4,15 @@ gate on small real steps: SlackSwap within half a point of the optimum it proves
 from __future__ import annotations
 
 import functools
+import json
 import random
+from pathlib import Path
 
 import pytest
 from stepgraphs import NO_HOST, best_assignment, block_step, link_hardware, random_step
 
 import slackswap
+from slackswap.core.jsonio import content_digest
 from slackswap.core.profile import StepProfile
 from slackswap.models.presets import with_layers
 from slackswap.planners import STRATEGIES
@@ -93,20 +96,23 @@ def small(name: str) -> StepProfile:
 
 # (step, budget) where SlackSwap is more than half a point under the program's optimum as
 # the gate solves it (8-31 s each). Measured (a100-80gb), SlackSwap / that optimum:
-# bert-large-mlm@1 at 50% 82.9 / 84.7, 60% 88.4 / 89.6, 70% 92.6 / 93.3; llama-7b@1 at 70%
-# 95.6 / 97.7. The program at its tightest (``op_ends`` and ``tight``, minutes each:
-# benchmarks/exact_gap.py --op-ends --tight --time-limit 500) settles all three
-# bert-large-mlm@1 cases: at 50% its proven optimum is 83.0, so SlackSwap is within half a
-# point there; at 60% (optimum 89.07, its own plan simulating at 88.94) and at 70% (93.28,
-# reached by its own plan, so the best plan exactly) the planner is short by 0.6 and 0.7
-# points. At llama-7b@1 70% the planner is short too: the program's plan with ``op_ends``
-# (92 s) simulates at 97.4. The 70% plans the planner misses keep a never-saved tensor
-# as a checkpoint so that cheap ops after it can be recomputed (bert: the output dense's
-# result, with the output dropout and residual add recomputed, Q and the embeddings' sum
-# offloaded, the intermediate dense kept) or move six activations and a checkpoint at
-# once (llama: offloads the gate projection, the rotary outputs and the attention output,
-# keeps the block output as a checkpoint, recomputes both norms' casts). A randomized
+# bert-large-mlm@1 at 50% 82.9 / 84.7, 60% 88.4 / 89.6, 70% 92.7 / 93.3; llama-7b@1 at 70%
+# 97.0 / 97.7 (95.6 before the chain-column covers, NOTE [chain columns]). The program at
+# its tightest (``op_ends`` and ``tight``, minutes each: benchmarks/exact_gap.py --op-ends
+# --tight --time-limit 500) settles all three bert-large-mlm@1 cases: at 50% its proven
+# optimum is 83.0, so SlackSwap is within half a point there; at 60% (optimum 89.07, its
+# own plan simulating at 88.94) and at 70% (93.28, reached by its own plan, so the best
+# plan exactly) the planner is short by 0.7 and 0.6 points. At llama-7b@1 70% the planner
+# is short too: the program's plan with ``op_ends`` (92 s) simulates at 97.4. The 70%
+# plans the planner misses differ from SlackSwap's in several decisions at once, with no
+# improving single move between (bert: the output dense's result kept as a checkpoint,
+# with the output dropout and residual add recomputed, Q offloaded and V kept; any one
+# or two of these three changes alone retains 87.7-92.4, all three 92.85; llama: eight
+# decisions among the norms' casts, the attention adds and the block's sum). A randomized
 # local search of some 40 000 plans from SlackSwap's found none better at 60 or 70%.
+# These four are gated against the tightest program's proven optima, solved offline
+# (``test_within_half_a_point_of_the_tightest_proven_optimum``): bert-large-mlm@1 at 50%
+# passes; the other three are checked to be short still (``SHORT``).
 OPEN = {("bert-large-mlm@1", 0.5), ("bert-large-mlm@1", 0.6), ("bert-large-mlm@1", 0.7),
         ("llama-7b@1", 0.7)}
 CASES = [(name, budget) for name in ("bert-large-mlm@1", "llama-7b@1", "gpt2-xl@2")
@@ -134,3 +140,36 @@ def test_within_half_a_point_of_the_exact_optimum(name: str, budget: float) -> N
             assert attempt[1].retention <= exact.bound + 1e-9
     ours = ctx.attempt(STRATEGIES["slackswap"])[1].retention
     assert ours >= exact.bound - 0.005
+
+
+STORED = Path(__file__).parent / "data" / "exact_optima.json"
+# stored cases where the planner is known to fall short of the proven optimum (the
+# comment on OPEN): checked to be short still, so that closing a gap fails until the
+# case is taken out of here
+SHORT = {("bert-large-mlm@1", 0.6), ("bert-large-mlm@1", 0.7), ("llama-7b@1", 0.7)}
+
+
+@pytest.mark.parametrize("case", json.loads(STORED.read_text()),
+                         ids=lambda c: f"{c['step']}-{c['budget']}")
+def test_within_half_a_point_of_the_tightest_proven_optimum(case: dict) -> None:
+    """The OPEN cases, against the program at its tightest (``op_ends`` and ``tight``):
+    solved offline (minutes each: ``benchmarks/exact_gap.py --op-ends --tight --store
+    tests/data/exact_optima.json``), its proven optimum is stored with its plan and
+    digests of the profile and hardware it was solved for. Here: the same profile and
+    hardware (or regenerate), the stored plan still simulates to what it did and under
+    the optimum, and SlackSwap retains within half a point of it (except in ``SHORT``)."""
+    profile, hw = small(case["step"]), slackswap.load_hardware(case["hardware"])
+    assert (content_digest(profile), content_digest(hw)) == (
+        case["profile_digest"], case["hardware_digest"]), (
+        "the profile or hardware changed since the optimum was solved: regenerate "
+        "tests/data/exact_optima.json as its test says")
+    ctx = PlanContext(profile, hw, int(case["budget"] * profile.keep_all_peak))
+    plan = ctx.plan("exact", case["plan"]["decisions"], case["plan"]["prefetch"])
+    assert ctx.simulate(plan).retention == pytest.approx(case["plan_retention"], abs=1e-12)
+    assert case["plan_retention"] <= case["optimum"] + 1e-9
+    ours = ctx.attempt(STRATEGIES["slackswap"])[1].retention
+    assert ours <= case["optimum"] + 1e-9
+    if (case["step"], case["budget"]) in SHORT:
+        assert ours < case["optimum"] - 0.005, "the gap is closed: take the case out of SHORT"
+    else:
+        assert ours >= case["optimum"] - 0.005

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import stat
@@ -14,8 +15,8 @@ import pydantic
 
 from slackswap.errors import InputError
 
-__all__ = ["JsonFile", "atomic_write", "atomic_write_text", "dump_model", "load_model",
-           "validate_model"]
+__all__ = ["JsonFile", "atomic_write", "atomic_write_text", "content_digest", "dump_model",
+           "load_model", "validate_model"]
 
 M = TypeVar("M", bound=pydantic.BaseModel)
 
@@ -64,6 +65,11 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
 def dump_model(model: pydantic.BaseModel, path: str | os.PathLike[str]) -> None:
     """Serialize a data-model object to JSON at ``path``, atomically."""
     atomic_write_text(path, model.model_dump_json())
+
+
+def content_digest(model: pydantic.BaseModel) -> str:
+    """A hash of everything ``model`` holds (its JSON): equal digests, equal contents."""
+    return hashlib.sha256(model.model_dump_json().encode()).hexdigest()[:24]
 
 
 def validate_model(cls: type[M], data: Any, source: str) -> M:
