@@ -136,11 +136,29 @@ def choose_cover(
                                shared)
     res = _solve_nested(program, forward, need)
     chosen = res if res is not None else _greedy_cover(away * size, need, cost)
-    cover = {c.name: Decision.RECOMPUTE
-             for c, x in zip(candidates, chosen, strict=False) if x}
-    cover.update({name: Decision.KEEP for name, x in zip(program.kept, chosen[len(size):],
-                                                          strict=False) if x})
+    recomputed = [c for c, x in zip(candidates, chosen, strict=False) if x]
+    kept = {name for name, x in zip(program.kept, chosen[len(size):], strict=False) if x}
+    cover = {c.name: Decision.RECOMPUTE for c in recomputed}
+    cover.update({name: Decision.KEEP for name in _read(ctx.profile, recomputed, kept)})
     return cover
+
+
+def _read(p: StepProfile, recomputed: list[Candidate], kept: set[str]) -> list[str]:
+    """The checkpoints of ``kept`` the rebuilds of ``recomputed`` read (a solve within
+    its gap may keep one that none reads, or one behind another kept)."""
+    read, seen = [], set()
+    stack = [c.producer for c in recomputed]
+    while stack:
+        for tid in p.ops[stack.pop()].inputs:
+            name = p.tensors[tid].name
+            if tid not in p.never_saved or tid in seen:
+                continue
+            seen.add(tid)
+            if name in kept:
+                read.append(name)
+            else:
+                stack.append(p.tensors[tid].producer)
+    return read
 
 
 @dataclass
