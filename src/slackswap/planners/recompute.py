@@ -28,7 +28,8 @@ from slackswap.core.profile import StepProfile
 from slackswap.planners.context import Candidate, PlanContext
 from slackswap.planners.memory import Pressure
 
-__all__ = ["rebuild_cost", "kernel_cost", "choose_recompute", "choose_cover"]
+__all__ = ["rebuild_cost", "kernel_cost", "chain_edges", "chain_seconds", "choose_recompute",
+           "choose_cover"]
 
 
 def rebuild_cost(ctx: PlanContext, c: Candidate) -> float:
@@ -36,15 +37,15 @@ def rebuild_cost(ctx: PlanContext, c: Candidate) -> float:
     must be rebuilt too, whatever the plan), each op at the longer of its kernel and its
     host time (NOTE [rebuild cost])."""
     host = ctx.hw.host
-    return _chain_cost(ctx.profile, c.producer, host.dispatch_s + host.replay_s)
+    return chain_seconds(ctx.profile, c.producer, host.dispatch_s + host.replay_s)
 
 
 def kernel_cost(ctx: PlanContext, c: Candidate) -> float:
     """GPU seconds of the kernels a rebuild of ``c`` replays (no host)."""
-    return _chain_cost(ctx.profile, c.producer, 0.0)
+    return chain_seconds(ctx.profile, c.producer, 0.0)
 
 
-def _chain_cost(p: StepProfile, producer: int, issue: float) -> float:
+def chain_seconds(p: StepProfile, producer: int, issue: float) -> float:
     """The rebuild chain's seconds, each op at least ``issue``; once per profile."""
 
     def make() -> float:
@@ -200,7 +201,7 @@ def _with_chains(ctx: PlanContext, candidates: list[Candidate], ops: np.ndarray,
                 if checkpoints and t.id in p.never_saved and t.bytes >= MIN_PLANNED_BYTES
                 and t.id not in p.changed_in_place}
     k = len(candidates)
-    chains = [_chain_edges(p, c.producer) for c in candidates]
+    chains = [chain_edges(p, c.producer) for c in candidates]
     kept: dict[int, int] = {}  # tensor -> column offset among the checkpoints
     release: dict[int, int] = {}
     for c, edges in zip(candidates, chains, strict=True):
@@ -239,7 +240,7 @@ def _with_chains(ctx: PlanContext, candidates: list[Candidate], ops: np.ndarray,
                         {tuple(sorted(r.items())): r for r in rows}.values()))
 
 
-def _chain_edges(p: StepProfile, producer: int) -> list[tuple[int, int, int]]:
+def chain_edges(p: StepProfile, producer: int) -> list[tuple[int, int, int]]:
     """The rebuild chain from ``producer``: (op, never-saved tensor it reads, that
     tensor's producer) for every op the chain reaches; once per profile."""
 
