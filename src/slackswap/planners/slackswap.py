@@ -265,6 +265,13 @@ def _local_search(ctx: PlanContext, best: Attempt, left: int,
     return best, left
 
 
+def _improves(result: SimResult, best: SimResult) -> bool:
+    """A pair or swap move's test: it scores better, and where ``best`` fits, by more
+    than rounding."""
+    return _score(result) > _score(best) and (
+        not best.feasible or result.retention > best.retention + 1e-9)
+
+
 def _swap_moves(ctx: PlanContext, best: Attempt, left: int) -> tuple[Attempt, bool, int]:
     """Where single moves are stuck: the first swap that scores better, a moved
     activation kept and a kept one offloaded or recomputed in its place (largest first),
@@ -285,8 +292,7 @@ def _swap_moves(ctx: PlanContext, best: Attempt, left: int) -> tuple[Attempt, bo
                 plan = ctx.plan("slackswap", {**best[0].decisions, a.name: Decision.KEEP,
                                               b.name: d})
                 result = ctx.simulate(plan)
-                if _score(result) > _score(best[1]) and (
-                        not best[1].feasible or result.retention > best[1].retention + 1e-9):
+                if _improves(result, best[1]):
                     return (plan, result), True, left
     return best, False, left
 
@@ -366,8 +372,7 @@ def _pair_moves(ctx: PlanContext, best: Attempt, left: int) -> tuple[Attempt, bo
             left -= 1
             plan = ctx.plan("slackswap", {**best[0].decisions, a.name: da, b.name: db})
             result = ctx.simulate(plan)
-            if _score(result) > _score(best[1]) and (
-                    not best[1].feasible or result.retention > best[1].retention + 1e-9):
+            if _improves(result, best[1]):
                 return (plan, result), True, left
     return best, False, left
 
