@@ -56,7 +56,10 @@ NOTE [starting points]
     single moves are stuck. On bert-large-mlm@1 at 70% (the output dense's result kept,
     the output dropout and residual add recomputed, then Q and V swapped) this reaches
     93.28%, the exact model's proven optimum, from 92.72; no single or pair of moves on
-    the way improves.
+    the way improves. A pass of swaps tries the closest matches in bytes first and
+    stops, as single moves do, after ``patience`` simulations without a better plan: on
+    bert-large-mlm@1 at 50% it reaches the proven optimum, 83.02% (82.97 largest
+    first), and a one-layer plan runs about a third fewer simulations.
 """
 
 from __future__ import annotations
@@ -261,7 +264,7 @@ def _local_search(ctx: PlanContext, best: Attempt, left: int,
         if not improved and n <= PAIR_SEARCH_CANDIDATES:
             best, improved, left = _pair_moves(ctx, best, left)
         elif not improved and swaps:
-            best, improved, left = _swap_moves(ctx, best, left)
+            best, improved, left = _swap_moves(ctx, best, left, patience or left)
     return best, left
 
 
@@ -272,28 +275,34 @@ def _improves(result: SimResult, best: SimResult) -> bool:
         not best.feasible or result.retention > best.retention + 1e-9)
 
 
-def _swap_moves(ctx: PlanContext, best: Attempt, left: int) -> tuple[Attempt, bool, int]:
+def _swap_moves(ctx: PlanContext, best: Attempt, left: int,
+                patience: int) -> tuple[Attempt, bool, int]:
     """Where single moves are stuck: the first swap that scores better, a moved
-    activation kept and a kept one offloaded or recomputed in its place (largest first),
-    within ``left`` simulations; the attempt, whether it improved, the simulations left."""
+    activation kept and a kept one offloaded or recomputed in its place, within ``left``
+    simulations and at most ``patience`` of them; the attempt, whether it improved, the
+    simulations left. The swaps that move at least the bytes they keep come first, the
+    closest match first: on bert-large-mlm@1 at 50% the one to the exact model's proven
+    optimum (a 32 MiB offload kept, a 32 MiB kept tensor offloaded) is the 13th tried;
+    with the largest kept tensor first, the search's best swap there was the 279th."""
     now = _decisions_of(best[0])
     recomputable = ctx.profile.recomputable
     moved = [c for c in ctx.candidates if now(c) != Decision.KEEP]
-    kept = sorted((c for c in ctx.candidates if now(c) == Decision.KEEP),
-                  key=lambda c: (-c.bytes, c.producer))
-    for a in moved:
-        for b in kept:
-            for d in (Decision.OFFLOAD, Decision.RECOMPUTE):
-                if d == Decision.RECOMPUTE and b.name not in recomputable:
-                    continue
-                if left == 0:
-                    return best, False, 0
-                left -= 1
-                plan = ctx.plan("slackswap", {**best[0].decisions, a.name: Decision.KEEP,
-                                              b.name: d})
-                result = ctx.simulate(plan)
-                if _improves(result, best[1]):
-                    return (plan, result), True, left
+    kept = [c for c in ctx.candidates if now(c) == Decision.KEEP]
+    pairs = sorted(((a, b) for a in moved for b in kept), key=lambda p: (
+        p[1].bytes < p[0].bytes, abs(p[1].bytes - p[0].bytes), p[0].producer, p[1].producer))
+    tries = min(left, patience)
+    for a, b in pairs:
+        for d in (Decision.OFFLOAD, Decision.RECOMPUTE):
+            if d == Decision.RECOMPUTE and b.name not in recomputable:
+                continue
+            if tries == 0:
+                return best, False, left
+            left, tries = left - 1, tries - 1
+            plan = ctx.plan("slackswap", {**best[0].decisions, a.name: Decision.KEEP,
+                                          b.name: d})
+            result = ctx.simulate(plan)
+            if _improves(result, best[1]):
+                return (plan, result), True, left
     return best, False, left
 
 
