@@ -77,6 +77,12 @@ NODE_LIMIT = 1000
 # workloads at 50% the root's cover is the one 1000 nodes of branching keep (gpt2-xl:
 # the same 207 activations, 43.10 ms; the search took 1.4 s of its plan time for it).
 MIP_GAP = 5e-3
+# ... and for the covers with chain columns (NOTE [chain columns]), which only seed a
+# search: at 1000 nodes two of them took 9 s of gpt2-xl@24's 14 s plan at 50% (HiGHS
+# stopped at the limit); at 100 the plan is 9 s, and the same in retention there and on
+# bert-large-mlm@1 (50-70%), llama-7b@1 (70%), gpt2-xl@12 (50%), bert-large on gh200
+# (30, 40%) and on h200 gpt2-xl@2 (90%) and llama-7b@1 (70%)
+CHAIN_NODE_LIMIT = 100
 _KEEP_MS = 1e-6  # a checkpoint no rebuild needs is left out
 
 
@@ -135,7 +141,8 @@ def choose_cover(
     if checkpoints or shared:
         program = _with_chains(ctx, candidates, ops, forward, tie, program, checkpoints,
                                shared)
-    res = _solve_nested(program, forward, need)
+    res = _solve_nested(program, forward, need,
+                        CHAIN_NODE_LIMIT if checkpoints or shared else NODE_LIMIT)
     chosen = res if res is not None else _greedy_cover(away * size, need, cost)
     recomputed = [c for c, x in zip(candidates, chosen, strict=False) if x]
     kept = {name for name, x in zip(program.kept, chosen[len(size):], strict=False) if x}
@@ -260,9 +267,10 @@ def chain_edges(p: StepProfile, producer: int) -> list[tuple[int, int, int]]:
     return p.derived(f"rebuild chain {producer}", make)
 
 
-def _solve_nested(program: _Program, forward: np.ndarray,
-                  need: np.ndarray) -> np.ndarray | None:
-    """The least-cost cover, by HiGHS; None when it stops with none.
+def _solve_nested(program: _Program, forward: np.ndarray, need: np.ndarray,
+                  node_limit: int = NODE_LIMIT) -> np.ndarray | None:
+    """The least-cost cover, by HiGHS within ``node_limit`` branch-and-bound nodes; None
+    when it stops with none.
 
     NOTE [nested rows]
         What a recompute frees at a forward row is every candidate past its last
@@ -300,7 +308,7 @@ def _solve_nested(program: _Program, forward: np.ndarray,
                integrality=np.concatenate([np.ones(k), np.zeros(total - k + m)]),
                bounds=Bounds(np.concatenate([np.zeros(total), need]),
                              np.concatenate([np.ones(total), np.full(m, np.inf)])),
-               options={"node_limit": NODE_LIMIT, "mip_rel_gap": MIP_GAP})
+               options={"node_limit": node_limit, "mip_rel_gap": MIP_GAP})
     return None if res.x is None else np.asarray(res.x[:k]) > 0.5
 
 
