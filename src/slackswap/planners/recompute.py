@@ -137,12 +137,12 @@ def choose_cover(
     n = len(ctx.profile.ops)
     tie = np.array([1e3 * (1 + _TIE * c.producer / n) for c in candidates])
     cost = np.array([rebuild_cost(ctx, c) for c in candidates]) * tie
-    program = _Program(cost=cost, size=size, away=away)
+    program, node_limit = _Program(cost=cost, size=size, away=away), NODE_LIMIT
     if checkpoints or shared:
         program = _with_chains(ctx, candidates, ops, forward, tie, program, checkpoints,
                                shared)
-    res = _solve_nested(program, forward, need,
-                        CHAIN_NODE_LIMIT if checkpoints or shared else NODE_LIMIT)
+        node_limit = CHAIN_NODE_LIMIT
+    res = _solve_nested(program, forward, need, node_limit)
     chosen = res if res is not None else _greedy_cover(away * size, need, cost)
     recomputed = [c for c, x in zip(candidates, chosen, strict=False) if x]
     kept = {name for name, x in zip(program.kept, chosen[len(size):], strict=False) if x}

@@ -253,9 +253,7 @@ def _local_search(ctx: PlanContext, best: Attempt, left: int,
                 result = ctx.simulate(plan)
             except SlackSwapError:  # a checkpoint move the plan cannot make
                 continue
-            if _score(result) > _score(best[1]) and (
-                    not result.feasible or result.retention > best[1].retention + 1e-9
-                    or not best[1].feasible):
+            if _improves(result, best[1]):
                 best, improved, stale = (plan, result), True, 0
             else:
                 stale += 1
@@ -269,8 +267,8 @@ def _local_search(ctx: PlanContext, best: Attempt, left: int,
 
 
 def _improves(result: SimResult, best: SimResult) -> bool:
-    """A pair or swap move's test: it scores better, and where ``best`` fits, by more
-    than rounding."""
+    """A move's test: it scores better, and where ``best`` fits, by more than
+    rounding."""
     return _score(result) > _score(best) and (
         not best.feasible or result.retention > best.retention + 1e-9)
 
