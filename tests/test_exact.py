@@ -112,10 +112,12 @@ def small(name: str) -> StepProfile:
 # local search of some 40 000 plans from SlackSwap's found none better at 60 or 70%.
 # Since the checkpoint kick (NOTE [starting points]) SlackSwap reaches 93.28 at
 # bert-large-mlm@1 70%, and 83.02 at 50% (the proven optimum; 82.97 before the swaps
-# tried the closest match in bytes first). These four are gated against the tightest
-# program's proven optima, solved offline
-# (``test_within_half_a_point_of_the_tightest_proven_optimum``): bert-large-mlm@1 at 50
-# and 70% pass; the other two are checked to be short still (``SHORT``).
+# tried the closest match in bytes first), and 97.43 at llama-7b@1 70% since the offload
+# exchanges (the program's own plan with ``op_ends``, reached when the final norm's cast
+# leaves the offload set and the cover is chosen again). These four are gated against
+# the tightest program's proven optima, solved offline
+# (``test_within_half_a_point_of_the_tightest_proven_optimum``): all but bert-large-mlm@1
+# at 60% pass; that one is checked to be short still (``SHORT``).
 OPEN = {("bert-large-mlm@1", 0.5), ("bert-large-mlm@1", 0.6), ("bert-large-mlm@1", 0.7),
         ("llama-7b@1", 0.7)}
 CASES = [(name, budget) for name in ("bert-large-mlm@1", "llama-7b@1", "gpt2-xl@2")
@@ -149,7 +151,7 @@ STORED = Path(__file__).parent / "data" / "exact_optima.json"
 # stored cases where the planner is known to fall short of the proven optimum (the
 # comment on OPEN): checked to be short still, so that closing a gap fails until the
 # case is taken out of here
-SHORT = {("bert-large-mlm@1", 0.6), ("llama-7b@1", 0.7)}
+SHORT = {("bert-large-mlm@1", 0.6)}
 
 
 @pytest.mark.parametrize("case", json.loads(STORED.read_text()),

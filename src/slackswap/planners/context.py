@@ -63,6 +63,7 @@ class PlanContext:
             self.memory.append(level)
             level -= sum(res[r].bytes for r in item.frees)
         self._attempts: dict[Callable, Any] = {}
+        self.simulations = 0  # plans simulated so far: searches spend them
 
     def attempt(self, strategy: Callable[[PlanContext], Any]) -> Any:
         """``strategy(self)``, worked out once per context: SlackSwap starts from the
@@ -105,5 +106,6 @@ class PlanContext:
                     budget_bytes=self.budget, decisions=decisions, prefetch=prefetch or {})
 
     def simulate(self, plan: Plan) -> SimResult:
-        """Simulate ``plan`` under the budget."""
+        """Simulate ``plan`` under the budget (counted in ``simulations``)."""
+        self.simulations += 1
         return simulate(self.profile, plan, self.hw, self.budget)
