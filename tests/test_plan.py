@@ -361,7 +361,7 @@ def test_within_half_a_point_of_the_bound() -> None:
 @pytest.mark.slow
 def test_peak_never_rises_as_the_budget_falls() -> None:
     profile = reference("gpt2-xl")
-    peaks = [plan_with_result(profile, b / 10)[1].peak_bytes for b in range(10, 1, -1)]
+    peaks = [plan_with_result(profile, b / 10)[1].peak_bytes for b in range(10, 1, -2)]
     assert peaks == sorted(peaks, reverse=True)
 
 
@@ -384,9 +384,11 @@ def test_never_worse_than_a_baseline_on_every_preset(preset: str) -> None:
 
 @pytest.mark.slow
 def test_never_worse_than_a_baseline_across_budgets() -> None:
+    """bert-large on a100-80gb at 20-80% in steps of 20 (30, 50 and 70% on every preset:
+    ``test_never_worse_than_a_baseline_on_every_preset``, ``-m full``)."""
     profile = reference("bert-large")
     hw = slackswap.load_hardware("a100-80gb")
-    for tenths in range(2, 10):
+    for tenths in (2, 4, 6, 8):
         ctx = PlanContext(profile, hw, int(tenths / 10 * profile.keep_all_peak))
         ours = ctx.attempt(STRATEGIES["slackswap"])
         for strategy, make in STRATEGIES.items():
