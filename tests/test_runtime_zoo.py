@@ -37,7 +37,7 @@ MODELS: dict[str, Callable[[], Any]] = {**zoo.MODELS, **edge_cases.MODELS}
 REFUSED = {"grad_in_forward": "backward inside its forward pass"}
 NAMES = [name for name in MODELS if name not in REFUSED]
 # models whose step draws random numbers (dropout, drop path, noise): a seed changes the loss
-RANDOM = ["lstm", "gru", "cnn_bn_inplace", "vit", "unet", "t5", "bart", "mixtral",
+RANDOM = ["lstm", "gru", "cnn_bn_inplace", "vit", "unet", "t5", "bart", "mixtral", "deberta",
           "multihead_attention",
           "custom_function", "targets_loss_fn", "random_in_function"]
 BUDGETS = [0.7, 0.5, 0.3]
@@ -300,6 +300,22 @@ def test_uniform_plans(name: str, decision: str) -> None:
     if runtime is not None:  # it did move something (tensors under 1 KiB never move)
         stats = runtime.stats
         assert (stats.offloaded_bytes if decision == "offload" else stats.recomputed_ops) > 0
+
+
+def test_a_rebuild_makes_again_an_input_backward_is_done_with() -> None:
+    """Mamba: each input projection's copy recomputed, the SiLU output it copies offloaded.
+    Backward has read that output for the last time before the copy is rebuilt, so the
+    rebuild makes it again (as the simulator schedules it), exactly, where it used to
+    stop half way through backward."""
+    c = case("mamba")
+    decisions = {n: "offload" for n in c.names if n.endswith("mixer:silu:0")}
+    decisions |= {n: "recompute" for n in c.names if n.endswith("x_proj:clone:0")}
+    assert len(decisions) == 4
+    for n in decisions:
+        assert n in c.profile.recomputable or decisions[n] == "offload"
+    runtime = check("mamba", Plan(fingerprint=c.profile.fingerprint, strategy="x",
+                                  decisions=decisions))
+    assert runtime is not None and runtime.stats.recomputed_ops > 2
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -425,6 +425,41 @@ def mixtral() -> Case:
     return model, {"input_ids": ids, "labels": ids}, None
 
 
+def deberta() -> Case:
+    """DebertaV2ForMaskedLM from a tiny config: disentangled relative attention, whose
+    log-bucket positions read constants made by ``torch.tensor`` in forward (no op makes
+    them), and dropout masks made by in-place ``bernoulli_`` and ``div_``."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.DebertaV2Config(
+        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=32, relative_attention=True,
+        position_buckets=8, pos_att_type=["p2c", "c2p"], hidden_dropout_prob=0.1,
+        attention_probs_dropout_prob=0.1,
+    )
+    torch.manual_seed(0)
+    model = transformers.DebertaV2ForMaskedLM(config).train()
+    ids = torch.randint(0, 100, (2, 16))
+    return model, {"input_ids": ids, "labels": ids}, None
+
+
+def mamba() -> Case:
+    """MambaForCausalLM from a tiny config, its sequential scan in PyTorch ops: the
+    convolution's SiLU output is saved by multiplies whose backward runs before the
+    input projection's, so a rebuild of the projection's input copy needs it made again."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.MambaConfig(vocab_size=100, hidden_size=32, state_size=8,
+                                      num_hidden_layers=2, expand=2, conv_kernel=4,
+                                      use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.MambaForCausalLM(config).train()
+    ids = torch.randint(0, 100, (2, 16))
+    return model, {"input_ids": ids, "labels": ids}, None
+
+
 MODELS: dict[str, Callable[[], Case]] = {
     "lstm": lstm,
     "gru": gru,
@@ -435,6 +470,8 @@ MODELS: dict[str, Callable[[], Case]] = {
     "t5": t5,
     "bart": bart,
     "mixtral": mixtral,
+    "deberta": deberta,
+    "mamba": mamba,
     "multihead_attention": multihead_attention,
     "custom_function": custom_function,
     "targets_loss_fn": targets_loss_fn,

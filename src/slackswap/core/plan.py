@@ -9,7 +9,7 @@ import pydantic
 from pydantic import NonNegativeInt
 
 from slackswap.core.jsonio import JsonFile
-from slackswap.core.profile import Bytes, StepProfile
+from slackswap.core.profile import MIN_PLANNED_BYTES, Bytes, StepProfile
 from slackswap.errors import InputError
 
 __all__ = ["Plan", "Decision", "MIN_PLANNED_BYTES"]
@@ -25,12 +25,6 @@ class Decision(str, Enum):
 
     def __str__(self) -> str:
         return self.value
-
-
-# Saved tensors this small are never moved, whatever a plan says (torchtune's
-# ``min_offload_size`` default): the copy's fixed cost outweighs the bytes. Planners do
-# not plan them, the simulator and the runtime keep them.
-MIN_PLANNED_BYTES = 1024
 
 
 class Plan(JsonFile, pydantic.BaseModel):

@@ -14,7 +14,13 @@ from pydantic import Field, NonNegativeFloat, NonNegativeInt
 from slackswap.core.jsonio import JsonFile
 from slackswap.core.units import MAX_BYTES
 
-__all__ = ["OpRecord", "TensorRecord", "StepProfile", "Phase", "OpCategory", "TensorKind"]
+__all__ = ["OpRecord", "TensorRecord", "StepProfile", "Phase", "OpCategory", "TensorKind",
+           "MIN_PLANNED_BYTES"]
+
+# Saved tensors this small are never moved, whatever a plan says (torchtune's
+# ``min_offload_size`` default): the copy's fixed cost outweighs the bytes. Planners do
+# not plan them, the simulator and the runtime keep them.
+MIN_PLANNED_BYTES = 1024
 
 Phase = Literal["forward", "backward"]
 # How the cost model prices an op: GEMM-like, fused attention, memory-bound, or free
@@ -74,6 +80,13 @@ class TensorRecord(_Record):
     def is_parameter(self) -> bool:
         """Parameters and buffers are model state: never planned."""
         return self.kind in ("parameter", "buffer")
+
+    def gone_before(self, op: int) -> bool:
+        """A saved activation backward has read for the last time before ``op``: autograd
+        holds it no more (NOTE [gone tensors] in ``slackswap.sim.schedule``)."""
+        uses = [*self.backward_consumers,
+                *(() if self.first_backward_use is None else (self.first_backward_use,))]
+        return self.saved and self.producer is not None and bool(uses) and max(uses) < op
 
 
 def _fail(problem: str) -> None:
@@ -228,24 +241,44 @@ class StepProfile(JsonFile, _Record):
     def recomputable(self) -> frozenset[str]:
         """Saved activations a plan may recompute: every op that wrote them in forward (the
         producer, then in-place ops) is replayable, and so, transitively, is every input
-        those ops read that a rebuild may have to make again (one autograd never saved, or
-        one changed in place later, read at an earlier value)."""
+        those ops read that a rebuild may have to make again (one autograd never saved,
+        one changed in place later, read at an earlier value, or one backward has read
+        for the last time before the rebuild: autograd holds it no more). No op on the
+        way reads a tensor the step made by no op (unnamed, not the batch's) that is too
+        large for the runtime to hold (NOTE [small unseen tensors] in
+        ``slackswap.runtime.recording``)."""
         mutated = self.changed_in_place
-        ok: dict[int, bool] = {}
+        writers: dict[int, list[int]] = {}  # activation -> the forward ops that wrote it
         for op in self.ops:
             if op.phase != "forward":
                 break
-            inputs_ok = all(
-                ok.get(u, True) or (self.tensors[u].saved and u not in mutated)
-                for u in op.inputs
-                if self.tensors[u].kind == "activation" and u not in op.outputs
-            )
             for t in op.outputs:  # its producer, or an op that writes it in place
-                written = op.inplace or self.tensors[t].producer == op.index
-                if written and self.tensors[t].kind == "activation":
-                    ok[t] = ok.get(t, True) and op.replayable and inputs_ok
+                if (op.inplace or self.tensors[t].producer == op.index) and \
+                        self.tensors[t].kind == "activation":
+                    writers.setdefault(t, []).append(op.index)
+
+        def rebuildable(root: TensorRecord) -> bool:
+            at, seen, todo = root.first_backward_use, set(), [root.id]
+            while todo:
+                t = todo.pop()
+                if t in seen:
+                    continue
+                seen.add(t)
+                for index in writers.get(t, ()):
+                    op = self.ops[index]
+                    if not op.replayable or any(  # NOTE [small unseen tensors]
+                            self.tensors[u].kind == "input" and self.tensors[u].name is None
+                            and self.tensors[u].bytes >= MIN_PLANNED_BYTES for u in op.inputs):
+                        return False
+                    todo += [u for u in op.inputs
+                             if u not in op.outputs
+                             and self.tensors[u].kind == "activation"
+                             and (not self.tensors[u].saved or u in mutated
+                                  or at is not None and self.tensors[u].gone_before(at))]
+            return True
+
         return frozenset(t.name for t in self.saved_activations
-                         if t.name is not None and ok.get(t.id, False))
+                         if t.name is not None and t.id in writers and rebuildable(t))
 
     @cached_property
     def keep_all_peak(self) -> int:

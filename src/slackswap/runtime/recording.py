@@ -8,6 +8,15 @@ NOTE [one owner of the hooks]
     or by the shared rule of :mod:`slackswap.profiling.naming`) and records how it was
     made: the op, its arguments (activations by reference, never by value), and the RNG
     state before a random op. A rebuild replays the recipe (:mod:`slackswap.runtime.replay`).
+
+NOTE [small unseen tensors]
+    A watched op can read a storage no watched op made and that is not the model's or
+    the batch's: made by an unwatched segment, or by no op at all (``torch.tensor(3)`` in
+    a forward, as DeBERTa's relative positions make their constants). A small one (under
+    ``MIN_PLANNED_BYTES``, the size no plan moves) is held by the recipe as a tensor from
+    outside the step: a replay reads it as forward did, or, changed in place since,
+    stops (``Replayer._outside``). A larger one is read back only while autograd or a
+    plan still holds it, and a rebuild needing it after that stops.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import torch
 from torch._C._dynamo.eval_frame import set_eval_frame as _set_eval_frame
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from slackswap.core.plan import MIN_PLANNED_BYTES
 from slackswap.errors import InputError
 from slackswap.profiling.naming import ActivationNamer, ForwardModules, module_events
 from slackswap.runtime.recipes import (
@@ -238,9 +248,15 @@ class Recorder:
                 return x  # constants stay as they are
             if x.layout != strided:  # read again only as it is now
                 return Outside(x, x._version)
-            key = x.untyped_storage()._cdata  # storage_key(x)
+            storage = x.untyped_storage()
+            key = storage._cdata  # storage_key(x)
             node = nodes.get(key)
             if node is None and sparse and not is_external(key):
+                if storage.nbytes() < MIN_PLANNED_BYTES:
+                    # NOTE [small unseen tensors]
+                    state.mark_external(x)
+                    outside_read.add(key)
+                    return Outside(x, x._version, outside_writes.get(key, 0), state)
                 # made in a segment nobody watched: read back as it is now, from a
                 # saved handle, or not at all (then a rebuild needing it stops)
                 node = state.unwatched_node(x, key)

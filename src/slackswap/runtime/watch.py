@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from slackswap.core.plan import Decision, Plan
-from slackswap.core.profile import StepProfile
+from slackswap.core.profile import StepProfile, TensorRecord
 from slackswap.runtime.checks import prepared
 
 __all__ = ["Watch", "watch_for", "watched_ops", "watched_segments"]
@@ -111,10 +111,16 @@ def watched_segments(profile: StepProfile, plan: Plan) -> list[bool]:
                    if d != Decision.RECOMPUTE and n in profile.checkpointable}
 
     # tensors a rebuild must make again, and the ops that write them; checkpoints too,
-    # since a second backward through a retained graph rebuilds them once released
-    rebuilt, todo, watched = set(), [*recompute, *checkpoints], set()
+    # since a second backward through a retained graph rebuilds them once released. A
+    # saved input is made again too where backward has unpacked it for the last time
+    # before the rebuild (NOTE [gone tensors] in ``sim/schedule.py``): autograd holds it
+    # no more (a checkpoint's rebuild time is not known: its saved inputs are read).
+    rebuilt: set[int] = set()
+    watched: set[int] = set()
+    todo = [(t, tensors[t].first_backward_use) for t in recompute]
+    todo += [(t, None) for t in checkpoints]
     while todo:
-        t = todo.pop()
+        t, at = todo.pop()
         if t in rebuilt:
             continue
         rebuilt.add(t)
@@ -123,8 +129,8 @@ def watched_segments(profile: StepProfile, plan: Plan) -> list[bool]:
             for u in ops[index].inputs:
                 if u == t or tensors[u].kind != "activation":
                     continue
-                if not tensors[u].saved or u in f.mutated:
-                    todo.append(u)
+                if not tensors[u].saved or u in f.mutated or gone(tensors[u], at):
+                    todo.append((u, at))
     # Writes that change a value after the plan has saved it to move, or after a watched
     # op read it (an op that writes a tensor from outside the step may not return it:
     # batch norm's running statistics); writes before then are part of the value.
@@ -147,6 +153,12 @@ def watched_segments(profile: StepProfile, plan: Plan) -> list[bool]:
         if starts[k] == ends[k]:
             segments[k] = segments[k - 1]
     return segments
+
+
+def gone(t: TensorRecord, at: int | None) -> bool:
+    """Backward has read saved ``t`` for the last time before op ``at`` (``None``: any
+    time), as the simulator's schedule has it (NOTE [gone tensors])."""
+    return at is not None and t.gone_before(at)
 
 
 def watched_ops(profile: StepProfile, plan: Plan) -> set[int]:
