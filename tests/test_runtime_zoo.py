@@ -38,8 +38,11 @@ REFUSED = {"grad_in_forward": "backward inside its forward pass"}
 NAMES = [name for name in MODELS if name not in REFUSED]
 # models whose step draws random numbers (dropout, drop path, noise): a seed changes the loss
 RANDOM = ["lstm", "gru", "cnn_bn_inplace", "vit", "unet", "t5", "bart", "mixtral", "deberta",
+          "wav2vec2",
           "multihead_attention",
           "custom_function", "targets_loss_fn", "random_in_function"]
+# losses PyTorch has no double backward for (CTC): their "double" steps are skipped
+NO_DOUBLE = {"wav2vec2"}
 BUDGETS = [0.7, 0.5, 0.3]
 SEED = 0
 Kind = Literal["backward", "grad", "double"]
@@ -370,6 +373,8 @@ def test_many_random_plans(name: str, data: st.DataObject) -> None:
 @pytest.mark.parametrize("kind", ["grad", "double"])
 @pytest.mark.parametrize("name", NAMES)
 def test_autograd_grad_and_double_backward_everywhere(name: str, kind: Kind, plan: str) -> None:
+    if kind == "double" and name in NO_DOUBLE:
+        pytest.skip("no double backward for its loss in PyTorch")
     check(name, mixed(name) if plan == "mixed" else uniform(name, plan), kind)
 
 
@@ -381,4 +386,6 @@ def test_autograd_grad_and_double_backward_everywhere(name: str, kind: Kind, pla
 def test_random_plans_with_autograd_grad_and_double_backward(
     name: str, kind: Kind, data: st.DataObject
 ) -> None:
+    if kind == "double" and name in NO_DOUBLE:
+        pytest.skip("no double backward for its loss in PyTorch")
     check(name, drawn(data, name), kind)

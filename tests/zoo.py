@@ -460,6 +460,27 @@ def mamba() -> Case:
     return model, {"input_ids": ids, "labels": ids}, None
 
 
+def wav2vec2() -> Case:
+    """Wav2Vec2ForCTC from a tiny config: a convolutional feature encoder with group norm,
+    a grouped convolution for positions under weight norm, and a CTC loss, whose saves
+    differ while a dispatch mode is on (NOTE [ops a dispatch mode changes])."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.Wav2Vec2Config(
+        vocab_size=20, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, conv_dim=(16, 16), conv_stride=(4, 2), conv_kernel=(8, 4),
+        num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=4, mask_time_prob=0.0,
+        hidden_dropout=0.1, attention_dropout=0.1, feat_proj_dropout=0.1, layerdrop=0.0,
+        pad_token_id=0, ctc_loss_reduction="mean",
+    )
+    torch.manual_seed(0)
+    model = transformers.Wav2Vec2ForCTC(config).train()
+    gen = torch.Generator().manual_seed(1)
+    return model, {"input_values": torch.randn(2, 400, generator=gen),
+                   "labels": torch.randint(1, 20, (2, 6), generator=gen)}, None
+
+
 MODELS: dict[str, Callable[[], Case]] = {
     "lstm": lstm,
     "gru": gru,
@@ -472,6 +493,7 @@ MODELS: dict[str, Callable[[], Case]] = {
     "mixtral": mixtral,
     "deberta": deberta,
     "mamba": mamba,
+    "wav2vec2": wav2vec2,
     "multihead_attention": multihead_attention,
     "custom_function": custom_function,
     "targets_loss_fn": targets_loss_fn,

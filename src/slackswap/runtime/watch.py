@@ -21,7 +21,17 @@ from slackswap.core.plan import Decision, Plan
 from slackswap.core.profile import StepProfile, TensorRecord
 from slackswap.runtime.checks import prepared
 
-__all__ = ["Watch", "watch_for", "watched_ops", "watched_segments"]
+__all__ = ["Watch", "watch_for", "watched_ops", "watched_segments", "MODE_SENSITIVE"]
+
+# NOTE [ops a dispatch mode changes]
+#     Some composite ops take another path while any ``TorchDispatchMode`` is on (ATen
+#     treats every tensor as subclass-like then): ``ctc_loss`` converts its length
+#     tensors to lists without one, and with one calls the ``Tensor`` overload, which
+#     saves seven tensors for backward instead of five. A profile is traced under a mode,
+#     so the runtime watches the segments that run these ops whatever the plan: the step
+#     then saves what its profile says it saves (measured: wav2vec2's CTC loss, refused
+#     half way through forward without this).
+MODE_SENSITIVE = frozenset({"_ctc_loss"})
 
 
 @dataclass(frozen=True)
@@ -145,6 +155,7 @@ def watched_segments(profile: StepProfile, plan: Plan) -> list[bool]:
                for t in (*op.outputs, *op.inputs)):
             watched.add(index)
 
+    watched.update(op.index for op in ops if op.kind in MODE_SENSITIVE)
     starts, ends = f.starts, f.ends
     segments = [any(i in watched for i in range(s, e)) for s, e in zip(starts, ends, strict=True)]
     # a segment that runs no op keeps the mode as it was: it is switched only where
