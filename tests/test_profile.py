@@ -272,3 +272,22 @@ def test_the_innermost_module_does_not_turn_on_hash_order() -> None:
     for shift in range(len(active)):
         tracker = SimpleNamespace(parents=active[shift:] + active[:shift])
         assert module_path(tracker, "M")() == "attn.value"  # type: ignore[arg-type]
+
+
+def test_a_model_mod_tracker_cannot_follow_is_refused_with_that_reason() -> None:
+    """Hugging Face Reformer's reversible layers make ``ModTracker``'s forward hook fail:
+    the error names ModTracker, not the model, as what failed."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.ReformerConfig(
+        vocab_size=100, hidden_size=32, num_attention_heads=2, attention_head_size=16,
+        attn_layers=["local", "local"], feed_forward_size=64, axial_pos_embds=False,
+        max_position_embeddings=32, local_attn_chunk_length=8, is_decoder=True,
+        use_cache=False,
+    )
+    model = transformers.ReformerModelWithLMHead(config).train()
+    ids = torch.randint(0, 100, (2, 32))
+    with pytest.raises(ProfileError, match="cannot profile model 'ReformerModelWithLMHead': "
+                                           "PyTorch's ModTracker"):
+        slackswap.profile(model, {"input_ids": ids, "labels": ids}, mode="traced")

@@ -296,7 +296,24 @@ def _call(model: torch.nn.Module, batch: Batch, name: str) -> Any:
     except SlackSwapError:
         raise
     except Exception as e:
+        if _raised_in_mod_tracker(e):
+            raise ProfileError(
+                f"cannot profile model '{name}': PyTorch's ModTracker, which follows its "
+                f"modules into backward, failed in its forward ({type(e).__name__}: {e}); "
+                "the model is not supported (Hugging Face Reformer's reversible layers, "
+                "which rebuild their own activations in backward, fail so)"
+            ) from e
         raise ProfileError(f"model '{name}' raised in forward: {type(e).__name__}: {e}") from e
+
+
+def _raised_in_mod_tracker(e: BaseException) -> bool:
+    """The exception came out of ``ModTracker``'s hooks, not the model's own code."""
+    tb = e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.endswith("mod_tracker.py"):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _loss(output: Any, loss_fn: Callable[[Any], torch.Tensor] | None, name: str) -> torch.Tensor:
