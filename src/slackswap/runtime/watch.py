@@ -125,15 +125,16 @@ def watched_segments(profile: StepProfile, plan: Plan) -> list[bool]:
     # saved input is made again too where backward has unpacked it for the last time
     # before the rebuild (NOTE [gone tensors] in ``sim/schedule.py``): autograd holds it
     # no more (a checkpoint's rebuild time is not known: its saved inputs are read).
-    rebuilt: set[int] = set()
+    latest: dict[int, int] = {}  # tensor -> the latest rebuild walked from it (-1: none)
     watched: set[int] = set()
     todo = [(t, tensors[t].first_backward_use) for t in recompute]
     todo += [(t, None) for t in checkpoints]
     while todo:
         t, at = todo.pop()
-        if t in rebuilt:
+        when = -1 if at is None else at
+        if latest.get(t, -2) >= when:  # walked already for a rebuild as late or later
             continue
-        rebuilt.add(t)
+        latest[t] = when
         for index in f.writers.get(t, ()):
             watched.add(index)
             for u in ops[index].inputs:
