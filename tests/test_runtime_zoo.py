@@ -389,3 +389,34 @@ def test_random_plans_with_autograd_grad_and_double_backward(
     if kind == "double" and name in NO_DOUBLE:
         pytest.skip("no double backward for its loss in PyTorch")
     check(name, drawn(data, name), kind)
+
+
+def _autocast_step(name: str, plan: Plan | None = None,
+                   profile: StepProfile | None = None) -> dict[str, Any]:
+    """One step under CPU bf16 autocast (the plan's runtime inside it, as in a training
+    loop): loss, gradients, parameters, RNG state."""
+    model, batch, loss_fn = map(copy.deepcopy, built(name))
+    torch.manual_seed(SEED)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        if plan is None:
+            loss = _loss(_call(model, batch), loss_fn)
+        else:
+            with slackswap.apply(model, plan, profile=profile, verify=True):
+                loss = _loss(_call(model, batch), loss_fn)
+    return {**_finish(model, loss, "backward"), **_state(model, batch)}
+
+
+@pytest.mark.parametrize("decision", ["offload", "recompute", "mixed"])
+@pytest.mark.parametrize("name", ["t5", "deberta", "mamba"])
+def test_plans_under_autocast(name: str, decision: str) -> None:
+    """Under bf16 autocast, with the profile traced under it too: the step is the one
+    without slackswap, bit for bit (recorded ops carry autocast's casts and are replayed
+    as they ran)."""
+    model, batch, loss_fn = map(copy.deepcopy, built(name))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        profile = slackswap.profile(model, batch, mode="traced", loss_fn=loss_fn)
+    names = [t.name for t in profile.saved_activations if t.producer is not None]
+    decisions = {n: ("keep", "offload", "recompute")[i % 3] if decision == "mixed" else decision
+                 for i, n in enumerate(names)}
+    plan = Plan(fingerprint=profile.fingerprint, strategy="x", decisions=decisions)
+    _assert_same(_autocast_step(name, plan, profile), _autocast_step(name))
