@@ -364,8 +364,8 @@ def _offload_exchanges(ctx: PlanContext, best: Attempt, budget: int,
     @functools.cache  # a move can return to a set already covered
     def cover(offload: frozenset[str]) -> Attempt | None:
         chosen = [c for c in cands if c.name in offload]
-        found = [a for cover in ((False, False), *CHAIN_COVERS)
-                 if (a := _hybrid(ctx, chosen, *cover)) is not None]
+        found = [a for kind in ((False, False), *CHAIN_COVERS)
+                 if (a := _hybrid(ctx, chosen, *kind)) is not None]
         return max(found, key=lambda a: _score(a[1]), default=None)
 
     offload = frozenset(c.name for c in cands
