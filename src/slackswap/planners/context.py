@@ -105,6 +105,11 @@ class PlanContext:
         return Plan(fingerprint=self.profile.fingerprint, strategy=strategy,
                     budget_bytes=self.budget, decisions=decisions, prefetch=prefetch or {})
 
+    def simulate_unlimited(self, plan: Plan) -> SimResult:
+        """Simulate ``plan`` with no memory limit (counted in ``simulations``)."""
+        self.simulations += 1
+        return simulate(self.profile, plan, self.hw)
+
     def simulate(self, plan: Plan) -> SimResult:
         """Simulate ``plan`` under the budget (counted in ``simulations``)."""
         self.simulations += 1
