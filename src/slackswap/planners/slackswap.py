@@ -68,8 +68,8 @@ NOTE [starting points]
     traded. A search that may also change recomputes undoes a trade before the offloads
     around it are re-chosen; any part of such a change alone is worse. On
     bert-large-mlm@1 at 60% the first trade (K's projection kept, the MLM head's GELU
-    output recomputed) and 112 offload moves reach 88.94%, the exact model's own plan
-    (88.38 before; its proven optimum 89.07); at 80%, 97.15 from 96.80.
+    output recomputed) and its offload moves reach 88.94%, as the exact model's own
+    plan does (88.38 before; its proven optimum 89.07); at 80%, 97.15 from 96.80.
 
     Last, where the budget covers a pass of them (``EXCHANGE_SIMULATIONS`` per
     candidate), offload exchanges: the best plan's offload set with one activation taken
@@ -368,8 +368,8 @@ def _recompute_trades(ctx: PlanContext, start: Attempt, budget: int,
     """From ``start`` (NOTE [starting points]): one recomputed activation kept and one
     other recomputed instead, where the budget covers simulating every such trade with no
     memory limit; ranked by the step time a trade saves per byte it leaves to free, the
-    first ``TRADES`` each followed by offload moves alone (``_offload_search``). The best
-    of ``start`` and those."""
+    first ``TRADES`` each followed by offload moves alone (``_offload_search``), all
+    within ``budget`` simulations. The best of ``start`` and those."""
     now = _decisions_of(start[0])
     recomputable = ctx.profile.recomputable
     recomputed = [c for c in ctx.candidates if now(c) == Decision.RECOMPUTE]
@@ -377,6 +377,7 @@ def _recompute_trades(ctx: PlanContext, start: Attempt, budget: int,
               if now(c) != Decision.RECOMPUTE and c.name in recomputable]
     if not recomputed or len(recomputed) * len(others) > budget:
         return start
+    spent = ctx.simulations
     base = ctx.simulate_unlimited(start[0]).step_time_s
     trades = []
     for a in recomputed:
@@ -390,7 +391,10 @@ def _recompute_trades(ctx: PlanContext, start: Attempt, budget: int,
                 trades.append((-saved / (a.bytes - b.bytes), a.producer, b.producer, plan))
     best = start
     for *_, plan in sorted(trades, key=lambda t: t[:3])[:TRADES]:
-        found = _offload_search(ctx, (plan, ctx.simulate(plan)), budget, patience)
+        left = budget - (ctx.simulations - spent)
+        if left <= 0:
+            break
+        found = _offload_search(ctx, (plan, ctx.simulate(plan)), left, patience)
         if _score(found[1]) > _score(best[1]):
             best = found
     return best
