@@ -81,12 +81,18 @@ class TensorRecord(_Record):
         """Parameters and buffers are model state: never planned."""
         return self.kind in ("parameter", "buffer")
 
+    @property
+    def last_backward_read(self) -> int | None:
+        """The last backward op that reads (or unpacks) this tensor; None if none does."""
+        uses = [*self.backward_consumers,
+                *(() if self.first_backward_use is None else (self.first_backward_use,))]
+        return max(uses) if uses else None
+
     def gone_before(self, op: int) -> bool:
         """A saved activation backward has read for the last time before ``op``: autograd
         holds it no more (NOTE [gone tensors] in ``slackswap.sim.schedule``)."""
-        uses = [*self.backward_consumers,
-                *(() if self.first_backward_use is None else (self.first_backward_use,))]
-        return self.saved and self.producer is not None and bool(uses) and max(uses) < op
+        last = self.last_backward_read
+        return self.saved and self.producer is not None and last is not None and last < op
 
 
 def _fail(problem: str) -> None:

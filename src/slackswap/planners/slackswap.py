@@ -315,8 +315,7 @@ def _swap_moves(ctx: PlanContext, best: Attempt, left: int,
     recomputable = ctx.profile.recomputable
     moved = [c for c in ctx.candidates if now(c) != Decision.KEEP]
     kept = [c for c in ctx.candidates if now(c) == Decision.KEEP]
-    pairs = sorted(((a, b) for a in moved for b in kept), key=lambda p: (
-        p[1].bytes < p[0].bytes, abs(p[1].bytes - p[0].bytes), p[0].producer, p[1].producer))
+    pairs = sorted(((a, b) for a in moved for b in kept), key=_closest_match)
     tries = min(left, patience)
     for a, b in pairs:
         for d in (Decision.OFFLOAD, Decision.RECOMPUTE):
@@ -331,6 +330,13 @@ def _swap_moves(ctx: PlanContext, best: Attempt, left: int,
             if _improves(result, best[1]):
                 return (plan, result), True, left
     return best, False, left
+
+
+def _closest_match(pair: tuple[Candidate, Candidate]) -> tuple:
+    """Order of swaps (``a`` kept, ``b`` moved): those that move at least the bytes they
+    keep first, the closest match in bytes first."""
+    a, b = pair
+    return b.bytes < a.bytes, abs(b.bytes - a.bytes), a.producer, b.producer
 
 
 def _checkpoint_kicks(ctx: PlanContext, best: Attempt, budget: int,
@@ -417,9 +423,8 @@ def _offload_search(ctx: PlanContext, best: Attempt, left: int, patience: int) -
         changes += [{c.name: Decision.OFFLOAD}
                     for c in sorted(kept, key=lambda c: (-c.bytes, c.producer))]
         changes += [{a.name: Decision.KEEP, b.name: Decision.OFFLOAD}
-                    for a, b in sorted(((a, b) for a in off for b in kept), key=lambda p: (
-                        p[1].bytes < p[0].bytes, abs(p[1].bytes - p[0].bytes),
-                        p[0].producer, p[1].producer))]
+                    for a, b in sorted(((a, b) for a in off for b in kept),
+                                       key=_closest_match)]
         for change in changes:
             if left == 0:
                 break

@@ -251,14 +251,11 @@ class Recorder:
             storage = x.untyped_storage()
             key = storage._cdata  # storage_key(x)
             node = nodes.get(key)
-            if node is None and sparse and not is_external(key):
-                if storage.nbytes() < MIN_PLANNED_BYTES:
-                    # NOTE [small unseen tensors]
-                    state.mark_external(x)
-                    outside_read.add(key)
-                    return Outside(x, x._version, outside_writes.get(key, 0), state)
+            if (node is None and sparse and not is_external(key)
+                    and storage.nbytes() >= MIN_PLANNED_BYTES):
                 # made in a segment nobody watched: read back as it is now, from a
-                # saved handle, or not at all (then a rebuild needing it stops)
+                # saved handle, or not at all (then a rebuild needing it stops); a
+                # smaller one is held as from outside (NOTE [small unseen tensors])
                 node = state.unwatched_node(x, key)
             if node is not None:
                 return Ref(node, len(node.steps), geometry(x))

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from slackswap.core.plan import Decision, Plan
-from slackswap.core.profile import StepProfile, TensorRecord
+from slackswap.core.profile import StepProfile
 from slackswap.runtime.checks import prepared
 
 __all__ = ["Watch", "watch_for", "watched_ops", "watched_segments", "MODE_SENSITIVE"]
@@ -140,7 +140,8 @@ def watched_segments(profile: StepProfile, plan: Plan) -> list[bool]:
             for u in ops[index].inputs:
                 if u == t or tensors[u].kind != "activation":
                     continue
-                if not tensors[u].saved or u in f.mutated or gone(tensors[u], at):
+                if (not tensors[u].saved or u in f.mutated
+                        or at is not None and tensors[u].gone_before(at)):
                     todo.append((u, at))
     # Writes that change a value after the plan has saved it to move, or after a watched
     # op read it (an op that writes a tensor from outside the step may not return it:
@@ -165,12 +166,6 @@ def watched_segments(profile: StepProfile, plan: Plan) -> list[bool]:
         if starts[k] == ends[k]:
             segments[k] = segments[k - 1]
     return segments
-
-
-def gone(t: TensorRecord, at: int | None) -> bool:
-    """Backward has read saved ``t`` for the last time before op ``at`` (``None``: any
-    time), as the simulator's schedule has it (NOTE [gone tensors])."""
-    return at is not None and t.gone_before(at)
 
 
 def watched_ops(profile: StepProfile, plan: Plan) -> set[int]:

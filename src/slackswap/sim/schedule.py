@@ -160,10 +160,9 @@ def _step(profile: StepProfile) -> _Step:
     end: dict[int, int] = {}  # NOTE [gone tensors]
     needed_at: dict[int, list[int]] = {}
     for t in profile.saved_activations:
-        uses = [*t.backward_consumers, *(() if t.first_backward_use is None
-                                         else (t.first_backward_use,))]
-        if t.producer is not None and uses:
-            end[t.id] = max(uses)
+        last = t.last_backward_read
+        if t.producer is not None and last is not None:
+            end[t.id] = last
         if t.first_backward_use is not None:
             needed_at.setdefault(t.first_backward_use, []).append(t.id)
     mutators: dict[int, list[int]] = {}
