@@ -273,6 +273,153 @@ def test_covers_with_checkpoints_cost_the_least_of_every_choice() -> None:
     assert checked >= 20 and kept_some >= 2, (checked, kept_some)
 
 
+def _rebuild_reads(ctx: PlanContext) -> dict[str, set[str]]:
+    """Per candidate, the candidates its rebuild reads: its producer's inputs and those of
+    every op its never-saved chain re-runs."""
+    p, names = ctx.profile, {c.name for c in ctx.candidates}
+    out = {}
+    for c in ctx.candidates:
+        ops, stack = {c.producer}, [c.producer]
+        while stack:
+            for tid in p.ops[stack.pop()].inputs:
+                if tid in p.never_saved and p.tensors[tid].producer not in ops:
+                    ops.add(p.tensors[tid].producer)
+                    stack.append(p.tensors[tid].producer)
+        out[c.name] = {p.tensors[t].name for q in ops for t in p.ops[q].inputs} & names - {c.name}
+    return out
+
+
+def _joint_cost(ctx: PlanContext, reads: dict[str, set[str]], x: set[str], o: set[str],
+                depth: int) -> float | None:
+    """What the joint cover (NOTE [joint cover]) prices recomputing ``x`` and offloading
+    ``o`` at, in ms; None where a row is not covered or a rebuild pulls recomputes more
+    than ``depth`` hops deep. Written apart from its program: each row checked densely,
+    every path of pulls walked."""
+    by, link, fb = {c.name: c for c in ctx.candidates}, ctx.hw.host_link, ctx.first_backward
+    pulled: dict[str, int] = {}  # a pulled candidate -> the earliest first use pulling it
+
+    def walk(root, path) -> bool:
+        for j in reads[path[-1]]:
+            if by[j].first_use <= by[root].first_use or j in path:
+                continue
+            if len(path) > depth:  # a (depth + 2)-th activation on the chain
+                if j in x:
+                    return False
+                continue
+            if j in x or j in o:
+                pulled[j] = min(pulled.get(j, by[root].first_use), by[root].first_use)
+            if j in x and not walk(root, (*path, j)):
+                return False
+        return True
+
+    if not all(walk(root, (root,)) for root in x):
+        return None
+
+    def copy_ms(c, rate):
+        return 1e3 * (link.latency_s + c.bytes / rate)
+
+    def landed(c):
+        at = c.produced_at + copy_ms(c, link.d2h_bandwidth) / 1e3
+        return next((q for q in range(c.producer, fb) if ctx.op_start[q] >= at), fb)
+
+    for pt in pressure_points(ctx, 0, every=True):
+        op = pt.op
+        freed = sum(by[n].bytes for n in x if evicted_at(by[n], op, ctx))
+        freed += sum(by[n].bytes for n in o if (max(landed(by[n]), by[n].freed_op) < op
+                                                if op < fb else by[n].first_use > op))
+        if op >= fb:
+            freed -= sum(by[j].bytes for j, at in pulled.items() if at <= op < by[j].first_use)
+        if freed < pt.excess:
+            return None
+    d2h = sum(copy_ms(by[n], link.d2h_bandwidth) for n in o)
+    h2d = sum(copy_ms(by[n], link.h2d_bandwidth) for n in o)
+    return (1e3 * sum(recompute.rebuild_cost(ctx, by[n]) for n in x) + 1e-3 * h2d
+            + max(0.0, d2h - 1e3 * ctx.forward_end)
+            + max(0.0, h2d - 1e3 * (max(ctx.op_end) - ctx.forward_end)))
+
+
+def test_the_joint_cover_costs_the_least_of_every_choice() -> None:
+    """The joint cover (NOTE [joint cover]) on small random and block-shaped steps, each
+    depth: against every recompute/offload assignment, each priced and checked apart
+    (``_joint_cost``), its choice is covered at the least cost (within the solver's gap),
+    and None only where no assignment is."""
+    from itertools import product
+
+    from stepgraphs import block_step
+
+    from slackswap.planners.joint import choose_joint
+
+    checked = 0
+    for seed in range(240):
+        rng = random.Random(seed)
+        profile = (block_step(rng, rng.randint(1, 2)) if seed % 2
+                   else random_step(rng, rng.randint(3, 8)))
+        for t in profile.tensors:  # megabytes: HiGHS's tolerances are 100 bytes here
+            t.bytes *= 1000
+        rate = rng.uniform(2e10, 2e12)
+        hw = link_hardware(rate, rate, rate, rate, 1e-6, host=NO_HOST)
+        ctx = PlanContext(profile, hw, int(rng.uniform(0.3, 0.8) * profile.keep_all_peak))
+        names = [c.name for c in ctx.candidates]
+        if not pressure_points(ctx, 0) or not 2 <= len(names) <= 7:
+            continue
+        reads = _rebuild_reads(ctx)
+        choices = [_sets(ch, names) for ch in product("kxo", repeat=len(names))]
+        choices = [(x, o) for x, o in choices if not x - profile.recomputable]
+        for depth in (1, 2, 3):
+            costs = [c for x, o in choices
+                     if (c := _joint_cost(ctx, reads, x, o, depth)) is not None]
+            chosen = choose_joint(ctx, pressure_points(ctx, 0, every=True), depth)
+            if not costs:
+                assert chosen is None, (seed, depth)
+                continue
+            x = {n for n, d in chosen.items() if d == "recompute"}
+            o = {n for n, d in chosen.items() if d == "offload"}
+            cost = _joint_cost(ctx, reads, x, o, depth)
+            assert cost is not None, (seed, depth)
+            assert cost <= min(costs) * (1 + 6e-3) + 1e-9, (seed, depth)
+            checked += 1
+    assert checked >= 40, checked
+
+
+def test_a_rebuild_pulls_what_it_reads_back_early() -> None:
+    """A small head on a chain (a -> b -> c -> L, the loss's spike in backward): recomputing
+    a and b is the cheapest cover when each rebuild is priced alone, yet b's rebuild, at
+    b's first use, makes a again there too, long before a's own, and the step does not
+    fit. The joint cover, which counts that pull (NOTE [joint cover]), offloads b
+    instead; its plan fits, and SlackSwap's retains at least as much."""
+    from slackswap.planners.joint import choose_joint
+
+    mb = 1_000_000
+    tensors = [T(mb, kind="input", saved=True),
+               T(16 * mb, saved=True, first_backward_use=6),  # a
+               T(16 * mb, saved=True, first_backward_use=5),  # b
+               T(mb, saved=True, first_backward_use=4),  # c
+               T(16 * mb, saved=True, first_backward_use=4),  # L
+               T(16 * mb), T(mb), T(mb), T(mb)]  # gradients
+    ops = [Op("forward", 1 * MS, [0], [1]), Op("forward", 1 * MS, [1], [2]),
+           Op("forward", 0.1 * MS, [2], [3]), Op("forward", 1 * MS, [3], [4]),
+           Op("backward", 1 * MS, [4, 3], [5]), Op("backward", 2 * MS, [5, 2], [6]),
+           Op("backward", 2 * MS, [6, 1], [7]), Op("backward", 2 * MS, [7, 0], [8])]
+    profile = build(ops, tensors)
+    hw = link_hardware(2e9, 2e9, 2e9, 2e9, 1e-6, host=NO_HOST)
+    ctx = PlanContext(profile, hw, int(0.7 * profile.keep_all_peak))
+    alone = recompute.choose_cover(ctx, ctx.candidates, pressure_points(ctx, 0))
+    assert alone == {"t1": "recompute", "t2": "recompute"}
+    assert not ctx.simulate(ctx.plan("x", alone)).feasible
+    for depth in (1, 2, 3):
+        joint = choose_joint(ctx, pressure_points(ctx, 0, every=True), depth)
+        assert joint == {"t1": "recompute", "t2": "offload"}
+        fits = ctx.simulate(ctx.plan("x", joint))
+        assert fits.feasible
+    assert STRATEGIES["slackswap"](ctx)[1].retention >= fits.retention
+
+
+def _sets(choice: tuple[str, ...], names: list[str]) -> tuple[set[str], set[str]]:
+    """The recomputed ('x') and the offloaded ('o') names of a choice per name."""
+    return ({n for n, d in zip(names, choice, strict=True) if d == "x"},
+            {n for n, d in zip(names, choice, strict=True) if d == "o"})
+
+
 def test_the_best_assignment_on_small_steps() -> None:
     """On small random steps (3 to 7 planable activations, every budget from 30%), the
     plan retains within half a point of the best of all 3^n keep/offload/recompute

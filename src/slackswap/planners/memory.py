@@ -20,14 +20,16 @@ class Pressure:
     ends: bool = False
 
 
-def pressure_points(ctx: PlanContext, margin: int = 0) -> list[Pressure]:
-    """Local maxima of the keep-all memory curve that exceed ``budget - margin``."""
+def pressure_points(ctx: PlanContext, margin: int = 0, every: bool = False) -> list[Pressure]:
+    """Local maxima of the keep-all memory curve that exceed ``budget - margin``; with
+    ``every``, each op where it does (a cover whose evictions differ between neighbouring
+    ops, or bring tensors back early, needs them all: NOTE [joint cover])."""
     mem, limit = ctx.memory, ctx.budget - margin
     points = []
     for k, level in enumerate(mem):
         before = mem[k - 1] if k > 0 else -1
         after = mem[k + 1] if k + 1 < len(mem) else -1
-        if level > limit and level >= before and level >= after:
+        if level > limit and (every or level >= before and level >= after):
             points.append(Pressure(k, level - limit))
     return points
 

@@ -29,7 +29,7 @@ from slackswap.planners.context import Candidate, PlanContext
 from slackswap.planners.memory import Pressure
 
 __all__ = ["rebuild_cost", "kernel_cost", "chain_edges", "chain_seconds", "choose_recompute",
-           "choose_cover"]
+           "choose_cover", "CoverProgram", "solve_cover", "row_tie"]
 
 
 def rebuild_cost(ctx: PlanContext, c: Candidate) -> float:
@@ -131,24 +131,29 @@ def choose_cover(
                     np.array([c.first_use for c in candidates])[None, :] > ops[:, None])
     if np.any(away @ size < need):
         return None
-    # milliseconds; equal costs (activations of the same size and kind in different
-    # blocks) are broken towards the earlier-made ones, rebuilt later in backward: which
-    # of several equal sets HiGHS returns otherwise turns on the shape of the memory curve
-    n = len(ctx.profile.ops)
-    tie = np.array([1e3 * (1 + _TIE * c.producer / n) for c in candidates])
+    tie = row_tie(ctx, candidates)
     cost = np.array([rebuild_cost(ctx, c) for c in candidates]) * tie
-    program, node_limit = _Program(cost=cost, size=size, away=away), NODE_LIMIT
+    program, node_limit = CoverProgram(cost=cost, size=size, away=away), NODE_LIMIT
     if checkpoints or shared:
         program = _with_chains(ctx, candidates, ops, forward, tie, program, checkpoints,
                                shared)
         node_limit = CHAIN_NODE_LIMIT
-    res = _solve_nested(program, forward, need, node_limit)
+    res = solve_cover(program, forward, need, node_limit)
     chosen = res if res is not None else _greedy_cover(away * size, need, cost)
     recomputed = [c for c, x in zip(candidates, chosen, strict=False) if x]
     kept = {name for name, x in zip(program.kept, chosen[len(size):], strict=False) if x}
     cover = {c.name: Decision.RECOMPUTE for c in recomputed}
     cover.update({name: Decision.KEEP for name in _read(ctx.profile, recomputed, kept)})
     return cover
+
+
+def row_tie(ctx: PlanContext, candidates: list[Candidate]) -> np.ndarray:
+    """Per candidate, seconds to the covers' milliseconds, with equal costs (activations
+    of the same size and kind in different blocks) broken towards the earlier-made ones,
+    rebuilt later in backward: which of several equal sets HiGHS returns otherwise turns
+    on the shape of the memory curve."""
+    n = len(ctx.profile.ops)
+    return np.array([1e3 * (1 + _TIE * c.producer / n) for c in candidates])
 
 
 def _read(p: StepProfile, recomputed: list[Candidate], kept: set[str]) -> list[str]:
@@ -170,21 +175,27 @@ def _read(p: StepProfile, recomputed: list[Candidate], kept: set[str]) -> list[s
 
 
 @dataclass
-class _Program:
-    """The cover's columns: cost (ms), bytes (GB) off the device at each row where
-    ``away``; after the candidates come any checkpoint columns (``kept``, negative
-    bytes: held on the device), then op columns, with rows ``chain`` >= 0."""
+class CoverProgram:
+    """A cover's columns: cost (ms), bytes (GB) off the device at each row where
+    ``away``, these columns 0-1; after them any other columns, continuous in [0,
+    ``upper``] (1 unless given): op columns (NOTE [chain columns]), say. Checkpoint
+    columns (``kept``) come right after the candidates, with negative bytes (held on
+    the device). ``terms`` (row, column, GB) add to a row's bytes off the device from
+    that row on in its nested order (NOTE [nested rows]); ``rows`` are further
+    constraints, ``lo <= sum(coefficient * column) <= hi``."""
 
     cost: np.ndarray
     size: np.ndarray
     away: np.ndarray
     kept: list[str] = field(default_factory=list)
-    chain: list[dict[int, float]] = field(default_factory=list)
+    rows: list[tuple[dict[int, float], float, float]] = field(default_factory=list)
+    terms: list[tuple[int, int, float]] = field(default_factory=list)
+    upper: np.ndarray | None = None
 
 
 def _with_chains(ctx: PlanContext, candidates: list[Candidate], ops: np.ndarray,
-                 forward: np.ndarray, tie: np.ndarray, base: _Program, checkpoints: bool,
-                 shared: bool) -> _Program:
+                 forward: np.ndarray, tie: np.ndarray, base: CoverProgram, checkpoints: bool,
+                 shared: bool) -> CoverProgram:
     """``base`` with a column per op its rebuilds re-run, the candidates' columns
     costing nothing (NOTE [chain columns]).
 
@@ -241,10 +252,11 @@ def _with_chains(ctx: PlanContext, candidates: list[Candidate], ops: np.ndarray,
                 row[k + kept[u]] = 1.0
             rows.append(row)
     sizes = np.array([keepable[u].bytes / 1e9 for u in kept])
-    return _Program(cost=np.array(cost), size=np.concatenate([base.size, -sizes]),
-                    away=np.concatenate([base.away, held], axis=1),
-                    kept=[keepable[u].name for u in kept], chain=list(
-                        {tuple(sorted(r.items())): r for r in rows}.values()))
+    return CoverProgram(cost=np.array(cost), size=np.concatenate([base.size, -sizes]),
+                        away=np.concatenate([base.away, held], axis=1),
+                        kept=[keepable[u].name for u in kept], rows=[
+                            (r, 0.0, np.inf)
+                            for r in {tuple(sorted(r.items())): r for r in rows}.values()])
 
 
 def chain_edges(p: StepProfile, producer: int) -> list[tuple[int, int, int]]:
@@ -267,10 +279,10 @@ def chain_edges(p: StepProfile, producer: int) -> list[tuple[int, int, int]]:
     return p.derived(f"rebuild chain {producer}", make)
 
 
-def _solve_nested(program: _Program, forward: np.ndarray, need: np.ndarray,
-                  node_limit: int = NODE_LIMIT) -> np.ndarray | None:
-    """The least-cost cover, by HiGHS within ``node_limit`` branch-and-bound nodes; None
-    when it stops with none.
+def solve_cover(program: CoverProgram, forward: np.ndarray, need: np.ndarray,
+                node_limit: int = NODE_LIMIT) -> np.ndarray | None:
+    """The least-cost cover, by HiGHS within ``node_limit`` branch-and-bound nodes: the
+    0-1 columns chosen; None when it stops with none.
 
     NOTE [nested rows]
         What a recompute frees at a forward row is every candidate past its last
@@ -295,19 +307,24 @@ def _solve_nested(program: _Program, forward: np.ndarray, need: np.ndarray,
             rows += [r] * (len(joining) + 1 + (i > 0))
             cols += [*joining, total + r, *((total + chain[i - 1],) if i else ())]
             vals += [*(-size[joining]), 1.0, *((-1.0,) if i else ())]
+    for r, col, gb in program.terms:
+        rows.append(r)
+        cols.append(col)
+        vals.append(-gb)
     constraints = [LinearConstraint(
         coo_matrix((vals, (rows, cols)), shape=(m, total + m)).tocsr(), 0.0, 0.0)]
-    if program.chain:
-        chain_rows = [(r, col, v) for r, row in enumerate(program.chain)
-                      for col, v in row.items()]
-        r_, c_, v_ = zip(*chain_rows, strict=True)
-        constraints.append(LinearConstraint(coo_matrix(
-            (v_, (r_, c_)), shape=(len(program.chain), total + m)).tocsr(), 0.0, np.inf))
+    if program.rows:
+        r_, c_, v_ = zip(*[(r, col, v) for r, (row, _, _) in enumerate(program.rows)
+                           for col, v in row.items()], strict=True)
+        constraints.append(LinearConstraint(
+            coo_matrix((v_, (r_, c_)), shape=(len(program.rows), total + m)).tocsr(),
+            [lo for _, lo, _ in program.rows], [hi for _, _, hi in program.rows]))
+    upper = np.ones(total) if program.upper is None else program.upper
     res = milp(np.concatenate([program.cost, np.zeros(m)]),
                constraints=constraints,
                integrality=np.concatenate([np.ones(k), np.zeros(total - k + m)]),
                bounds=Bounds(np.concatenate([np.zeros(total), need]),
-                             np.concatenate([np.ones(total), np.full(m, np.inf)])),
+                             np.concatenate([upper, np.full(m, np.inf)])),
                options={"node_limit": node_limit, "mip_rel_gap": MIP_GAP})
     return None if res.x is None else np.asarray(res.x[:k]) > 0.5
 

@@ -82,6 +82,15 @@ NOTE [starting points]
     97.43% from 97.01 (the exact model's own plan retains 97.43); two bert-large-mlm
     layers gain 0.25-1.0 points at 50-90% on a100-80gb. A full reference workload has
     hundreds of candidates and a budget of a few dozen simulations: none run there.
+
+    Where no slack-first cover fits at all (every slack fraction, every margin), the
+    joint covers (NOTE [joint cover] in :mod:`slackswap.planners.joint`) are searched
+    apart, last: on bert-large-mlm@2 at 30% on a100-80gb every cover fell short (a
+    rebuild at the loss re-ran the whole forward), the search settled from a baseline's
+    plan at 58.5%, and from the depth-3 joint cover's plan (77.4) it reaches 77.5%. Last
+    and apart, they never change a plan the other stages make: added to the starts
+    instead, their plans rated best on h100-sxm, h100-pcie and h200 at 30% and led the
+    search 0.2-1.8 points lower than the baselines' starts did.
 """
 
 from __future__ import annotations
@@ -96,6 +105,7 @@ from slackswap.errors import SlackSwapError
 from slackswap.planners import baselines
 from slackswap.planners.bound import relaxed_plan
 from slackswap.planners.context import Candidate, PlanContext
+from slackswap.planners.joint import JOINT_CANDIDATES, JOINT_DEPTHS, choose_joint
 from slackswap.planners.memory import pressure_points
 from slackswap.planners.prefetch import with_prefetch_points
 from slackswap.planners.recompute import chain_edges, chain_seconds, choose_cover, rebuild_cost
@@ -152,6 +162,7 @@ def slackswap(ctx: PlanContext) -> Attempt | None:
             best = attempt
         if best is not None and best[1].stall_s["reload"] == best[1].stall_s["memory"] == 0:
             break  # the copies hide entirely: spending less slack only adds recompute
+    covered = best is not None  # a slack-first cover fits
     best = or_uniform(ctx, best, "slackswap", (Decision.OFFLOAD, Decision.RECOMPUTE))
     if best is not None:
         starts.append(best)
@@ -165,16 +176,20 @@ def slackswap(ctx: PlanContext) -> Attempt | None:
             plan = ctx.plan("slackswap", {n: d for n in names})
             starts.append((plan, ctx.simulate(plan)))
 
-    def more() -> list[Attempt]:  # NOTE [starting points]: the covers with chain columns
-        return [a for offload in offloads for cover in CHAIN_COVERS
-                if (a := _hybrid(ctx, offload, *cover)) is not None]
+    def more() -> tuple[list[Attempt], list[Attempt]]:  # each searched apart: NOTE
+        # [starting points], NOTE [joint cover]
+        chained = [a for offload in offloads for cover in CHAIN_COVERS
+                   if (a := _hybrid(ctx, offload, *cover)) is not None]
+        joint = [a for depth in JOINT_DEPTHS if not covered and len(cands) <= JOINT_CANDIDATES
+                 and (a := _joint(ctx, depth)) is not None]
+        return chained, joint
 
     best = _multi_start(ctx, starts, more)
     return with_prefetch_points(ctx, best) if best[1].feasible else best
 
 
 def _multi_start(ctx: PlanContext, starts: list[Attempt],
-                 more: Callable[[], list[Attempt]]) -> Attempt:
+                 more: Callable[[], tuple[list[Attempt], list[Attempt]]]) -> Attempt:
     """The local search from the best start, then from the next best while simulations
     of its budget are left (NOTE [starting points]), recompute-only's plan joining the
     starts, with the bound's LP solution rounded (``relaxed_plan``), once a search has
@@ -209,15 +224,23 @@ def _multi_start(ctx: PlanContext, starts: list[Attempt],
                 left -= 1
     assert best is not None
     if budget > SEARCH_SIMULATIONS:  # a short step: NOTE [starting points]
-        if chained := more():
-            found, _ = _local_search(ctx, max(chained, key=lambda a: _score(a[1])),
-                                     budget, patience)
-            if _score(found[1]) > _score(best[1]):
-                best = found
+        chained, joint = more()
+        best = _searched_apart(ctx, best, chained, budget, patience)
         best = _checkpoint_kicks(ctx, best, budget, patience)
         if EXCHANGE_SIMULATIONS * len(ctx.candidates) <= budget:
             best = _offload_exchanges(ctx, best, budget, patience)
+        best = _searched_apart(ctx, best, joint, budget, patience)
     return best
+
+
+def _searched_apart(ctx: PlanContext, best: Attempt, starts: list[Attempt], budget: int,
+                    patience: int) -> Attempt:
+    """The better of ``best`` and a local search of its own from the best of ``starts``
+    (NOTE [starting points])."""
+    if not starts:
+        return best
+    found, _ = _local_search(ctx, max(starts, key=lambda a: _score(a[1])), budget, patience)
+    return found if _score(found[1]) > _score(best[1]) else best
 
 
 def _search_budget(ctx: PlanContext) -> int:
@@ -544,5 +567,16 @@ def _hybrid(ctx: PlanContext, offload: list[Candidate], checkpoints: bool = Fals
         decisions: dict[str, str] = {c.name: Decision.OFFLOAD for c in offload}
         decisions.update(cover)
         return ctx.plan("slackswap", decisions)
+
+    return fit_margin(ctx, make)
+
+
+def _joint(ctx: PlanContext, depth: int) -> Attempt | None:
+    """The joint cover's plan (NOTE [joint cover] in :mod:`slackswap.planners.joint`),
+    fitted by margin as the others are."""
+
+    def make(margin: int) -> Plan | None:
+        decisions = choose_joint(ctx, pressure_points(ctx, margin, every=True), depth)
+        return None if decisions is None else ctx.plan("slackswap", decisions)
 
     return fit_margin(ctx, make)
