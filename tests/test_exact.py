@@ -123,10 +123,10 @@ OPEN = {("bert-large-mlm@1", 0.5), ("bert-large-mlm@1", 0.6), ("bert-large-mlm@1
         ("llama-7b@1", 0.7)}
 CASES = [(name, budget) for name in ("bert-large-mlm@1", "llama-7b@1", "gpt2-xl@2")
          for budget in (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9) if (name, budget) not in OPEN] + [
-    # two layers solve in 3-60 s (unproven at 40-60% within a minute), and the gate takes
-    # two fast ones. Not gated and short: at 30% the program proves 81.9% in 33 s, its
-    # plan retains 64.7%, SlackSwap's 77.5% (58.5 before the joint cover; README)
-    ("bert-large-mlm@2", 0.8), ("bert-large-mlm@2", 0.9)]
+    # two layers solve in 3-60 s (unproven at 40 and 50% within a minute), and the gate
+    # takes the fast ones. Not gated and short: at 30% the program proves 81.9% in 27 s,
+    # its plan retains 64.7%, SlackSwap's 77.5% (58.5 before the joint cover; README)
+    ("bert-large-mlm@2", 0.7), ("bert-large-mlm@2", 0.8), ("bert-large-mlm@2", 0.9)]
 
 
 @pytest.mark.slow
@@ -152,14 +152,19 @@ def test_within_half_a_point_of_the_exact_optimum(name: str, budget: float) -> N
 STORED = Path(__file__).parent / "data" / "exact_optima.json"
 # stored cases where the planner is known to fall short of the proven optimum (the
 # comment on OPEN): checked to be short still, so that closing a gap fails until the
-# case is taken out of here
-SHORT: set[tuple[str, float]] = set()
+# case is taken out of here. Two bert-large-mlm layers at 60%: the tightest program
+# proves 93.19% in 212 s and its own plan retains exactly that; SlackSwap 92.48 (its
+# plan pays 0.17 ms more host stall, watching the embeddings in forward to recompute
+# their dropout output; covers that price forward watches reach 93.19 here but lose
+# bert-large-mlm@1 at 70%, 93.28 -> 92.59: README)
+SHORT: set[tuple[str, float]] = {("bert-large-mlm@2", 0.6)}
 
 
 @pytest.mark.parametrize("case", json.loads(STORED.read_text()),
                          ids=lambda c: f"{c['step']}-{c['budget']}")
 def test_within_half_a_point_of_the_tightest_proven_optimum(case: dict) -> None:
-    """The OPEN cases, against the program at its tightest (``op_ends`` and ``tight``):
+    """The OPEN cases and two bert-large-mlm layers at 60%, against the program at its
+    tightest (``op_ends`` and ``tight``):
     solved offline (minutes each: ``benchmarks/exact_gap.py --op-ends --tight --store
     tests/data/exact_optima.json``), its proven optimum is stored with its plan and
     digests of the profile and hardware it was solved for. Here: the same profile and
