@@ -17,6 +17,8 @@ NOTE [rebuild cost]
 
 from __future__ import annotations
 
+import dataclasses
+from bisect import bisect_right
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,9 +29,10 @@ from slackswap.core.plan import MIN_PLANNED_BYTES, Decision
 from slackswap.core.profile import StepProfile
 from slackswap.planners.context import Candidate, PlanContext
 from slackswap.planners.memory import Pressure
+from slackswap.sim.host import packs
 
 __all__ = ["rebuild_cost", "kernel_cost", "chain_edges", "chain_seconds", "choose_recompute",
-           "choose_cover", "CoverProgram", "solve_cover", "row_tie"]
+           "choose_cover", "CoverProgram", "solve_cover", "row_tie", "with_watches"]
 
 
 def rebuild_cost(ctx: PlanContext, c: Candidate) -> float:
@@ -107,11 +110,13 @@ def choose_cover(
     credit: dict[int, int] | None = None,
     checkpoints: bool = False,
     shared: bool = False,
+    watches: bool = False,
 ) -> dict[str, Decision] | None:
     """Activations to recompute and, with ``checkpoints``, never-saved tensors to keep as
     checkpoints; ``shared``, each op a rebuild re-runs is paid once (NOTE [chain
-    columns]); ``credit[op]`` is what other evictions already free at ``op``. None when
-    even recomputing every candidate cannot cover the excess."""
+    columns]); ``watches``, the host's cost of watching forward segments counts (NOTE
+    [watch columns]); ``credit[op]`` is what other evictions already free at ``op``.
+    None when even recomputing every candidate cannot cover the excess."""
     credit = credit or {}
     candidates = [c for c in candidates if c.name in ctx.profile.recomputable]
     rows = [(pt, pt.excess - credit.get(pt.op, 0)) for pt in points]
@@ -138,6 +143,8 @@ def choose_cover(
         program = _with_chains(ctx, candidates, ops, forward, tie, program, checkpoints,
                                shared)
         node_limit = CHAIN_NODE_LIMIT
+    if watches:
+        program = with_watches(ctx, candidates, program)
     res = solve_cover(program, forward, need, node_limit)
     chosen = res if res is not None else _greedy_cover(away * size, need, cost)
     recomputed = [c for c, x in zip(candidates, chosen, strict=False) if x]
@@ -145,6 +152,49 @@ def choose_cover(
     cover = {c.name: Decision.RECOMPUTE for c in recomputed}
     cover.update({name: Decision.KEEP for name in _read(ctx.profile, recomputed, kept)})
     return cover
+
+
+def with_watches(ctx: PlanContext, candidates: list[Candidate], program: CoverProgram
+                 ) -> CoverProgram:
+    """``program`` with a column per forward segment a recompute makes the runtime watch
+    (NOTE [watch columns]).
+
+    NOTE [watch columns]
+        The runtime watches each forward module segment that holds an op a rebuild
+        re-runs (``runtime/watch.py``), at ``watch_s`` of host time per op. Where the
+        GPU is well ahead of the host, watching hides; at the start of forward, where
+        embedding lookups take microseconds, it is the step's time: on two
+        bert-large-mlm layers at 60%, recomputing the embeddings' dropout output costs
+        0.17 ms more host stall than the best plan pays. So each segment whose watch
+        costs more host time than the GPU's lead there (its first op's start in the
+        keep-all step, less the host's dispatches and packs by then) is a column at that
+        excess, at least every column of a recompute whose rebuild re-runs an op in it:
+        paid once per segment, however many rebuilds it serves. (Leads consumed by
+        earlier watches are not counted: the simulator judges.) The planner runs once
+        with these columns and once without and keeps the better plan (NOTE [starting
+        points] in :mod:`slackswap.planners.slackswap`).
+    """
+    p, host = ctx.profile, ctx.hw.host
+    if not p.module_events or host.watch_s == 0:
+        return program
+    # imported here: runtime.watch imports the schedule through runtime.checks
+    from slackswap.runtime.watch import forward_segments
+
+    packed = sorted(before for _, before in packs(p))
+    cost = list(program.cost)
+    upper = list(np.ones(len(cost)) if program.upper is None else program.upper)
+    rows = list(program.rows)
+    reruns = [{c.producer, *(r for _, _, r in chain_edges(p, c.producer))} for c in candidates]
+    for start, end in forward_segments(p):
+        issued = (start + 1) * host.dispatch_s + host.pack_s * bisect_right(packed, start)
+        excess = host.watch_s * (end - start) - max(ctx.op_start[start] - issued, 0.0)
+        readers = [i for i, ops in enumerate(reruns) if any(start <= q < end for q in ops)]
+        if excess <= 0 or not readers:
+            continue
+        cost.append(excess * 1e3)
+        upper.append(1.0)
+        rows += [({len(cost) - 1: 1.0, i: -1.0}, 0.0, np.inf) for i in readers]
+    return dataclasses.replace(program, cost=np.array(cost), upper=np.array(upper), rows=rows)
 
 
 def row_tie(ctx: PlanContext, candidates: list[Candidate]) -> np.ndarray:
