@@ -420,6 +420,79 @@ def _sets(choice: tuple[str, ...], names: list[str]) -> tuple[set[str], set[str]
             {n for n, d in zip(names, choice, strict=True) if d == "o"})
 
 
+def _covers(ctx: PlanContext, points, chosen) -> bool:
+    """Every point's excess freed by the recomputes of ``chosen`` (``evicted_at``)."""
+    return all(sum(c.bytes for c in chosen if evicted_at(c, pt.op, ctx)) >= pt.excess
+               for pt in points)
+
+
+def _watch_priced(ctx: PlanContext, chosen) -> float:
+    """Seconds a cover with watch columns prices ``chosen`` at, written apart from it: its
+    rebuilds, plus each forward segment holding an op they re-run, at the host's watch
+    time there beyond the GPU's keep-all lead (less dispatches and packs by then)."""
+    from slackswap.runtime.watch import forward_segments
+    from slackswap.sim.host import packs
+
+    p, host = ctx.profile, ctx.hw.host
+    before = [b for _, b in packs(p)]
+    ops: set[int] = set()
+    for c in chosen:
+        stack = [c.producer]
+        ops.add(c.producer)
+        while stack:
+            for tid in p.ops[stack.pop()].inputs:
+                if tid in p.never_saved and p.tensors[tid].producer not in ops:
+                    ops.add(p.tensors[tid].producer)
+                    stack.append(p.tensors[tid].producer)
+    watched = 0.0
+    for start, end in forward_segments(p):
+        if any(start <= q < end for q in ops):
+            issued = (start + 1) * host.dispatch_s + host.pack_s * sum(b <= start for b in before)
+            lead = max(ctx.op_start[start] - issued, 0.0)
+            watched += max(host.watch_s * (end - start) - lead, 0.0)
+    return sum(recompute.rebuild_cost(ctx, c) for c in chosen) + watched
+
+
+def test_covers_that_price_watches_cost_the_least_of_every_choice() -> None:
+    """Covers with watch columns (NOTE [watch columns]) on block steps with module
+    segments and a host that watches: against every recompute set, each row checked
+    densely and each set priced apart (its rebuilds, plus each forward segment they
+    re-run an op in, at the host's watch time there beyond the GPU's lead), the cover is
+    covered at the least cost. (Where pricing watches changes the plan: two
+    bert-large-mlm layers at 60%, gated in ``tests/test_exact.py``.)"""
+    from itertools import combinations
+
+    from stepgraphs import block_step, with_host
+
+    checked = 0
+    for seed in range(400):
+        rng = random.Random(seed)
+        profile = block_step(rng, rng.randint(1, 2))
+        forward = sum(op.phase == "forward" for op in profile.ops)
+        seg = random.Random(-seed)
+        profile.module_events = sorted(seg.sample(range(1, forward + 1),
+                                                  seg.randint(1, forward)))
+        hw = with_host(link_hardware(1e9, 1e9, 1e9, 1e9, 0.0), dispatch_s=2e-6, pack_s=3e-5,
+                       watch_s=rng.uniform(2e-4, 4e-3), replay_s=0.0, unpack_s=0.0)
+        ctx = PlanContext(profile, hw, int(rng.uniform(0.3, 0.9) * profile.keep_all_peak))
+        points = pressure_points(ctx, 0)
+        cands = [c for c in ctx.candidates if c.name in profile.recomputable]
+        if not points or not cands or len(cands) > 10:
+            continue
+        sets = [x for r in range(len(cands) + 1) for x in combinations(cands, r)
+                if _covers(ctx, points, x)]
+        cover = recompute.choose_cover(ctx, ctx.candidates, points, watches=True)
+        if not sets:
+            assert cover is None, seed
+            continue
+        chosen = [c for c in cands if cover.get(c.name) == "recompute"]
+        assert _covers(ctx, points, chosen), seed
+        least = min(_watch_priced(ctx, x) for x in sets)
+        assert _watch_priced(ctx, chosen) <= least * (1 + 6e-3) + 1e-12, seed
+        checked += 1
+    assert checked >= 20, checked
+
+
 def test_the_best_assignment_on_small_steps() -> None:
     """On small random steps (3 to 7 planable activations, every budget from 30%), the
     plan retains within half a point of the best of all 3^n keep/offload/recompute
