@@ -147,8 +147,10 @@ STARTS = (baselines.capuchin, baselines.offload_only, baselines.checkpoint_block
 
 
 def slackswap(ctx: PlanContext) -> Attempt | None:
+    """SlackSwap's plan for ``ctx`` and its simulated result (NOTE [slack], NOTE
+    [starting points])."""
     best = _pipeline(ctx, watches=False)
-    priced = ctx.profile.module_events and ctx.hw.host.watch_s > 0
+    priced = bool(ctx.profile.module_events) and ctx.hw.host.watch_s > 0
     if priced and _search_budget(ctx) > SEARCH_SIMULATIONS:  # a short step: once more
         other = _pipeline(ctx, watches=True)  # NOTE [watch columns]
         if other is not None and (best is None or _score(other[1]) > _score(best[1])):
@@ -204,7 +206,8 @@ def _pipeline(ctx: PlanContext, watches: bool) -> Attempt | None:
         # [starting points], NOTE [joint cover]
         chained = [a for offload in offloads for cover in CHAIN_COVERS
                    if (a := _hybrid(ctx, offload, *cover, watches)) is not None]
-        joint = [a for depth in JOINT_DEPTHS if not covered and len(cands) <= JOINT_CANDIDATES
+        joint = [a for depth in JOINT_DEPTHS  # (the same in both runs: made in the first)
+                 if not (covered or watches) and len(cands) <= JOINT_CANDIDATES
                  and (a := _joint(ctx, depth)) is not None]
         return chained, joint
 
