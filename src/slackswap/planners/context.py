@@ -66,8 +66,9 @@ class PlanContext:
         self.simulations = 0  # plans simulated so far: searches spend them
 
     def attempt(self, strategy: Callable[[PlanContext], Any]) -> Any:
-        """``strategy(self)``, worked out once per context: SlackSwap starts from the
-        baselines' plans (NOTE [starting points]) and ``reproduce`` compares them."""
+        """``strategy(self)`` (a strategy, or any function of the context alone), worked
+        out once per context: SlackSwap starts from the baselines' plans (NOTE [starting
+        points]) and ``reproduce`` compares them."""
         if strategy not in self._attempts:
             self._attempts[strategy] = strategy(self)
         return self._attempts[strategy]

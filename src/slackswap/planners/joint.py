@@ -39,8 +39,8 @@ from slackswap.planners.context import PlanContext
 from slackswap.planners.memory import Pressure
 from slackswap.planners.recompute import (
     CoverProgram,
-    chain_edges,
     rebuild_cost,
+    rebuild_ops,
     row_tie,
     solve_cover,
 )
@@ -140,9 +140,8 @@ def _pulls(ctx: PlanContext, backward_rows: np.ndarray, depth: int
     index = {c.tensor: j for j, c in enumerate(cands)}
     reads: list[list[int]] = []
     for i, c in enumerate(cands):
-        chain_ops = dict.fromkeys([c.producer, *(r for _, _, r in chain_edges(p, c.producer))])
         reads.append(list(dict.fromkeys(
-            j for q in chain_ops for tid in p.ops[q].inputs
+            j for q in rebuild_ops(p, c.producer) for tid in p.ops[q].inputs
             if (j := index.get(tid)) is not None and j != i)))
     recomputable = p.recomputable
     found: dict[int, list[tuple[int, Path]]] = {}

@@ -32,7 +32,8 @@ from slackswap.planners.memory import Pressure
 from slackswap.sim.host import packs
 
 __all__ = ["rebuild_cost", "kernel_cost", "chain_edges", "chain_seconds", "choose_recompute",
-           "choose_cover", "CoverProgram", "solve_cover", "row_tie", "with_watches"]
+           "choose_cover", "CoverProgram", "solve_cover", "row_tie", "with_watches",
+           "rebuild_ops"]
 
 
 def rebuild_cost(ctx: PlanContext, c: Candidate) -> float:
@@ -184,7 +185,7 @@ def with_watches(ctx: PlanContext, candidates: list[Candidate], program: CoverPr
     cost = list(program.cost)
     upper = list(np.ones(len(cost)) if program.upper is None else program.upper)
     rows = list(program.rows)
-    reruns = [{c.producer, *(r for _, _, r in chain_edges(p, c.producer))} for c in candidates]
+    reruns = [rebuild_ops(p, c.producer) for c in candidates]
     for start, end in forward_segments(p):
         issued = (start + 1) * host.dispatch_s + host.pack_s * bisect_right(packed, start)
         excess = host.watch_s * (end - start) - max(ctx.op_start[start] - issued, 0.0)
@@ -307,6 +308,12 @@ def _with_chains(ctx: PlanContext, candidates: list[Candidate], ops: np.ndarray,
                         kept=[keepable[u].name for u in kept], rows=[
                             (r, 0.0, np.inf)
                             for r in {tuple(sorted(r.items())): r for r in rows}.values()])
+
+
+def rebuild_ops(p: StepProfile, producer: int) -> list[int]:
+    """The ops a rebuild from ``producer`` re-runs: it, then each never-saved tensor's
+    producer on its chain (``chain_edges``), each once, in that order."""
+    return list(dict.fromkeys([producer, *(r for _, _, r in chain_edges(p, producer))]))
 
 
 def chain_edges(p: StepProfile, producer: int) -> list[tuple[int, int, int]]:

@@ -246,7 +246,8 @@ def _multi_start(ctx: PlanContext, starts: list[Attempt],
             if other is not None:
                 pending.append((ctx.plan("slackswap", dict(other[0].decisions)), other[1]))
             pending.sort(key=lambda a: _score(a[1]), reverse=True)
-            if (relaxed := relaxed_plan(ctx)) is not None:  # first: it often does not fit
+            if (relaxed := ctx.attempt(relaxed_plan)) is not None:  # first: it often
+                # does not fit (worked out once: the second run of a short step reuses it)
                 plan = ctx.plan("slackswap", relaxed)  # as rounded, yet starts a search
                 pending.insert(0, (plan, ctx.simulate(plan)))  # in another basin
                 left -= 1
