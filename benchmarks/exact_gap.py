@@ -7,9 +7,10 @@ For each step and budget: SlackSwap's simulated retention, the integer program's
 plan, simulated. Where that plan reaches the optimum the best plan is known exactly, and
 a gap there is the planner's. ``--op-ends --tight`` is the program at its tightest
 (NOTE [tight timing] in ``planners/bound.py``): minutes per case instead of seconds.
-Profiles are cached as ``slackswap reproduce`` caches them. ``--store`` adds each proven
-optimum, with the program's plan and digests of the profile and hardware it was solved
-for, to a JSON file (``tests/data/exact_optima.json`` is the gate's: ``tests/test_exact.py``).
+Profiles are cached as ``slackswap reproduce`` caches them. ``--store`` adds each bound,
+proven or the solver's dual bound at its time limit (a retention no plan exceeds either
+way), with the program's plan and digests of the profile and hardware it was solved for,
+to a JSON file (``tests/data/exact_optima.json`` is the gate's: ``tests/test_exact.py``).
 """
 
 from __future__ import annotations
@@ -17,15 +18,29 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import slackswap
+from slackswap.core.hardware import Hardware
 from slackswap.core.jsonio import atomic_write_text, content_digest
 from slackswap.models.presets import with_layers
 from slackswap.planners import STRATEGIES
 from slackswap.planners.context import PlanContext
 from slackswap.planners.exact import exact_optimum
 from slackswap.reproduce import cached_profile
+
+
+def small_contexts(steps: str, budgets: str, hw: Hardware
+                   ) -> Iterator[tuple[str, float, PlanContext | None]]:
+    """Each step (``name@layers``, comma-separated) at each budget (fractions of its
+    keep-all peak): its planning context, or None below the step's working set."""
+    for step in steps.split(","):
+        base, layers = step.split("@")
+        profile = cached_profile(with_layers(base, int(layers)), hw)
+        for budget in (float(b) for b in budgets.split(",")):
+            ctx = PlanContext(profile, hw, int(budget * profile.keep_all_peak))
+            yield step, budget, ctx if ctx.reachable else None
 
 
 def main() -> None:
@@ -40,35 +55,32 @@ def main() -> None:
     args = parser.parse_args()
     stored = json.loads(args.store.read_text()) if args.store and args.store.exists() else []
     hw = slackswap.load_hardware(args.hardware)
-    print(f"{'step':18s} {'budget':>6s} {'slackswap':>9s} {'optimum':>8s} {'proven':>6s} "
+    print(f"{'step':18s} {'budget':>6s} {'slackswap':>9s} {'bound':>8s} {'proven':>6s} "
           f"{'its plan':>8s} {'gap':>6s} {'solve':>6s}")
-    for step in args.steps.split(","):
-        base, layers = step.split("@")
-        profile = cached_profile(with_layers(base, int(layers)), hw)
-        for budget in (float(b) for b in args.budgets.split(",")):
-            ctx = PlanContext(profile, hw, int(budget * profile.keep_all_peak))
-            if not ctx.reachable:
-                print(f"{step:18s} {budget:6.0%} below the step's working set")
-                continue
-            start = time.perf_counter()
-            exact = exact_optimum(ctx, time_limit_s=args.time_limit, op_ends=args.op_ends,
-                                  tight=args.tight)
-            solve = time.perf_counter() - start
-            ours = ctx.attempt(STRATEGIES["slackswap"])[1].retention
-            print(f"{step:18s} {budget:6.0%} {ours:9.2%} {exact.bound:8.2%} "
-                  f"{'yes' if exact.proven else 'no':>6s} {exact.achieved:8.2%} "
-                  f"{(exact.bound - ours) * 100:6.2f} {solve:5.0f}s", flush=True)
-            if args.store and exact.proven and exact.plan is not None:
-                entry = {"step": step, "budget": budget, "hardware": args.hardware,
-                         "op_ends": args.op_ends, "tight": args.tight, "optimum": exact.bound,
-                         "plan": {"decisions": exact.plan.decisions,
-                                  "prefetch": exact.plan.prefetch},
-                         "plan_retention": exact.achieved,
-                         "profile_digest": content_digest(profile),
-                         "hardware_digest": content_digest(hw)}
-                stored = [e for e in stored if (e["step"], e["budget"], e["hardware"])
-                          != (step, budget, args.hardware)] + [entry]
-                atomic_write_text(args.store, json.dumps(stored, indent=1) + "\n")
+    for step, budget, ctx in small_contexts(args.steps, args.budgets, hw):
+        if ctx is None:
+            print(f"{step:18s} {budget:6.0%} below the step's working set")
+            continue
+        start = time.perf_counter()
+        exact = exact_optimum(ctx, time_limit_s=args.time_limit, op_ends=args.op_ends,
+                              tight=args.tight)
+        solve = time.perf_counter() - start
+        ours = ctx.attempt(STRATEGIES["slackswap"])[1].retention
+        print(f"{step:18s} {budget:6.0%} {ours:9.2%} {exact.bound:8.2%} "
+              f"{'yes' if exact.proven else 'no':>6s} {exact.achieved:8.2%} "
+              f"{(exact.bound - ours) * 100:6.2f} {solve:5.0f}s", flush=True)
+        if args.store and exact.plan is not None:
+            entry = {"step": step, "budget": budget, "hardware": args.hardware,
+                     "op_ends": args.op_ends, "tight": args.tight, "bound": exact.bound,
+                     "proven": exact.proven, "time_limit_s": args.time_limit,
+                     "plan": {"decisions": exact.plan.decisions,
+                              "prefetch": exact.plan.prefetch},
+                     "plan_retention": exact.achieved,
+                     "profile_digest": content_digest(ctx.profile),
+                     "hardware_digest": content_digest(hw)}
+            stored = [e for e in stored if (e["step"], e["budget"], e["hardware"])
+                      != (step, budget, args.hardware)] + [entry]
+            atomic_write_text(args.store, json.dumps(stored, indent=1) + "\n")
 
 
 if __name__ == "__main__":

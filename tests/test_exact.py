@@ -124,8 +124,10 @@ OPEN = {("bert-large-mlm@1", 0.5), ("bert-large-mlm@1", 0.6), ("bert-large-mlm@1
 CASES = [(name, budget) for name in ("bert-large-mlm@1", "llama-7b@1", "gpt2-xl@2")
          for budget in (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9) if (name, budget) not in OPEN] + [
     # two layers solve in 3-60 s (unproven at 40 and 50% within a minute), and the gate
-    # takes the fast ones. Not gated and short: at 30% the program proves 81.9% in 27 s,
-    # its plan retains 64.7%, SlackSwap's 77.5% (58.5 before the joint cover; README)
+    # takes the fast ones (50 and 60% are gated against stored bounds, below). Not gated
+    # and short: at 30% the program proves 81.9% in 27 s, its plan retains 64.7%,
+    # SlackSwap's 77.5% (58.5 before the joint cover; README); at 40%, 85.09% against a
+    # bound of 86.78% (benchmarks/best_known.py finds a plan at 85.54%)
     ("bert-large-mlm@2", 0.7), ("bert-large-mlm@2", 0.8), ("bert-large-mlm@2", 0.9)]
 
 
@@ -150,36 +152,38 @@ def test_within_half_a_point_of_the_exact_optimum(name: str, budget: float) -> N
 
 
 STORED = Path(__file__).parent / "data" / "exact_optima.json"
-# stored cases where the planner is known to fall short of the proven optimum (the
-# comment on OPEN): checked to be short still, so that closing a gap fails until the
-# case is taken out of here. (Two bert-large-mlm layers at 60%, stored with the tightest
-# program's proven optimum, 93.19% in 212 s, were short at 92.48 until the planner also
-# ran with the host's forward watches priced: NOTE [watch columns])
+# stored cases where the planner is known to fall short of the bound (the comment on
+# OPEN): checked to be short still, so that closing a gap fails until the case is taken
+# out of here. (Two bert-large-mlm layers at 60%, stored with the tightest program's
+# proven optimum, 93.19% in 212 s, were short at 92.48 until the planner also ran with
+# the host's forward watches priced: NOTE [watch columns])
 SHORT: set[tuple[str, float]] = set()
 
 
 @pytest.mark.parametrize("case", json.loads(STORED.read_text()),
                          ids=lambda c: f"{c['step']}-{c['budget']}")
-def test_within_half_a_point_of_the_tightest_proven_optimum(case: dict) -> None:
-    """The OPEN cases and two bert-large-mlm layers at 60%, against the program at its
-    tightest (``op_ends`` and ``tight``):
-    solved offline (minutes each: ``benchmarks/exact_gap.py --op-ends --tight --store
-    tests/data/exact_optima.json``), its proven optimum is stored with its plan and
-    digests of the profile and hardware it was solved for. Here: the same profile and
-    hardware (or regenerate), the stored plan still simulates to what it did and under
-    the optimum, and SlackSwap retains within half a point of it (except in ``SHORT``)."""
+def test_within_half_a_point_of_the_tightest_bound(case: dict) -> None:
+    """The OPEN cases and two bert-large-mlm layers at 50 and 60%, against the program
+    at its tightest (``op_ends`` and ``tight``): solved offline (minutes each:
+    ``benchmarks/exact_gap.py --op-ends --tight --store tests/data/exact_optima.json``),
+    its bound is stored with its plan and digests of the profile and hardware it was
+    solved for. The bound is the proven optimum or, where the solver stopped at its time
+    limit, its dual bound (``proven`` false): a retention no plan exceeds either way.
+    Here: the same profile and hardware (or regenerate), the stored plan still simulates
+    to what it did and under the bound, and SlackSwap retains within half a point of it
+    (except in ``SHORT``)."""
     profile, hw = small(case["step"]), slackswap.load_hardware(case["hardware"])
     assert (content_digest(profile), content_digest(hw)) == (
         case["profile_digest"], case["hardware_digest"]), (
-        "the profile or hardware changed since the optimum was solved: regenerate "
+        "the profile or hardware changed since the bound was solved: regenerate "
         "tests/data/exact_optima.json as its test says")
     ctx = PlanContext(profile, hw, int(case["budget"] * profile.keep_all_peak))
     plan = ctx.plan("exact", case["plan"]["decisions"], case["plan"]["prefetch"])
     assert ctx.simulate(plan).retention == pytest.approx(case["plan_retention"], abs=1e-12)
-    assert case["plan_retention"] <= case["optimum"] + 1e-9
+    assert case["plan_retention"] <= case["bound"] + 1e-9
     ours = ctx.attempt(STRATEGIES["slackswap"])[1].retention
-    assert ours <= case["optimum"] + 1e-9
+    assert ours <= case["bound"] + 1e-9
     if (case["step"], case["budget"]) in SHORT:
-        assert ours < case["optimum"] - 0.005, "the gap is closed: take the case out of SHORT"
+        assert ours < case["bound"] - 0.005, "the gap is closed: take the case out of SHORT"
     else:
-        assert ours >= case["optimum"] - 0.005
+        assert ours >= case["bound"] - 0.005

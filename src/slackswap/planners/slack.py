@@ -8,7 +8,8 @@ import math
 from slackswap.planners.context import Candidate, PlanContext
 from slackswap.planners.memory import evicted_at
 
-__all__ = ["d2h_landing", "reloads_in_time", "offload_within_slack", "eviction_credit"]
+__all__ = ["d2h_landing", "reloads_in_time", "offload_within_slack", "eviction_credit",
+           "latency_bound"]
 
 
 def d2h_landing(ctx: PlanContext, chosen: list[Candidate]) -> dict[str, float] | None:
@@ -40,6 +41,14 @@ def offload_within_slack(ctx: PlanContext, order: list[Candidate]) -> list[Candi
         if d2h_landing(ctx, trial) is not None and reloads_in_time(ctx, trial):
             chosen = trial
     return chosen
+
+
+def latency_bound(ctx: PlanContext, c: Candidate) -> bool:
+    """Whether ``c``'s copy spends longer on the link's fixed latency than on its bytes:
+    offloading it frees less memory than the link time it takes would free on a larger
+    copy (a layer norm's statistics, tens of KiB against 250 KiB per 10 us at 25 GB/s)."""
+    link = ctx.hw.host_link
+    return c.bytes < link.latency_s * link.d2h_bandwidth
 
 
 def eviction_credit(ctx: PlanContext, offload: list[Candidate], ops: list[int]

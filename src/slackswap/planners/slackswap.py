@@ -88,12 +88,19 @@ NOTE [starting points]
     own plan reaches 89.71), on six presets' one- and two-layer steps up to 1.14 (h100-sxm,
     bert-large-mlm@2 at 90%); the full reference workloads' plans are unchanged.
 
-    On a short step all of this runs twice, the second time with covers that price the
-    host's forward watches (NOTE [watch columns] in :mod:`slackswap.planners.recompute`),
-    and the better plan is kept: bert-large-mlm@2 at 60% reaches the exact model's proven
-    optimum, 93.19% (92.48), bert-large at 50% gains 0.14 points. Priced in the one run
-    instead, they moved bert-large-mlm@1 at 70% off its optimum (93.28 to 92.59): the
-    kick's basin is another.
+    On a short step all of this runs twice, the second time with each operation's fixed
+    costs priced, and the better plan is kept. The covers price the host's forward
+    watches (NOTE [watch columns] in :mod:`slackswap.planners.recompute`): bert-large-mlm@2
+    at 60% reaches the exact model's proven optimum, 93.19% (92.48), bert-large at 50%
+    gains 0.14 points. And the slack leaves out the copies the link's latency dominates
+    (``latency_bound``: a layer norm's statistics, 32 KiB against 250 KiB that the
+    link's 10 us would carry): each costs its latency twice whenever the link is busy,
+    which the slack, fixed in the keep-all timeline, does not see once recomputation
+    stretches backward. On bert-large-mlm@2 at 50% the first run's plan offloads eight of
+    them; the second run's keeps them and reaches 89.68% (89.09; the best plan known,
+    from a long randomized search, 89.71). Priced in the one run instead, the watches
+    moved bert-large-mlm@1 at 70% off its optimum (93.28 to 92.59), and so did the
+    latency (to 92.77): the kick's basin is another.
 
     Where no slack-first cover fits at all (every slack fraction, every margin), the
     joint covers (NOTE [joint cover] in :mod:`slackswap.planners.joint`) are searched
@@ -122,7 +129,7 @@ from slackswap.planners.memory import pressure_points
 from slackswap.planners.prefetch import with_prefetch_points
 from slackswap.planners.recompute import chain_edges, chain_seconds, choose_cover, rebuild_cost
 from slackswap.planners.search import Attempt, fit_margin, or_uniform
-from slackswap.planners.slack import eviction_credit, offload_within_slack
+from slackswap.planners.slack import eviction_credit, latency_bound, offload_within_slack
 
 __all__ = ["slackswap", "SLACK_FRACTIONS", "SEARCH_SIMULATIONS"]
 
@@ -149,18 +156,22 @@ STARTS = (baselines.capuchin, baselines.offload_only, baselines.checkpoint_block
 def slackswap(ctx: PlanContext) -> Attempt | None:
     """SlackSwap's plan for ``ctx`` and its simulated result (NOTE [slack], NOTE
     [starting points])."""
-    best = _pipeline(ctx, watches=False)
+    best = _pipeline(ctx, overheads=False)
     priced = bool(ctx.profile.module_events) and ctx.hw.host.watch_s > 0
-    if priced and _search_budget(ctx) > SEARCH_SIMULATIONS:  # a short step: once more
-        other = _pipeline(ctx, watches=True)  # NOTE [watch columns]
+    if (priced or any(latency_bound(ctx, c) for c in ctx.candidates)) and (
+            _search_budget(ctx) > SEARCH_SIMULATIONS):  # a short step: once more
+        other = _pipeline(ctx, overheads=True)  # NOTE [starting points]
         if other is not None and (best is None or _score(other[1]) > _score(best[1])):
             best = other
     return best
 
 
-def _pipeline(ctx: PlanContext, watches: bool) -> Attempt | None:
-    """Every stage of NOTE [starting points], the covers with the host's watches priced
-    or not (NOTE [watch columns] in :mod:`slackswap.planners.recompute`)."""
+def _pipeline(ctx: PlanContext, overheads: bool) -> Attempt | None:
+    """Every stage of NOTE [starting points]; with ``overheads``, the fixed costs of each
+    operation priced: covers with the host's watches (NOTE [watch columns] in
+    :mod:`slackswap.planners.recompute`), and no copy in the slack that the link's
+    latency dominates (``latency_bound``)."""
+    watches = overheads
     cands = ctx.candidates
     cost = {c.name: rebuild_cost(ctx, c) for c in cands}
     # per byte of everything the producer saves: rebuilding one output rebuilds them all
@@ -168,7 +179,8 @@ def _pipeline(ctx: PlanContext, watches: bool) -> Attempt | None:
     for c in cands:
         made[c.producer] += c.bytes
     order = sorted(cands, key=lambda c: (-cost[c.name] / made[c.producer], c.producer))
-    slack = offload_within_slack(ctx, order)
+    slack = offload_within_slack(
+        ctx, [c for c in order if not (overheads and latency_bound(ctx, c))])
     total = sum(c.bytes for c in slack)
     best: Attempt | None = None
     starts: list[Attempt] = []
