@@ -99,6 +99,7 @@ from scipy.sparse import coo_matrix
 from slackswap.core.plan import MIN_PLANNED_BYTES, Decision
 from slackswap.planners.context import PlanContext
 from slackswap.planners.memory import Pressure, pressure_points
+from slackswap.planners.quiet import solver_output_off
 from slackswap.sim.host import packs
 
 __all__ = ["retention_bound"]
@@ -986,9 +987,11 @@ class _BoundLP:
         # decisions are 0 or 1; what is unbounded (idle, rebuild time) is continuous
         integrality = (self.upper <= 1).astype(float) if integral else np.zeros(self.cols)
         options = {} if time_limit_s is None else {"time_limit": time_limit_s}
-        res = milp(self.objective(), constraints=LinearConstraint(a, -np.inf, np.array(self.rhs)),
-                   bounds=Bounds(np.zeros(self.cols), self.upper), integrality=integrality,
-                   options=options)
+        with solver_output_off():  # NOTE [solver output] in planners/quiet.py
+            res = milp(self.objective(),
+                       constraints=LinearConstraint(a, -np.inf, np.array(self.rhs)),
+                       bounds=Bounds(np.zeros(self.cols), self.upper),
+                       integrality=integrality, options=options)
         self.x = res.x
         if res.status == 2:
             return None

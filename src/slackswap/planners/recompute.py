@@ -29,6 +29,7 @@ from slackswap.core.plan import MIN_PLANNED_BYTES, Decision
 from slackswap.core.profile import StepProfile
 from slackswap.planners.context import Candidate, PlanContext
 from slackswap.planners.memory import Pressure
+from slackswap.planners.quiet import solver_output_off
 from slackswap.sim.host import packs
 
 __all__ = ["rebuild_cost", "kernel_cost", "chain_edges", "chain_seconds", "choose_recompute",
@@ -377,12 +378,13 @@ def solve_cover(program: CoverProgram, forward: np.ndarray, need: np.ndarray,
             coo_matrix((v_, (r_, c_)), shape=(len(program.rows), total + m)).tocsr(),
             [lo for _, lo, _ in program.rows], [hi for _, _, hi in program.rows]))
     upper = np.ones(total) if program.upper is None else program.upper
-    res = milp(np.concatenate([program.cost, np.zeros(m)]),
-               constraints=constraints,
-               integrality=np.concatenate([np.ones(k), np.zeros(total - k + m)]),
-               bounds=Bounds(np.concatenate([np.zeros(total), need]),
-                             np.concatenate([upper, np.full(m, np.inf)])),
-               options={"node_limit": node_limit, "mip_rel_gap": MIP_GAP})
+    with solver_output_off():  # NOTE [solver output] in planners/quiet.py
+        res = milp(np.concatenate([program.cost, np.zeros(m)]),
+                   constraints=constraints,
+                   integrality=np.concatenate([np.ones(k), np.zeros(total - k + m)]),
+                   bounds=Bounds(np.concatenate([np.zeros(total), need]),
+                                 np.concatenate([upper, np.full(m, np.inf)])),
+                   options={"node_limit": node_limit, "mip_rel_gap": MIP_GAP})
     return None if res.x is None else np.asarray(res.x[:k]) > 0.5
 
 
