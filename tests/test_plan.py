@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import random
+from collections.abc import Iterator
 
 import pytest
 from stepgraphs import NO_HOST, Op, T, best_assignment, build, link_hardware, random_step
@@ -16,6 +17,7 @@ from slackswap.planners import STRATEGIES, plan_with_result, recompute, smallest
 from slackswap.planners.bound import retention_bound
 from slackswap.planners.context import PlanContext
 from slackswap.planners.memory import evicted_at, pressure_points
+from slackswap.planners.search import score, scores_better
 from slackswap.reproduce import cached_profile
 
 MS = 1e-3
@@ -493,19 +495,25 @@ def test_covers_that_price_watches_cost_the_least_of_every_choice() -> None:
     assert checked >= 20, checked
 
 
+def _random_contexts(seeds: int, most_ops: int) -> Iterator[tuple[int, PlanContext]]:
+    """Random steps of 3 to ``most_ops`` forward ops on a link of random speed, at 30 to
+    90% of their peaks: (seed, context)."""
+    for seed in range(seeds):
+        rng = random.Random(seed)
+        profile = random_step(rng, rng.randint(3, most_ops))
+        rate = rng.uniform(2e7, 5e8)
+        hw = link_hardware(rate, rate, rate, rate * rng.uniform(0.3, 1), host=NO_HOST)
+        yield seed, PlanContext(profile, hw, int(rng.choice([0.3, 0.5, 0.7, 0.9])
+                                                 * profile.keep_all_peak))
+
+
 def test_the_best_assignment_on_small_steps() -> None:
     """On small random steps (3 to 7 planable activations, every budget from 30%), the
     plan retains within half a point of the best of all 3^n keep/offload/recompute
     assignments, each simulated (reload timing is the simulator's; an exact model that
     also chooses it is open work)."""
     checked = 0
-    for seed in range(120):
-        rng = random.Random(seed)
-        profile = random_step(rng, rng.randint(3, 10))
-        rate = rng.uniform(2e7, 5e8)
-        hw = link_hardware(rate, rate, rate, rate * rng.uniform(0.3, 1), host=NO_HOST)
-        ctx = PlanContext(profile, hw,
-                          int(rng.choice([0.3, 0.5, 0.7, 0.9]) * profile.keep_all_peak))
+    for seed, ctx in _random_contexts(120, 10):
         names = [c.name for c in ctx.candidates]
         if not ctx.reachable or not 3 <= len(names) <= 7:
             continue
@@ -629,3 +637,27 @@ def test_planning_writes_nothing_to_stdout(capfd) -> None:
     ctx = PlanContext(profile, hw, int(0.5 * profile.keep_all_peak))
     assert ctx.attempt(STRATEGIES["slackswap"])[1].feasible
     assert capfd.readouterr().out == ""
+
+
+def test_the_perturbed_search_finds_the_best_assignment_and_never_loses() -> None:
+    """NOTE [perturbed search] on small random steps, from keep-all: never worse than its
+    start, the same plan again with the same seed, and, given ten times as many plans to
+    score as there are assignments, the best of every keep/offload/recompute
+    assignment."""
+    from slackswap.planners.perturb import perturbed_search
+
+    checked = 0
+    for seed, ctx in _random_contexts(60, 8):
+        n = len(ctx.candidates)
+        if not ctx.reachable or not 3 <= n <= 6 or ctx.profile.checkpointable:
+            continue
+        keep = ctx.plan("keep-all", {})
+        start = (keep, ctx.simulate(keep))
+        found = perturbed_search(ctx, start, 10 * 3 ** n, seed)
+        again = perturbed_search(ctx, start, 10 * 3 ** n, seed)
+        assert found[0].decisions == again[0].decisions
+        assert not scores_better(score(start[1]), score(found[1]))
+        best = best_assignment(ctx)
+        assert (found[1].retention if found[1].feasible else 0.0) == pytest.approx(best), seed
+        checked += 1
+    assert checked >= 10

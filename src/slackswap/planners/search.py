@@ -8,9 +8,21 @@ from slackswap.core.plan import Plan
 from slackswap.core.result import SimResult
 from slackswap.planners.context import PlanContext
 
-__all__ = ["Attempt", "better", "fit_margin", "smallest_fitting", "or_uniform"]
+__all__ = ["Attempt", "Score", "better", "fit_margin", "smallest_fitting", "or_uniform",
+           "score", "scores_better"]
 
 Attempt = tuple[Plan, SimResult]
+Score = tuple[bool, float]
+
+
+def score(result: SimResult) -> Score:
+    """Feasible first, then higher retention; among infeasible plans, less short."""
+    return (True, result.retention) if result.feasible else (False, -float(result.shortfall_bytes))
+
+
+def scores_better(a: Score, b: Score) -> bool:
+    """``a`` is higher, and where ``b`` fits, by more than rounding."""
+    return a > b and (not b[0] or a[1] > b[1] + 1e-9)
 
 
 def better(a: Attempt | None, b: Attempt | None) -> Attempt | None:

@@ -86,7 +86,20 @@ NOTE [starting points]
     Then a last search from the best plan, swaps included: on bert-large-mlm@2 at 50%
     (a100-80gb) it gains 0.40 points (88.62 to 89.02%; a search from the exact model's
     own plan reaches 89.71), on six presets' one- and two-layer steps up to 1.14 (h100-sxm,
-    bert-large-mlm@2 at 90%); the full reference workloads' plans are unchanged.
+    bert-large-mlm@2 at 90%); the full reference workloads' plans are unchanged. And one
+    more whose moves come in groups (``groups``): a producer's recomputed outputs
+    offloaded together, and the checkpoints no rebuild reads any more left out with the
+    move that ends their last reader's recompute. On one bert-large-mlm layer at 50% on
+    h100-sxm, where the host sets the pace, the embeddings' dropout output and mask
+    offloaded and their layer norm's checkpoint left out retain 69.89% (67.78); each part
+    alone is worse. Made the only search's moves, they moved two bert-large-mlm layers at
+    60% off the proven optimum (93.19 to 92.75): last and apart, they only add.
+    Last, the perturbed search (NOTE [perturbed search] in
+    :mod:`slackswap.planners.perturb`), with the step's search budget (these two only on
+    steps of at most ``POLISH_CANDIDATES`` candidates: on bert-large's 24 layers they
+    doubled plan time, to 7 s, for 0.3 points at 30%): one bert-large-mlm
+    layer at 50% on h200 gains 1.8 points (63.41 to 65.21%), where the plan the other
+    stages settle in is a local optimum of every single change.
 
     On a short step all of this runs twice, the second time with each operation's fixed
     costs priced, and the better plan is kept. The covers price the host's forward
@@ -126,9 +139,11 @@ from slackswap.planners.bound import relaxed_plan
 from slackswap.planners.context import Candidate, PlanContext
 from slackswap.planners.joint import JOINT_CANDIDATES, JOINT_DEPTHS, choose_joint
 from slackswap.planners.memory import pressure_points
+from slackswap.planners.perturb import perturbed_search
 from slackswap.planners.prefetch import with_prefetch_points
 from slackswap.planners.recompute import chain_edges, chain_seconds, choose_cover, rebuild_cost
-from slackswap.planners.search import Attempt, fit_margin, or_uniform
+from slackswap.planners.search import Attempt, fit_margin, or_uniform, scores_better
+from slackswap.planners.search import score as _score
 from slackswap.planners.slack import eviction_credit, latency_bound, offload_within_slack
 
 __all__ = ["slackswap", "SLACK_FRACTIONS", "SEARCH_SIMULATIONS"]
@@ -143,6 +158,9 @@ SEARCH_OPS = 40_000  # ... or this many simulated ops, when that is more simulat
 # a search that finds nothing better in this many simulations in a row (or a third of its
 # budget, when that is more) has settled: the planner's search ends there
 SEARCH_PATIENCE = 8
+# steps of at most this many candidates (one or two layers) end with the grouped and the
+# perturbed searches (NOTE [starting points]); on a whole workload they double plan time
+POLISH_CANDIDATES = 100
 KICKS = 1  # checkpoint kicks on a short step: NOTE [starting points]
 TRADES = 2  # recompute trades repaired by offload moves after a kick: NOTE [starting points]
 # offload exchanges run where the budget covers a pass of them, each about this many
@@ -271,6 +289,9 @@ def _multi_start(ctx: PlanContext, starts: list[Attempt],
         if EXCHANGE_SIMULATIONS * len(ctx.candidates) <= budget:
             best = _offload_exchanges(ctx, best, budget, patience, watches)
         best, _ = _local_search(ctx, best, budget, patience, swaps=True)
+        if len(ctx.candidates) <= POLISH_CANDIDATES:
+            best, _ = _local_search(ctx, best, budget, patience, swaps=True, groups=True)
+            best = perturbed_search(ctx, best, budget)  # NOTE [perturbed search]
         best = _searched_apart(ctx, best, joint, budget, patience)
     return best
 
@@ -298,21 +319,20 @@ def _decisions_of(plan: Plan) -> Callable[[Candidate], str]:
     return lambda c: plan.decisions.get(c.name, Decision.KEEP)
 
 
-def _score(result: SimResult) -> tuple[bool, float]:
-    """Feasible first, then higher retention; among infeasible plans, less short."""
-    return (True, result.retention) if result.feasible else (False, -result.shortfall_bytes)
-
-
 def _local_search(ctx: PlanContext, best: Attempt, left: int,
-                  patience: int | None = None, swaps: bool = False) -> tuple[Attempt, int]:
+                  patience: int | None = None, swaps: bool = False,
+                  groups: bool = False) -> tuple[Attempt, int]:
     """Passes of single-activation moves within ``left`` simulations (NOTE [starting
     points]): each recomputed activation offloaded instead, the longest wait from
     production to backward use first (its copy has the most compute to hide under);
     each offloaded one recomputed instead, largest first; each moved one kept, smallest
     first; and, while the plan does not fit, each kept one moved. A move is kept when
     the simulated plan scores better (``_score``). After ``patience`` simulations in a
-    row that found nothing better the search has settled, and none are left. The best
-    attempt, and the simulations left."""
+    row that found nothing better the search has settled, and none are left. With
+    ``groups``, a producer's recomputed outputs are offloaded together too, and a move
+    that ends a recompute leaves out the checkpoints no rebuild reads any more
+    (``_with_siblings``, ``_orphans_left_out``). The best attempt, and the simulations
+    left."""
     n = len(ctx.candidates)
     stale = 0
     recomputable = ctx.profile.recomputable
@@ -335,7 +355,10 @@ def _local_search(ctx: PlanContext, best: Attempt, left: int,
                       if now(c) == Decision.KEEP for d in (Decision.OFFLOAD, Decision.RECOMPUTE)
                       if d == Decision.OFFLOAD or c.name in recomputable]
         together, alone = _checkpoint_moves(ctx, best[0])
-        for change in together + [{c.name: d} for c, d in moves] + alone:
+        single = [{c.name: d} for c, d in moves] if not groups else [
+            _orphans_left_out(ctx, best[0].decisions, change)
+            for change in _with_siblings(ctx, now, moves)]
+        for change in together + single + alone:
             if left == 0:
                 break
             left -= 1
@@ -363,8 +386,7 @@ def _local_search(ctx: PlanContext, best: Attempt, left: int,
 def _improves(result: SimResult, best: SimResult) -> bool:
     """A move's test: it scores better, and where ``best`` fits, by more than
     rounding."""
-    return _score(result) > _score(best) and (
-        not best.feasible or result.retention > best.retention + 1e-9)
+    return scores_better(_score(result), _score(best))
 
 
 def _swap_moves(ctx: PlanContext, best: Attempt, left: int,
@@ -552,10 +574,23 @@ def _checkpoint_moves(ctx: PlanContext, plan: Plan) -> tuple[list[Change], list[
     or through another such tensor): all of them offloaded, or kept, as checkpoints at
     once (as torchtune offloads every block input), and each one offloaded, kept or left
     to be rebuilt; and each checkpoint no rebuild reads any more left out."""
+    checkpointable = ctx.profile.checkpointable
+    read = _read_checkpoints(ctx, plan.decisions)
+    together = [{n: d for n in read} for d in (Decision.OFFLOAD, Decision.KEEP)
+                if any(plan.decisions.get(n) != d for n in read)]
+    alone: list[Change] = [{n: d} for n in read for d in (Decision.OFFLOAD, Decision.KEEP, None)
+                           if d != plan.decisions.get(n)]
+    alone += [{n: None} for n in plan.decisions if n in checkpointable and n not in read]
+    return together, alone
+
+
+def _read_checkpoints(ctx: PlanContext, decisions: dict[str, str]) -> dict[str, None]:
+    """The checkpointable tensors a rebuild under ``decisions`` reads, directly or through
+    another never-saved tensor, in the order rebuilds reach them."""
     p = ctx.profile
     checkpointable, unsaved = p.checkpointable, p.never_saved
     read: dict[str, None] = {}
-    frontier = [u for c in ctx.candidates if plan.decisions.get(c.name) == Decision.RECOMPUTE
+    frontier = [u for c in ctx.candidates if decisions.get(c.name) == Decision.RECOMPUTE
                 for u in p.ops[c.producer].inputs if u in unsaved]
     for _ in range(2):
         deeper = []
@@ -565,12 +600,42 @@ def _checkpoint_moves(ctx: PlanContext, plan: Plan) -> tuple[list[Change], list[
                 read[t.name] = None
             deeper += [w for w in p.ops[t.producer].inputs if w in unsaved]
         frontier = deeper
-    together = [{n: d for n in read} for d in (Decision.OFFLOAD, Decision.KEEP)
-                if any(plan.decisions.get(n) != d for n in read)]
-    alone: list[Change] = [{n: d} for n in read for d in (Decision.OFFLOAD, Decision.KEEP, None)
-                           if d != plan.decisions.get(n)]
-    alone += [{n: None} for n in plan.decisions if n in checkpointable and n not in read]
-    return together, alone
+    return read
+
+
+def _with_siblings(ctx: PlanContext, now: Callable[[Candidate], str],
+                   moves: list[tuple[Candidate, str]]) -> list[Change]:
+    """Each move, and before a recompute's first move to offload, the same move of every
+    recomputed output of its producer at once: while one of them is recomputed, the
+    producer re-runs for all (a dropout's output and its mask)."""
+    recomputed: dict[int, list[Candidate]] = defaultdict(list)
+    for c in ctx.candidates:
+        if now(c) == Decision.RECOMPUTE:
+            recomputed[c.producer].append(c)
+    changes: list[Change] = []
+    for c, d in moves:
+        group = recomputed.pop(c.producer, []) if d == Decision.OFFLOAD else []
+        if len(group) > 1:
+            changes.append({s.name: d for s in group})
+        changes.append({c.name: d})
+    return changes
+
+
+def _orphans_left_out(ctx: PlanContext, decisions: dict[str, str], change: Change
+                      ) -> Change:
+    """``change`` to ``decisions`` and, where it ends a recompute, the checkpoints no
+    rebuild reads any more left out with it: kept, one holds memory for nothing,
+    offloaded, link time. As a move of its own each such pair is two steps, and the first
+    alone is worse (one bert-large-mlm layer at 50% on h100-sxm: the embeddings' dropout
+    output and mask offloaded instead of recomputed, their layer norm's checkpoint left
+    out, 67.78 to 69.89%; either half alone, lower)."""
+    after = {**decisions, **change}
+    checkpointable = ctx.profile.checkpointable
+    held = [n for n, d in after.items() if n in checkpointable and d is not None]
+    if not held or not any(decisions.get(n) == Decision.RECOMPUTE for n in change):
+        return change
+    read = _read_checkpoints(ctx, after)
+    return {**change, **{n: None for n in held if n not in read}}
 
 
 def _pair_moves(ctx: PlanContext, best: Attempt, left: int) -> tuple[Attempt, bool, int]:
