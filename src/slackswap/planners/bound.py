@@ -78,10 +78,18 @@ NOTE [tight timing]
     out's landing in the D2H queue (``reload_after_landing``). (2) Op j's lateness
     lambda_j is at least what forward lost (phi: the keep-all chain's, or at any forward
     op the host's issue so far with the plan's watches, less the op's keep-all start)
-    plus every producer re-run for what j or an earlier op needs (``rebuilt_by_rows``),
-    and at most idle time plus the producers that may have re-run by j, each once: a
-    producer re-runs only where a chain of rebuilt tensors leads to it from something
-    needed by then (``rerun_reasons``). Measured on bert-large-mlm@1 with ``op_ends``
+    plus every producer re-run for what j or an earlier op needs (``rebuilt_by_rows``:
+    what a rebuild by j reads is rebuilt too when it is recomputed or a never-saved
+    tensor not checkpointed, through any number of links), and at most idle time plus
+    the producers that may have re-run by j, each once: a producer re-runs only where a
+    chain of rebuilt tensors leads to it from something needed by then
+    (``rerun_reasons``). (3) A copy out starts once its producer's kernel has ended,
+    which starts once the host has issued it, watches of the plan's watched segments
+    included (``issue_of``; the queue's rows without them use the eager keep-all's
+    production times). Measured on bert-large-mlm@2 at 30% with ``op_ends``, (2)'s
+    chains and (3) value the plan of the best known decisions (simulated at 78.40) at
+    78.61, not 79.33: the host's watches delay forward's copies out, and the memory
+    they hold makes backward's first op wait. Measured on bert-large-mlm@1 with ``op_ends``
     (``benchmarks/exact_gap.py``): at 50% the optimum falls from 84.71 to 83.02 (the
     old optimum's plan, simulated at 77.04, is now valued at 81.6, not 84.7); at 60%
     from 89.57 to 89.07, its own plan simulating at 88.94; at 70% it stays 93.28, now
@@ -356,39 +364,74 @@ class _BoundLP:
         so far, less c's keep-all start) and every producer re-run for an activation
         first needed by j or read by a rebuild for j or before (y_Pj, each producer
         once): lambda_j >= phi + sum c_P y_Pj."""
-        fb, watch_s = self.ctx.first_backward, self.ctx.hw.host.watch_s
+        fb = self.ctx.first_backward
         phi = self.column()
         self.upper[phi] = np.inf
         self.row([(phi, -1.0)], -max(self.issued_starts[fb] - self.starts[fb], 0.0) * 1e3)
-        issued = np.cumsum(_packed_costs(self.ctx))
-        watch = self.watch_terms()
         for c in range(fb):
-            self.row([(phi, -1.0)] + [(col, watch_s * 1e3 * (min(end, c + 1) - start))
-                                      for col, start, end in watch if start <= c],
-                     -(issued[c] - self.starts[c]) * 1e3)
-        outputs: dict[int, list[int]] = {}  # producer -> its recomputable activations
-        for i, t in enumerate(self.acts):
-            if self.upper[self.R + i]:
-                outputs.setdefault(t.producer, []).append(i)
+            issued, watches = self.issue_of(c)
+            self.row([(phi, -1.0)] + watches, -(issued - self.starts[c] * 1e3))
         for j in sorted(o for o in self.lam if o >= fb):
-            reruns = []  # (producer, y_Pj)
-            for op, made in outputs.items():
-                reads = []  # columns all 1 when op re-runs by j
-                for i in made:
-                    if self.acts[i].first_backward_use <= j:
-                        reads.append([self.R + i])
-                    else:
-                        reads += [[self.R + i, self.R + r, *between]
-                                  for r, between, _ in self.read_by.get(i, ())
-                                  if self.acts[r].first_backward_use <= j]
-                if not reads:
-                    continue
-                y = self.column()
-                for cols in reads:
-                    self.row([*((c, 1.0) for c in cols), (y, -1.0)], float(len(cols) - 1))
-                reruns.append((op, y))
             self.row([(self.lam[j], -1.0), (phi, 1.0),
-                      *((y, self.p.ops[op].time_s * 1e3) for op, y in reruns)], 0.0)
+                      *((y, self.p.ops[op].time_s * 1e3) for op, y in self._rerun_by(j))],
+                     0.0)
+
+    def issue_of(self, c: int) -> tuple[float, list[tuple[int, float]]]:
+        """When the host has issued forward op ``c``, in milliseconds: its costs and the
+        packs so far (a constant) plus the watches so far (terms on the watch columns).
+        The op's kernel starts no earlier."""
+        if not hasattr(self, "_issued"):
+            self._issued = np.cumsum(_packed_costs(self.ctx)) * 1e3
+        watch_ms = self.ctx.hw.host.watch_s * 1e3
+        return float(self._issued[c]), [(col, watch_ms * (min(end, c + 1) - start))
+                                        for col, start, end in self.watch_terms()
+                                        if start <= c]
+
+    def _rerun_by(self, j: int) -> list[tuple[int, int]]:
+        """(producer, y_Pj) for each producer that must have re-run by backward op j,
+        y_Pj 1 when it must: n_t, t rebuilt by j, is at least r_i for each activation i
+        first needed by j, and for each input u of a rebuilt t's producer at least n_t +
+        r_u - 1 (a recomputed activation) or n_t + z_u - 1 (a never-saved tensor not
+        checkpointed): the replay reads every input, and these are on the device only
+        when rebuilt. Any chain of rebuilds, however deep."""
+        p, acts = self.p, self.acts
+        index = {t.id: i for i, t in enumerate(acts) if self.upper[self.R + i]}
+
+        def rebuilt(u: int) -> int | None:  # the column that is 1 when u is rebuilt
+            if u in index:
+                return self.R + index[u]
+            return self.Z + self.chain[u] if u in self.chain else None
+
+        needed: dict[int, int] = {}  # tensor -> n_t
+        frontier = []
+        for tid, i in index.items():
+            if acts[i].first_backward_use <= j:
+                needed[tid] = self.R + i  # n_i = r_i
+                frontier.append(tid)
+        while frontier:
+            t = frontier.pop()
+            made = p.tensors[t].producer
+            for u in dict.fromkeys(p.ops[made].inputs):
+                col, src = rebuilt(u), p.tensors[u].producer
+                if col is None or src is None or src >= made:
+                    continue
+                if u not in needed:
+                    needed[u] = self.column()
+                    frontier.append(u)
+                self.row([(needed[t], 1.0), (col, 1.0), (needed[u], -1.0)], 1.0)
+        by_producer: dict[int, list[int]] = {}
+        for t, n in needed.items():
+            by_producer.setdefault(p.tensors[t].producer, []).append(n)
+        out = []
+        for op, cols in by_producer.items():
+            if len(cols) == 1 and cols[0] < self.Z:  # r_i itself: 1 exactly when rebuilt
+                out.append((op, cols[0]))
+                continue
+            y = self.column()
+            for n in cols:
+                self.row([(n, 1.0), (y, -1.0)], 0.0)
+            out.append((op, y))
+        return out
 
     def _late_terms(self, j: int) -> list[tuple[int, float]]:
         if j < self.ctx.first_backward:
@@ -852,18 +895,28 @@ class _BoundLP:
         big = (max(m for _, m, _, _ in items) + sum(d for _, _, d, _ in items)) * 1e3
         landed: dict[int, int] = {}
         prev = None
+        fb = self.ctx.first_backward  # (a bound on every watch term: all of forward)
+        watch_big = self.ctx.hw.host.watch_s * 1e3 * fb
         for producer in sorted({it[0] for it in items}):
             group = [(made * 1e3, d * 1e3, col) for op, made, d, col in items if op == producer]
             after = [(prev, 1.0)] if prev is not None else []
             q = self.column()
             self.upper[q] = np.inf
             self.row(after + [(col, d) for _, d, col in group] + [(q, -1.0)], 0.0)
+            issue = self.issue_of(producer) if self.tight and producer < fb else None
             for made, d, col in group:
                 self.row([(col, made)] + [(c, v) for _, v, c in group] + [(q, -1.0)], 0.0)
                 land = landed[col] = self.column()
                 self.upper[land] = np.inf
                 self.row(after + [(col, d), (land, -1.0)], 0.0)
                 self.row([(col, made + d), (land, -1.0)], 0.0)
+                if issue is not None:  # made once issued, watches and all: the same
+                    # two rows with the producer's kernel end no earlier than that
+                    ended = issue[0] + self.p.ops[producer].time_s * 1e3
+                    self.row([(col, ended + watch_big)] + issue[1]
+                             + [(c, v) for _, v, c in group] + [(q, -1.0)], watch_big)
+                    self.row([(col, ended + d + watch_big)] + issue[1] + [(land, -1.0)],
+                             watch_big)
             prev = q
         for k, pt in enumerate(self.pts):
             t_k = self._until(pt)

@@ -34,7 +34,7 @@ from slackswap.planners.bound import _BoundLP
 from slackswap.planners.context import PlanContext
 from slackswap.planners.memory import Pressure
 
-__all__ = ["Optimum", "exact_optimum"]
+__all__ = ["Optimum", "exact_optimum", "program_value"]
 
 
 @dataclass(frozen=True)
@@ -64,14 +64,9 @@ def exact_optimum(ctx: PlanContext, time_limit_s: float = 120.0,
     step: two to four times the solve time again."""
     if not ctx.reachable:
         return Optimum(0.0, True, None, None)
-    lp = _BoundLP(ctx, _every_point(ctx, op_ends), chain_depth, checkpoint_timing=True,
-                  rebuild_timing=True, tight=tight)
-    if not lp.pts:
+    lp = _program(ctx, op_ends, tight, chain_depth)
+    if lp is None:
         return Optimum(1.0, True, None, None)
-    lp.build(thresholds=len(lp.acts) + 1, max_points=len(ctx.profile.ops))
-    lp.timing_rows()
-    lp.queue_rows()
-    lp.lateness_rows()
     overhead = lp.solve(integral=True, time_limit_s=time_limit_s)
     bound = lp.retention(overhead)
     if overhead is None or lp.x is None:
@@ -81,6 +76,51 @@ def exact_optimum(ctx: PlanContext, time_limit_s: float = 120.0,
     plan, result = max(((p, ctx.simulate(p)) for p in (timed, untimed)),
                        key=lambda a: (a[1].feasible, a[1].retention))
     return Optimum(bound, lp.proven, plan, result)
+
+
+def program_value(ctx: PlanContext, plan: Plan, time_limit_s: float = 120.0,
+                  op_ends: bool = True, tight: bool = True) -> float:
+    """What the program says ``plan``'s decisions retain at best (its reload timing left
+    to the program): never under the plan's simulated retention, and as far over it as
+    the model is loose for those decisions, so the place to look for what it misses.
+    A checkpoint under the size floor, which the simulator keeps, counts as kept."""
+    if not ctx.reachable:
+        return 0.0
+    lp = _program(ctx, op_ends, tight, chain_depth=4)
+    if lp is None:
+        return 1.0
+    decisions = {name: Decision(d) for name, d in plan.decisions.items()}
+    pins: list[tuple[int, bool]] = []  # (column, 1 or 0)
+    for i, t in enumerate(lp.acts):
+        d = decisions.get(t.name, Decision.KEEP)
+        pins += [(lp.R + i, d == Decision.RECOMPUTE), (lp.OFF + i, d == Decision.OFFLOAD)]
+    for u, col in lp.chain.items():
+        d = decisions.get(ctx.profile.tensors[u].name)
+        if d is None:  # left to the program: rebuilt, unless no rebuild reads it
+            continue
+        if d == Decision.OFFLOAD and lp.upper[lp.F + col] == 0:
+            d = Decision.KEEP
+        pins += [(lp.K + col, d == Decision.KEEP), (lp.F + col, d == Decision.OFFLOAD)]
+    for col, on in pins:
+        if on:
+            lp.row([(col, -1.0)], -1.0)
+        else:
+            lp.upper[col] = 0.0
+    return lp.retention(lp.solve(integral=True, time_limit_s=time_limit_s))
+
+
+def _program(ctx: PlanContext, op_ends: bool, tight: bool, chain_depth: int
+             ) -> _BoundLP | None:
+    """The integer program's rows for ``ctx``; None when no point needs a decision."""
+    lp = _BoundLP(ctx, _every_point(ctx, op_ends), chain_depth, checkpoint_timing=True,
+                  rebuild_timing=True, tight=tight)
+    if not lp.pts:
+        return None
+    lp.build(thresholds=len(lp.acts) + 1, max_points=len(ctx.profile.ops))
+    lp.timing_rows()
+    lp.queue_rows()
+    lp.lateness_rows()
+    return lp
 
 
 def _every_point(ctx: PlanContext, op_ends: bool = False
