@@ -598,12 +598,14 @@ def test_peak_never_rises_as_the_budget_falls() -> None:
                                     if not p.startswith("dgx")])
 def test_never_worse_than_a_baseline_on_every_preset(preset: str) -> None:
     """The sweep of ``benchmarks/baseline_sweep.py`` (every workload and budget there)
-    for bert-large at three budgets: no baseline retains more than SlackSwap."""
+    for bert-large at three budgets: no baseline retains more than SlackSwap, and
+    SlackSwap no more than the bound."""
     hw = slackswap.load_hardware(preset)
     profile = cached_profile("bert-large", hw)
     for fraction in (0.3, 0.5, 0.7):
         ctx = PlanContext(profile, hw, int(fraction * profile.keep_all_peak))
         ours = ctx.attempt(STRATEGIES["slackswap"])
+        assert ours[1].retention <= retention_bound(ctx) + 1e-9, fraction
         for strategy, make in STRATEGIES.items():
             other = ctx.attempt(make)
             if other is not None and other[1].feasible:

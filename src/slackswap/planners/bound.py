@@ -123,7 +123,10 @@ def retention_bound(ctx: PlanContext, thresholds: int = 4, max_points: int = 12,
     points = pressure_points(ctx)
     if not points:
         return 1.0
-    lp = _BoundLP(ctx, _strongest(ctx, points, max_points), chain_depth)
+    # (the exact model's checkpoint and rebuild timing: a point or more lower on whole
+    # bert-large and gpt2-xl, 0.5-3 s more to solve, about 10 s on llama-7b)
+    lp = _BoundLP(ctx, _strongest(ctx, points, max_points), chain_depth,
+                  checkpoint_timing=True, rebuild_timing=True)
     lp.build(thresholds, max_points)
     return lp.retention(lp.solve())
 
