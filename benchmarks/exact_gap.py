@@ -2,6 +2,7 @@
 
 Run: python benchmarks/exact_gap.py [--steps bert-large-mlm@1,llama-7b@1]
          [--budgets 0.5,0.6,0.7] [--op-ends] [--tight] [--time-limit 120] [--store FILE]
+         [--search SIMULATIONS]
 For each step and budget: SlackSwap's simulated retention, the integer program's optimum
 (a retention no plan exceeds; 'proven' when solved to optimality) and the program's own
 plan, simulated. Where that plan reaches the optimum the best plan is known exactly, and
@@ -9,8 +10,10 @@ a gap there is the planner's. ``--op-ends --tight`` is the program at its tighte
 (NOTE [tight timing] in ``planners/bound.py``): minutes per case instead of seconds.
 Profiles are cached as ``slackswap reproduce`` caches them. ``--store`` adds each bound,
 proven or the solver's dual bound at its time limit (a retention no plan exceeds either
-way), with the program's plan and digests of the profile and hardware it was solved for,
-to a JSON file (``tests/data/exact_optima.json`` is the gate's: ``tests/test_exact.py``).
+way), with the best plan known (the program's, SlackSwap's, or with ``--search`` the best
+of a seeded search from SlackSwap's, ``benchmarks/best_known.py``'s) and digests of the
+profile and hardware it was solved for, to a JSON file (``tests/data/exact_optima.json``
+is the gate's: ``tests/test_exact.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from slackswap.models.presets import with_layers
 from slackswap.planners import STRATEGIES
 from slackswap.planners.context import PlanContext
 from slackswap.planners.exact import exact_optimum
+from slackswap.planners.perturb import perturbed_search
 from slackswap.reproduce import cached_profile
 
 
@@ -52,6 +56,8 @@ def main() -> None:
     parser.add_argument("--tight", action="store_true")
     parser.add_argument("--time-limit", type=float, default=120.0)
     parser.add_argument("--store", type=Path, default=None)
+    parser.add_argument("--search", type=int, default=0,
+                        help="simulations of a seeded search for a better plan to store")
     args = parser.parse_args()
     stored = json.loads(args.store.read_text()) if args.store and args.store.exists() else []
     hw = slackswap.load_hardware(args.hardware)
@@ -65,17 +71,23 @@ def main() -> None:
         exact = exact_optimum(ctx, time_limit_s=args.time_limit, op_ends=args.op_ends,
                               tight=args.tight)
         solve = time.perf_counter() - start
-        ours = ctx.attempt(STRATEGIES["slackswap"])[1].retention
+        attempt = ctx.attempt(STRATEGIES["slackswap"])
+        ours = attempt[1].retention
         print(f"{step:18s} {budget:6.0%} {ours:9.2%} {exact.bound:8.2%} "
               f"{'yes' if exact.proven else 'no':>6s} {exact.achieved:8.2%} "
               f"{(exact.bound - ours) * 100:6.2f} {solve:5.0f}s", flush=True)
         if args.store and exact.plan is not None:
+            known = [("program", exact.plan, exact.achieved), ("slackswap", *attempt)]
+            if args.search:
+                known.append(("search", *perturbed_search(ctx, attempt, args.search)))
+            known = [(source, plan, r if isinstance(r, float) else
+                      r.retention if r.feasible else 0.0) for source, plan, r in known]
+            source, plan, retention = max(known, key=lambda k: k[2])
             entry = {"step": step, "budget": budget, "hardware": args.hardware,
                      "op_ends": args.op_ends, "tight": args.tight, "bound": exact.bound,
                      "proven": exact.proven, "time_limit_s": args.time_limit,
-                     "plan": {"decisions": exact.plan.decisions,
-                              "prefetch": exact.plan.prefetch},
-                     "plan_retention": exact.achieved,
+                     "plan": {"decisions": plan.decisions, "prefetch": plan.prefetch},
+                     "plan_source": source, "plan_retention": retention,
                      "profile_digest": content_digest(ctx.profile),
                      "hardware_digest": content_digest(hw)}
             stored = [e for e in stored if (e["step"], e["budget"], e["hardware"])

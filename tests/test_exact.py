@@ -124,10 +124,9 @@ OPEN = {("bert-large-mlm@1", 0.5), ("bert-large-mlm@1", 0.6), ("bert-large-mlm@1
 CASES = [(name, budget) for name in ("bert-large-mlm@1", "llama-7b@1", "gpt2-xl@2")
          for budget in (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9) if (name, budget) not in OPEN] + [
     # two layers solve in 3-60 s (unproven at 40 and 50% within a minute), and the gate
-    # takes the fast ones (50 and 60% are gated against stored bounds, below). Not gated
-    # and short: at 30% the program proves 81.9% in 27 s, its plan retains 64.7%,
-    # SlackSwap's 78.3% (58.5 before the joint cover; README); at 40%, 85.09% against a
-    # bound of 86.78% (benchmarks/best_known.py finds a plan at 85.54%)
+    # takes the fast ones (50 and 60% are gated against stored bounds, below; 30 and 40%
+    # are stored too, short: ``SHORT``). At 30% the program as solved here proves 81.9% in
+    # 27 s, its plan retains 64.7%, SlackSwap's 78.3% (58.5 before the joint cover)
     ("bert-large-mlm@2", 0.7), ("bert-large-mlm@2", 0.8), ("bert-large-mlm@2", 0.9)]
 
 
@@ -156,8 +155,13 @@ STORED = Path(__file__).parent / "data" / "exact_optima.json"
 # OPEN): checked to be short still, so that closing a gap fails until the case is taken
 # out of here. (Two bert-large-mlm layers at 60%, stored with the tightest program's
 # proven optimum, 93.19% in 212 s, were short at 92.48 until the planner also ran with
-# the host's forward watches priced: NOTE [watch columns])
-SHORT: set[tuple[str, float]] = set()
+# the host's forward watches priced: NOTE [watch columns]). Two bert-large-mlm layers at
+# 30 and 40%: the tightest program stops at its 600 s limit with dual bounds of 80.28 and
+# 86.29%; the best plans known retain 78.40 (the program's, an earlier incumbent's
+# decisions with reloads as early as they fit) and 85.54% (a seeded search of 100 000
+# plans from SlackSwap's, ``exact_gap.py --search``), SlackSwap's 78.29 and 85.09%: the
+# bound is loose or the planner short, not known which.
+SHORT: set[tuple[str, float]] = {("bert-large-mlm@2", 0.3), ("bert-large-mlm@2", 0.4)}
 
 
 @pytest.mark.parametrize("case", json.loads(STORED.read_text()),
@@ -191,14 +195,20 @@ def test_within_half_a_point_of_the_tightest_bound(case: dict) -> None:
 
 @pytest.mark.slow
 def test_the_tightest_program_values_our_plans_as_they_simulate() -> None:
-    """``program_value`` with SlackSwap's decisions pinned, on the stored cases: never
-    under their simulated retention (the program bounds every plan, these included) and
-    within 0.3 points of it (the program misses little of what these plans lose: the
-    D2H queue's production times with the host's watches, the re-runs of rebuilds
-    however deep, NOTE [tight timing])."""
+    """``program_value`` with the decisions of the best plan known pinned (SlackSwap's or
+    the stored one), on the stored cases: never under its simulated retention (the
+    program bounds every plan, these included) and within 0.3 points of it (the program
+    misses little of what these plans lose). On two bert-large-mlm layers at 30% it
+    took the D2H queue's production times with the host's watches and the re-runs of
+    rebuilds however deep (NOTE [tight timing]): the stored plan, simulated at 78.40%,
+    was valued at 79.33%."""
     for case in json.loads(STORED.read_text()):
         profile, hw = small(case["step"]), slackswap.load_hardware(case["hardware"])
         ctx = PlanContext(profile, hw, int(case["budget"] * profile.keep_all_peak))
-        plan, result = ctx.attempt(STRATEGIES["slackswap"])
+        stored = ctx.plan("stored", case["plan"]["decisions"], case["plan"]["prefetch"])
+        plan, result = max([ctx.attempt(STRATEGIES["slackswap"]),
+                            (stored, ctx.simulate(stored))],
+                           key=lambda a: a[1].retention if a[1].feasible else 0.0)
         value = program_value(ctx, plan)
-        assert result.retention - 1e-9 <= value <= result.retention + 0.003, case["step"]
+        assert result.retention - 1e-9 <= value <= result.retention + 0.003, (
+            case["step"], case["budget"])
