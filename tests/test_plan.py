@@ -572,18 +572,12 @@ def test_reference_workloads_at_half_budget(name: str) -> None:
         attempt = plan_with_result(profile, 0.5, strategy=strategy)
         if attempt is not None and attempt[1].feasible:
             assert ours.retention >= attempt[1].retention, strategy
-    assert ours.retention <= retention_bound(ctx) + 1e-9
-
-
-@pytest.mark.slow
-def test_within_half_a_point_of_the_bound() -> None:
-    """On llama-7b the LP bound is met to half a point; on bert-large and gpt2-xl the gap
-    (about 1 point) is reported by ``reproduce``, and the exact model of small steps
-    (``test_exact.py``) is the gate on the planner."""
-    profile = reference("llama-7b")
-    ctx = PlanContext(profile, slackswap.load_hardware("a100-80gb"),
-                      int(0.5 * profile.keep_all_peak))
-    assert plan_with_result(profile, 0.5)[1].retention >= retention_bound(ctx) - 0.005
+    bound = retention_bound(ctx)
+    assert ours.retention <= bound + 1e-9
+    if name == "llama-7b":  # on bert-large and gpt2-xl the gap (0.7-0.8 points) is
+        # reported by ``reproduce``; the exact model of small steps (test_exact.py) is
+        # the gate on the planner
+        assert ours.retention >= bound - 0.005
 
 
 @pytest.mark.slow
