@@ -100,6 +100,8 @@ NOTE [tight timing]
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
@@ -383,12 +385,18 @@ class _BoundLP:
         """When the host has issued forward op ``c``, in milliseconds: its costs and the
         packs so far (a constant) plus the watches so far (terms on the watch columns).
         The op's kernel starts no earlier."""
-        if not hasattr(self, "_issued"):
-            self._issued = np.cumsum(_packed_costs(self.ctx)) * 1e3
+        return float(self.issued_ms[c]), self.watched_by(c)
+
+    @functools.cached_property
+    def issued_ms(self) -> np.ndarray:
+        """Per op, when the host has issued it with its dispatch and the packs so far."""
+        return np.cumsum(_packed_costs(self.ctx)) * 1e3
+
+    def watched_by(self, j: int) -> list[tuple[int, float]]:
+        """Terms of the host's watch time, in milliseconds, over forward ops up to ``j``."""
         watch_ms = self.ctx.hw.host.watch_s * 1e3
-        return float(self._issued[c]), [(col, watch_ms * (min(end, c + 1) - start))
-                                        for col, start, end in self.watch_terms()
-                                        if start <= c]
+        return [(col, watch_ms * (min(end, j + 1) - start))
+                for col, start, end in self.watch_terms() if start <= j]
 
     def _rerun_by(self, j: int) -> list[tuple[int, int]]:
         """(producer, y_Pj) for each producer that must have re-run by backward op j,
@@ -974,17 +982,13 @@ class _BoundLP:
         forward_idle, _ = _least_host_chain(ctx)
         if forward_idle > 0:  # s_f >= the chain's idle time in forward
             self.row([(self.SF, -1e3)], -forward_idle * 1e3)
-        issued = np.cumsum(_packed_costs(ctx))
         rest = np.cumsum([op.time_s for op in reversed(ops)])[::-1]  # kernels from op j on
         cuts = range(len(ops)) if max_points >= len(ops) else sorted(
             {*np.linspace(0, len(ops) - 1, max_points).astype(int), ctx.first_backward})
         overhead = [(col, -v) for col, v in enumerate(self.objective()) if v]
         rebuild = host.dispatch_s + host.replay_s
-        watch = self.watch_terms()
         for j in cuts:
-            terms = list(overhead)
-            terms += [(col, host.watch_s * 1e3 * max(min(end, j + 1) - start, 0))
-                      for col, start, end in watch if start <= j]
+            terms = overhead + self.watched_by(j)
             if j < ctx.first_backward:  # every rebuild's kernels run after the cut
                 terms += [(col, -v) for col, v in self.recompute]
             else:  # rebuilds and unpacks of what is needed by then
@@ -999,7 +1003,7 @@ class _BoundLP:
                     terms.append((h, rebuild * 1e3))
                     for i in readers:
                         self.row([(self.R + i, 1.0), (h, -1.0)], 0.0)
-            self.row(terms, -(issued[j] + rest[j] - kernels) * 1e3)
+            self.row(terms, -self.issued_ms[j] - (rest[j] - kernels) * 1e3)
 
     def watch_terms(self) -> list[tuple[int, int, int]]:
         """(column, first op, one past the last) of the forward ops the runtime watches:
