@@ -507,11 +507,11 @@ RELEASE_TRIES = (4, 16)  # offloads of one, and of two, tried per recompute rele
 
 
 def _recompute_releases(ctx: PlanContext, start: Attempt, budget: int) -> Attempt:
-    """From ``start``: each recomputed activation kept, the most expensive rebuild first,
-    the memory it takes back freed by one or two kept activations offloaded, those that
-    free at least the shortfall at the least cost first (a cost: the retention an
-    offload alone takes from ``start``). The best of ``start`` and those, within
-    ``budget`` simulations."""
+    """From ``start`` (NOTE [starting points]): each recomputed activation kept, the most
+    expensive rebuild first, the memory it takes back freed by one or two kept
+    activations offloaded, those that free at least the shortfall at the least cost
+    first (a cost: the retention an offload alone takes from ``start``). The best of
+    ``start`` and those, within ``budget`` simulations."""
     now = _decisions_of(start[0])
     recomputed = sorted((c for c in ctx.candidates if now(c) == Decision.RECOMPUTE),
                         key=lambda c: (-rebuild_cost(ctx, c), c.producer))
@@ -519,8 +519,12 @@ def _recompute_releases(ctx: PlanContext, start: Attempt, budget: int) -> Attemp
     tries = 1 + sum(RELEASE_TRIES)
     if not recomputed or not start[1].feasible or len(kept) + tries * len(recomputed) > budget:
         return start
-    cost = {c.name: start[1].retention - _score(ctx.simulate(ctx.plan("slackswap", {
-        **start[0].decisions, c.name: Decision.OFFLOAD})))[1] for c in kept}
+    cost: dict[str, float] = {}
+    for c in kept:
+        alone = ctx.simulate(ctx.plan("slackswap", {**start[0].decisions,
+                                                    c.name: Decision.OFFLOAD}))
+        cost[c.name] = (start[1].retention - alone.retention if alone.feasible
+                        else float("inf"))
     best = start
     for a in recomputed:
         released = {**start[0].decisions, a.name: Decision.KEEP}
