@@ -659,7 +659,6 @@ def test_the_perturbed_search_finds_the_best_assignment_and_never_loses() -> Non
     assert checked >= 10
 
 
-
 # SlackSwap's plan for two bert-large-mlm layers at 50% on h100-sxm before recompute
 # releases (75.70%): the rest of the step's tensors kept, its checkpoints rebuilt
 BEFORE_RELEASES = {
