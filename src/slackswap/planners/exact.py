@@ -94,9 +94,16 @@ def program_value(ctx: PlanContext, plan: Plan, time_limit_s: float = 120.0,
     for i, t in enumerate(lp.acts):
         d = decisions.get(t.name, Decision.KEEP)
         pins += [(lp.R + i, d == Decision.RECOMPUTE), (lp.OFF + i, d == Decision.OFFLOAD)]
+    recomputed = [i for i, t in enumerate(lp.acts)
+                  if decisions.get(t.name) == Decision.RECOMPUTE]
+    held = {u for u in lp.chain if ctx.profile.tensors[u].name in decisions}
+    read = _read_by_rebuilds(lp, recomputed, held)
     for u, col in lp.chain.items():
         d = decisions.get(ctx.profile.tensors[u].name)
         if d is None:  # left to the program: rebuilt, unless no rebuild reads it
+            continue
+        if u not in read:  # neither held nor copied, as simulated and run
+            pins += [(lp.K + col, False), (lp.F + col, False)]
             continue
         if d == Decision.OFFLOAD and lp.upper[lp.F + col] == 0:
             d = Decision.KEEP
@@ -159,23 +166,31 @@ def _plan_of(ctx: PlanContext, lp: _BoundLP) -> Plan:
                 prefetch[t.name] = max(away)
         else:
             decisions[t.name] = Decision.KEEP
-    # never-saved tensors kept or offloaded since forward, where a rebuild reads them (a
-    # kept one no rebuild reads would stay on the device to the end of the step)
+    # never-saved tensors kept or offloaded since forward, where a rebuild reads them (one
+    # no rebuild reads is neither held nor copied in the simulated or the real step)
     p, checkpointable = ctx.profile, ctx.profile.checkpointable
     held = {u for u, col in lp.chain.items() if p.tensors[u].name in checkpointable
             and (x[lp.K + col] > 0.5 or x[lp.F + col] > 0.5)}
-    frontier = [u for i, t in enumerate(lp.acts) if x[lp.R + i] > 0.5
-                for u in lp.unsaved_inputs(t.producer)]
+    read = _read_by_rebuilds(lp, [i for i in range(len(lp.acts)) if x[lp.R + i] > 0.5], held)
+    for u in held & read:
+        col = lp.chain[u]
+        decisions[p.tensors[u].name] = (Decision.KEEP if x[lp.K + col] > 0.5
+                                        else Decision.OFFLOAD)
+    return ctx.plan("exact", decisions, prefetch)
+
+
+def _read_by_rebuilds(lp: _BoundLP, recomputed: list[int], held: set[int]) -> set[int]:
+    """The never-saved tensors the rebuilds of activations ``recomputed`` (indices into
+    ``lp.acts``) read: their inputs, and the inputs of each one not ``held`` (rebuilt from
+    its own inputs in turn)."""
+    tensors = lp.p.tensors
+    frontier = [u for i in recomputed for u in lp.unsaved_inputs(lp.acts[i].producer)]
     read: set[int] = set()
     while frontier:
         u = frontier.pop()
         if u in read:
             continue
         read.add(u)
-        if u not in held:  # rebuilt from its own inputs
-            frontier += lp.unsaved_inputs(p.tensors[u].producer)
-    for u in held & read:
-        col = lp.chain[u]
-        decisions[p.tensors[u].name] = (Decision.KEEP if x[lp.K + col] > 0.5
-                                        else Decision.OFFLOAD)
-    return ctx.plan("exact", decisions, prefetch)
+        if u not in held:
+            frontier += lp.unsaved_inputs(tensors[u].producer)
+    return read
