@@ -4,6 +4,7 @@ gate on small real steps: SlackSwap within half a point of the optimum it proves
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import random
 from pathlib import Path
@@ -182,6 +183,35 @@ def test_within_half_a_point_of_the_exact_optimum(name: str, budget: float) -> N
     assert ours >= exact.bound - 0.005
 
 
+def _family_survey():  # benchmarks/family_survey.py: builds the families' models
+    path = Path(__file__).parent.parent / "benchmarks" / "family_survey.py"
+    spec = importlib.util.spec_from_file_location("family_survey", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("family", "budget"), [("neox", 0.7), ("gemma", 0.9)])
+def test_within_half_a_point_of_the_exact_optimum_on_other_families(family: str,
+                                                                    budget: float) -> None:
+    """Two layers of families the planner was not built around (GPT-NeoX-6.9B's parallel
+    residual, Gemma-7B's 256 000-word vocabulary), at full width: within half a point of
+    the program's proven optimum, and no strategy over it. GPT-NeoX at 70% retained 96.23%
+    (optimum 98.70) before the late window (NOTE [late slack]), 98.61 since."""
+    survey = _family_survey()
+    hw = slackswap.load_hardware("a100-80gb")
+    profile = slackswap.profile(*survey.build(family, 2), hw)
+    ctx = PlanContext(profile, hw, int(budget * profile.keep_all_peak))
+    exact = exact_optimum(ctx)
+    assert exact.proven
+    for make in STRATEGIES.values():
+        attempt = ctx.attempt(make)
+        if attempt is not None and attempt[1].feasible:
+            assert attempt[1].retention <= exact.bound + 1e-9
+    assert ctx.attempt(STRATEGIES["slackswap"])[1].retention >= exact.bound - 0.005
+
+
 STORED = Path(__file__).parent / "data" / "exact_optima.json"
 # stored cases where the planner is known to fall short of the bound (the comment on
 # OPEN): checked to be short still, so that closing a gap fails until the case is taken
@@ -191,8 +221,9 @@ STORED = Path(__file__).parent / "data" / "exact_optima.json"
 # 30 and 40%: the tightest program stops at its 600 s limit with dual bounds of 80.28 and
 # 86.29%; the best plans known retain 78.40 (the program's, an earlier incumbent's
 # decisions with reloads as early as they fit) and 85.54% (a seeded search of 100 000
-# plans from SlackSwap's, ``exact_gap.py --search``), SlackSwap's 78.29 and 85.09%: the
-# bound is loose or the planner short, not known which.
+# plans from SlackSwap's, ``exact_gap.py --search``), SlackSwap's 78.29 and 85.32% (85.09
+# before the late window, NOTE [late slack]): the bound is loose or the planner short,
+# not known which.
 SHORT: set[tuple[str, float]] = {("bert-large-mlm@2", 0.3), ("bert-large-mlm@2", 0.4)}
 
 

@@ -13,7 +13,13 @@ import slackswap
 from slackswap.core.profile import StepProfile
 from slackswap.errors import InputError
 from slackswap.models import build_model
-from slackswap.planners import STRATEGIES, plan_with_result, recompute, smallest_feasible_budget
+from slackswap.planners import (
+    STRATEGIES,
+    plan_with_result,
+    recompute,
+    slack,
+    smallest_feasible_budget,
+)
 from slackswap.planners.bound import retention_bound
 from slackswap.planners.context import PlanContext
 from slackswap.planners.memory import evicted_at, pressure_points
@@ -578,6 +584,49 @@ def test_reference_workloads_at_half_budget(name: str) -> None:
         # reported by ``reproduce``; the exact model of small steps (test_exact.py) is
         # the gate on the planner
         assert ours.retention >= bound - 0.005
+
+
+def test_the_late_window_takes_a_copy_that_crosses_in_backward() -> None:
+    """NOTE [late slack]: a 4 MB activation made 0.1 ms before forward ends cannot cross
+    at 1 GB/s in forward, but can while the loss's 5 ms backward op runs, and come back
+    long before the op 15 ms later that needs it; it frees memory there only once landed."""
+    tensors = [T(1000), T(4_000_000, saved=True, first_backward_use=4), T(1000), T(1000),
+               T(1000)]
+    ops = [Op("forward", 5 * MS, [], [0]), Op("forward", 0.1 * MS, [0], [1]),
+           Op("backward", 5 * MS, [], [2]), Op("backward", 10 * MS, [2], [3]),
+           Op("backward", 2 * MS, [1, 3], [4])]
+    ctx = PlanContext(build(ops, tensors), GB_PER_S, 2_000_000)
+    [c] = ctx.candidates
+    assert slack.offload_within_slack(ctx, [c]) == []
+    assert slack.offload_within_slack(ctx, [c], late=True) == [c]
+    assert slack.d2h_landing(ctx, [c], late=True) == {c.name: pytest.approx(9.1 * MS)}
+    assert slack.eviction_credit(ctx, [c], [2, 3], late=True) == {2: 0, 3: 4_000_000}
+    # the reload waits for the copy out: at 0.35 GB/s it lands after backward needs it
+    slow = PlanContext(ctx.profile, link_hardware(1e9, 0.35e9, 1e9, 0.35e9, 0.0,
+                                                  host=NO_HOST), 2_000_000)
+    assert slack.offload_within_slack(slow, slow.candidates, late=True) == []
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_late_window_agrees_where_every_copy_lands_in_forward(seed: int) -> None:
+    """Every offload set the forward window takes, the late one takes too, and credits
+    with the same bytes at every op: the two differ only where a copy lands in backward."""
+    rng = random.Random(seed)
+    profile = random_step(rng, rng.randint(3, 12))
+    rate = rng.uniform(1e8, 5e9)
+    ctx = PlanContext(profile, link_hardware(rate, rate, rate, rate, 0.0, host=NO_HOST),
+                      int(0.5 * profile.keep_all_peak))
+    order = rng.sample(ctx.candidates, len(ctx.candidates))
+    chosen = slack.offload_within_slack(ctx, order)
+    landed = slack.d2h_landing(ctx, chosen, late=True)
+    assert landed == slack.d2h_landing(ctx, chosen)
+    assert slack.reloads_in_time(ctx, chosen, landed)
+    ops = list(range(len(profile.ops)))
+    assert slack.eviction_credit(ctx, chosen, ops, late=True) == slack.eviction_credit(
+        ctx, chosen, ops)
+    late = slack.offload_within_slack(ctx, order, late=True)
+    assert set(slack.d2h_landing(ctx, late, late=True)) == {c.name for c in late}
+    assert slack.reloads_in_time(ctx, late, slack.d2h_landing(ctx, late, late=True))
 
 
 @pytest.mark.slow

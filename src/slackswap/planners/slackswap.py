@@ -49,7 +49,9 @@ NOTE [starting points]
     a long step has into a worse basin (in a sweep of eight presets, three workloads
     and budgets 30-90%, 12 of 151 plans lost up to 1.6 points), and on bert-large-mlm@1
     at 60% a short step's too. Searched apart, llama-7b@1 at 70% gains 1.4 points
-    (95.65 to 97.01%) and bert-large-mlm@1 at 70% 0.13; the best of both is kept.
+    (95.65 to 97.01%) and bert-large-mlm@1 at 70% 0.13; the best of both is kept. So,
+    next, are the covers of the late window's offload sets (NOTE [late slack] in
+    :mod:`slackswap.planners.slack`).
     Then one kick (``KICKS``): the checkpoint whose keeping saves rebuilds the most time
     is kept, every activation whose rebuild reads it recomputed, and a search from there
     also tries swaps (a moved activation kept, a kept one moved in its place) where
@@ -206,18 +208,12 @@ def _pipeline(ctx: PlanContext, overheads: bool) -> Attempt | None:
     for c in cands:
         made[c.producer] += c.bytes
     order = sorted(cands, key=lambda c: (-cost[c.name] / made[c.producer], c.producer))
-    slack = offload_within_slack(
-        ctx, [c for c in order if not (overheads and latency_bound(ctx, c))])
-    total = sum(c.bytes for c in slack)
+    eligible = [c for c in order if not (overheads and latency_bound(ctx, c))]
     best: Attempt | None = None
     starts: list[Attempt] = []
     offloads: list[list[Candidate]] = []
-    for fraction in SLACK_FRACTIONS:
-        offload, spent = [], 0
-        for c in slack:  # the most expensive to rebuild first
-            if spent + c.bytes <= fraction * total:
-                offload.append(c)
-                spent += c.bytes
+    slack = offload_within_slack(ctx, eligible)
+    for offload in _fractions(slack):
         offloads.append(offload)
         attempt = _hybrid(ctx, offload, watches=watches)
         if attempt is not None:
@@ -241,21 +237,25 @@ def _pipeline(ctx: PlanContext, overheads: bool) -> Attempt | None:
             plan = ctx.plan("slackswap", {n: d for n in names})
             starts.append((plan, ctx.simulate(plan)))
 
-    def more() -> tuple[list[Attempt], list[Attempt]]:  # each searched apart: NOTE
-        # [starting points], NOTE [joint cover]
+    def more() -> tuple[list[Attempt], list[Attempt], list[Attempt]]:  # each searched
+        # apart: NOTE [starting points], NOTE [joint cover], NOTE [late slack]
         chained = [a for offload in offloads for cover in CHAIN_COVERS
                    if (a := _hybrid(ctx, offload, *cover, watches)) is not None]
+        late = offload_within_slack(ctx, eligible, late=True)
+        later = [] if {c.name for c in late} == {c.name for c in slack} else [
+            a for offload in _fractions(late)
+            if (a := _hybrid(ctx, offload, watches=watches, late=True)) is not None]
         joint = [a for depth in JOINT_DEPTHS  # (the same in both runs: made in the first)
                  if not (covered or watches) and len(cands) <= JOINT_CANDIDATES
                  and (a := _joint(ctx, depth)) is not None]
-        return chained, joint
+        return chained, joint, later
 
     best = _multi_start(ctx, starts, more, watches)
     return with_prefetch_points(ctx, best) if best[1].feasible else best
 
 
 def _multi_start(ctx: PlanContext, starts: list[Attempt],
-                 more: Callable[[], tuple[list[Attempt], list[Attempt]]],
+                 more: Callable[[], tuple[list[Attempt], list[Attempt], list[Attempt]]],
                  watches: bool = False) -> Attempt:
     """The local search from the best start, then from the next best while simulations
     of its budget are left (NOTE [starting points]), recompute-only's plan joining the
@@ -292,8 +292,9 @@ def _multi_start(ctx: PlanContext, starts: list[Attempt],
                 left -= 1
     assert best is not None
     if budget > SEARCH_SIMULATIONS:  # a short step: NOTE [starting points]
-        chained, joint = more()
+        chained, joint, later = more()
         best = _searched_apart(ctx, best, chained, budget, patience)
+        best = _searched_apart(ctx, best, later, budget, patience)
         best = _checkpoint_kicks(ctx, best, budget, patience)
         if EXCHANGE_SIMULATIONS * len(ctx.candidates) <= budget:
             best = _offload_exchanges(ctx, best, budget, patience, watches)
@@ -304,6 +305,20 @@ def _multi_start(ctx: PlanContext, starts: list[Attempt],
             best = perturbed_search(ctx, best, budget)  # NOTE [perturbed search]
         best = _searched_apart(ctx, best, joint, budget, patience)
     return best
+
+
+def _fractions(slack: list[Candidate]) -> list[list[Candidate]]:
+    """The offload sets that spend each of ``SLACK_FRACTIONS`` of ``slack``'s bytes, the
+    most expensive to rebuild first (``slack``'s order)."""
+    total, sets = sum(c.bytes for c in slack), []
+    for fraction in SLACK_FRACTIONS:
+        offload, spent = [], 0
+        for c in slack:
+            if spent + c.bytes <= fraction * total:
+                offload.append(c)
+                spent += c.bytes
+        sets.append(offload)
+    return sets
 
 
 def _searched_apart(ctx: PlanContext, best: Attempt, starts: list[Attempt], budget: int,
@@ -718,13 +733,14 @@ def _pair_moves(ctx: PlanContext, best: Attempt, left: int) -> tuple[Attempt, bo
 
 
 def _hybrid(ctx: PlanContext, offload: list[Candidate], checkpoints: bool = False,
-            shared: bool = False, watches: bool = False) -> Attempt | None:
+            shared: bool = False, watches: bool = False, late: bool = False
+            ) -> Attempt | None:
     offloaded = {c.name for c in offload}
     rest = [c for c in ctx.candidates if c.name not in offloaded]
 
     def make(margin: int):
         points = pressure_points(ctx, margin)
-        credit = eviction_credit(ctx, offload, [pt.op for pt in points])
+        credit = eviction_credit(ctx, offload, [pt.op for pt in points], late)
         cover = choose_cover(ctx, rest, points, credit, checkpoints, shared, watches)
         if cover is None:
             return None
