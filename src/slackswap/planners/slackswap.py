@@ -49,9 +49,7 @@ NOTE [starting points]
     a long step has into a worse basin (in a sweep of eight presets, three workloads
     and budgets 30-90%, 12 of 151 plans lost up to 1.6 points), and on bert-large-mlm@1
     at 60% a short step's too. Searched apart, llama-7b@1 at 70% gains 1.4 points
-    (95.65 to 97.01%) and bert-large-mlm@1 at 70% 0.13; the best of both is kept. So,
-    next, are the covers of the late window's offload sets (NOTE [late slack] in
-    :mod:`slackswap.planners.slack`).
+    (95.65 to 97.01%) and bert-large-mlm@1 at 70% 0.13; the best of both is kept.
     Then one kick (``KICKS``): the checkpoint whose keeping saves rebuilds the most time
     is kept, every activation whose rebuild reads it recomputed, and a search from there
     also tries swaps (a moved activation kept, a kept one moved in its place) where
@@ -133,7 +131,8 @@ NOTE [starting points]
     plan at 58.5%, and from the depth-3 joint cover's plan (77.4) it reaches 77.5%. Last
     and apart, they never change a plan the other stages make: added to the starts
     instead, their plans rated best on h100-sxm, h100-pcie and h200 at 30% and led the
-    search 0.2-1.8 points lower than the baselines' starts did.
+    search 0.2-1.8 points lower than the baselines' starts did. So, last, are the covers
+    of the late window's offload sets (NOTE [late slack] in :mod:`slackswap.planners.slack`).
 """
 
 from __future__ import annotations
@@ -294,7 +293,6 @@ def _multi_start(ctx: PlanContext, starts: list[Attempt],
     if budget > SEARCH_SIMULATIONS:  # a short step: NOTE [starting points]
         chained, joint, later = more()
         best = _searched_apart(ctx, best, chained, budget, patience)
-        best = _searched_apart(ctx, best, later, budget, patience)
         best = _checkpoint_kicks(ctx, best, budget, patience)
         if EXCHANGE_SIMULATIONS * len(ctx.candidates) <= budget:
             best = _offload_exchanges(ctx, best, budget, patience, watches)
@@ -304,6 +302,7 @@ def _multi_start(ctx: PlanContext, starts: list[Attempt],
             best = _recompute_releases(ctx, best, budget)
             best = perturbed_search(ctx, best, budget)  # NOTE [perturbed search]
         best = _searched_apart(ctx, best, joint, budget, patience)
+        best = _searched_apart(ctx, best, later, budget, patience)
     return best
 
 
