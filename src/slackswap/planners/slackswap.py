@@ -240,7 +240,8 @@ def _pipeline(ctx: PlanContext, overheads: bool) -> Attempt | None:
         # apart: NOTE [starting points], NOTE [joint cover], NOTE [late slack]
         chained = [a for offload in offloads for cover in CHAIN_COVERS
                    if (a := _hybrid(ctx, offload, *cover, watches)) is not None]
-        late = offload_within_slack(ctx, eligible, late=True)
+        late = (offload_within_slack(ctx, eligible, late=True)
+                if len(cands) <= POLISH_CANDIDATES else slack)
         later = [] if {c.name for c in late} == {c.name for c in slack} else [
             a for offload in _fractions(late)
             if (a := _hybrid(ctx, offload, watches=watches, late=True)) is not None]
