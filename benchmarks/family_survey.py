@@ -97,6 +97,10 @@ def survey(ctx: PlanContext) -> dict[str, Any]:
                 flags=flags)
 
 
+def _pct(retention: float | None) -> str:
+    return "-" if retention is None else f"{100 * retention:.2f}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--families", default=",".join(FAMILIES))
@@ -106,7 +110,6 @@ def main() -> None:
     parser.add_argument("--exact", type=float, default=0.0,
                         help="time limit of the exact model per case (0: not run)")
     args = parser.parse_args()
-    pct = lambda r: "-" if r is None else f"{100 * r:.2f}"  # noqa: E731
     print(f"{'family':8s} {'hardware':10s} {'budget':>6s} {'slackswap':>9s} "
           f"{'best baseline':>22s} {'bound':>6s} {'to bound':>8s} {'plan s':>6s}"
           + (f" {'exact':>7s} {'its plan':>8s}" if args.exact else ""))
@@ -123,13 +126,13 @@ def main() -> None:
                     continue
                 row = survey(ctx)
                 gap = "-" if row["ours"] is None else f"{100 * (row['bound'] - row['ours']):.2f}"
-                line = (f"{head} {pct(row['ours']):>9s} {row['baseline'] or '-':>15s} "
-                        f"{pct(row['best']):>6s} {pct(row['bound']):>6s} {gap:>8s} "
+                line = (f"{head} {_pct(row['ours']):>9s} {row['baseline'] or '-':>15s} "
+                        f"{_pct(row['best']):>6s} {_pct(row['bound']):>6s} {gap:>8s} "
                         f"{row['seconds']:6.1f}")
                 if args.exact:
                     exact = exact_optimum(ctx, time_limit_s=args.exact)
-                    line += (f" {pct(exact.bound):>6s}{' ' if exact.proven else '*'}"
-                             f" {pct(exact.achieved):>8s}")
+                    line += (f" {_pct(exact.bound):>6s}{' ' if exact.proven else '*'}"
+                             f" {_pct(exact.achieved):>8s}")
                 print(line, " ".join(row["flags"]), flush=True)
 
 

@@ -87,11 +87,11 @@ def eviction_credit(ctx: PlanContext, offload: list[Candidate], ops: list[int],
     use whose copy has landed (queued in production order), or not needed yet in
     backward (and, with ``late``, landed there too). What recomputation must still cover
     is the excess less this."""
-    landed = d2h_landing(ctx, offload, late) or {}  # a copy that misses forward frees
-    credit = {}  # nothing there
-    for op in ops:
-        late_op = late and op >= ctx.first_backward
-        credit[op] = sum(c.bytes for c in offload
-                         if evicted_at(c, op, ctx, landed.get(c.name, math.inf))
-                         and not (late_op and landed[c.name] > ctx.op_start[op]))
-    return credit
+    # a copy that misses forward frees nothing there; with ``late``, none frees backward's
+    # memory before it has landed either
+    landed = d2h_landing(ctx, offload, late) or {}
+    return {op: sum(c.bytes for c in offload
+                    if evicted_at(c, op, ctx, landed.get(c.name, math.inf))
+                    and not (late and op >= ctx.first_backward
+                             and landed[c.name] > ctx.op_start[op]))
+            for op in ops}
