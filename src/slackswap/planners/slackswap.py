@@ -143,7 +143,7 @@ NOTE [starting points]
     there: on two Phi-2 layers at 70% (a100-80gb, ``benchmarks/family_survey.py``) layer
     1's MLP input projection offloaded, three layer norms' outputs and layer 0's value
     projection recomputed, retain 94.63%, the exact model's proven optimum (93.67
-    before); two OPT-1.3B layers at 80% on h100-sxm gain 1.06 points, two GPT-NeoX-6.9B
+    before); three OPT-1.3B layers at 80% on h100-sxm gain 1.06 points, two GPT-NeoX-6.9B
     layers at 70% on h100-sxm 0.40, and no case of the gated set moves.
 """
 
