@@ -310,13 +310,14 @@ def _multi_start(ctx: PlanContext, starts: list[Attempt],
         if EXCHANGE_SIMULATIONS * len(ctx.candidates) <= budget:
             best = _offload_exchanges(ctx, best, budget, patience, watches)
         best, _ = _local_search(ctx, best, budget, patience, swaps=True)
-        if len(ctx.candidates) <= POLISH_CANDIDATES:
+        polish = len(ctx.candidates) <= POLISH_CANDIDATES
+        if polish:
             best, _ = _local_search(ctx, best, budget, patience, swaps=True, groups=True)
             best = _recompute_releases(ctx, best, budget)
             best = perturbed_search(ctx, best, budget)  # NOTE [perturbed search]
         best = _searched_apart(ctx, best, joint, budget, patience)
         best = _searched_apart(ctx, best, later, budget, patience)
-        if len(ctx.candidates) <= POLISH_CANDIDATES:
+        if polish:
             best = _link_room(ctx, best, budget, patience)
     return best
 
@@ -588,15 +589,15 @@ def _link_room(ctx: PlanContext, start: Attempt, budget: int, patience: int) -> 
     now = _decisions_of(start[0])
     recomputable = ctx.profile.recomputable
     cost = {c.name: rebuild_cost(ctx, c) for c in ctx.candidates}
+    offloaded = sorted((o for o in ctx.candidates
+                        if now(o) == Decision.OFFLOAD and o.name in recomputable),
+                       key=lambda o: (cost[o.name] / o.bytes, o.producer))
     moves = []
     for c in ctx.candidates:
         if now(c) != Decision.RECOMPUTE:
             continue
-        cheaper = sorted((o for o in ctx.candidates if now(o) == Decision.OFFLOAD
-                          and o.name in recomputable and cost[o.name] < cost[c.name]),
-                         key=lambda o: (cost[o.name] / o.bytes, o.producer))
         change, freed = {c.name: Decision.OFFLOAD}, 0
-        for o in cheaper:
+        for o in (o for o in offloaded if cost[o.name] < cost[c.name]):
             if freed >= c.bytes:
                 break
             change[o.name] = Decision.RECOMPUTE
