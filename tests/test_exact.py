@@ -223,7 +223,7 @@ STORED = Path(__file__).parent / "data" / "exact_optima.json"
 # 30 and 40%: the tightest program stops at its 600 s limit with dual bounds of 80.28 and
 # 86.29%; the best plans known retain 78.40 (the program's, an earlier incumbent's
 # decisions with reloads as early as they fit) and 85.54% (a seeded search of 100 000
-# plans from SlackSwap's, ``exact_gap.py --search``), SlackSwap's 78.29 and 85.09%: the
+# plans from SlackSwap's, ``exact_gap.py --search``), SlackSwap's 78.29 and 85.32%: the
 # bound is loose or the planner short, not known which.
 SHORT: set[tuple[str, float]] = {("bert-large-mlm@2", 0.3), ("bert-large-mlm@2", 0.4)}
 

@@ -436,12 +436,14 @@ def _covers(ctx: PlanContext, points, chosen) -> bool:
 
 def _watch_priced(ctx: PlanContext, chosen) -> float:
     """Seconds a cover with watch columns prices ``chosen`` at, written apart from it: its
-    rebuilds, plus each forward segment holding an op they re-run, at the host's watch
-    time there beyond the GPU's keep-all lead (less dispatches and packs by then)."""
+    rebuilds, plus the most by which the host falls behind the keep-all GPU in forward:
+    at any forward op c, the host's dispatches and packs up to c, and the watch of every
+    segment holding an op the rebuilds re-run and ending by c, less c's keep-all start."""
     from slackswap.runtime.watch import forward_segments
     from slackswap.sim.host import packs
 
     p, host = ctx.profile, ctx.hw.host
+    fb = ctx.first_backward
     before = [b for _, b in packs(p)]
     ops: set[int] = set()
     for c in chosen:
@@ -452,22 +454,24 @@ def _watch_priced(ctx: PlanContext, chosen) -> float:
                 if tid in p.never_saved and p.tensors[tid].producer not in ops:
                     ops.add(p.tensors[tid].producer)
                     stack.append(p.tensors[tid].producer)
-    watched = 0.0
-    for start, end in forward_segments(p):
-        if any(start <= q < end for q in ops):
-            issued = (start + 1) * host.dispatch_s + host.pack_s * sum(b <= start for b in before)
-            lead = max(ctx.op_start[start] - issued, 0.0)
-            watched += max(host.watch_s * (end - start) - lead, 0.0)
-    return sum(recompute.rebuild_cost(ctx, c) for c in chosen) + watched
+    ends = [(min(end, fb) - 1, host.watch_s * (end - start))
+            for start, end in forward_segments(p) if any(start <= q < end for q in ops)]
+    behind = 0.0
+    for c in range(fb):
+        issued = (c + 1) * host.dispatch_s + host.pack_s * sum(b <= c for b in before)
+        watched = sum(w for last, w in ends if last <= c)
+        behind = max(behind, issued + watched - ctx.op_start[c])
+    return sum(recompute.rebuild_cost(ctx, c) for c in chosen) + behind
 
 
 def test_covers_that_price_watches_cost_the_least_of_every_choice() -> None:
     """Covers with watch columns (NOTE [watch columns]) on block steps with module
     segments and a host that watches: against every recompute set, each row checked
-    densely and each set priced apart (its rebuilds, plus each forward segment they
-    re-run an op in, at the host's watch time there beyond the GPU's lead), the cover is
+    densely and each set priced apart (its rebuilds, plus the most the host falls behind
+    the GPU in forward with the segments they re-run an op in watched), the cover is
     covered at the least cost. (Where pricing watches changes the plan: two
-    bert-large-mlm layers at 60%, gated in ``tests/test_exact.py``.)"""
+    bert-large-mlm layers at 60%, gated in ``tests/test_exact.py``, and a whole step
+    whose forward waits on the host: ``test_a_host_bound_step_is_planned_with_its_watches``.)"""
     from itertools import combinations
 
     from stepgraphs import block_step, with_host
@@ -475,13 +479,13 @@ def test_covers_that_price_watches_cost_the_least_of_every_choice() -> None:
     checked = 0
     for seed in range(400):
         rng = random.Random(seed)
-        profile = block_step(rng, rng.randint(1, 2))
+        profile = block_step(rng, rng.randint(1, 4))
         forward = sum(op.phase == "forward" for op in profile.ops)
         seg = random.Random(-seed)
         profile.module_events = sorted(seg.sample(range(1, forward + 1),
                                                   seg.randint(1, forward)))
         hw = with_host(link_hardware(1e9, 1e9, 1e9, 1e9, 0.0), dispatch_s=2e-6, pack_s=3e-5,
-                       watch_s=rng.uniform(2e-4, 4e-3), replay_s=0.0, unpack_s=0.0)
+                       watch_s=rng.uniform(5e-5, 1e-3), replay_s=0.0, unpack_s=0.0)
         ctx = PlanContext(profile, hw, int(rng.uniform(0.3, 0.9) * profile.keep_all_peak))
         points = pressure_points(ctx, 0)
         cands = [c for c in ctx.candidates if c.name in profile.recomputable]
@@ -653,6 +657,28 @@ def test_never_worse_than_a_baseline_on_every_preset(preset: str) -> None:
             other = ctx.attempt(make)
             if other is not None and other[1].feasible:
                 assert ours[1].retention >= other[1].retention, (fraction, strategy)
+
+
+@pytest.mark.slow
+def test_a_host_bound_step_is_planned_with_its_watches() -> None:
+    """gpt2-xl at 50% on h100-sxm, a whole step (a search budget of the minimum): the
+    plan made with the host's costs unpriced waits on the host (its packs and the
+    watches of the segments it recomputes in outrun the GPU in forward), so the planner
+    runs again with them priced (NOTE [watch columns]) and keeps the better plan, which
+    waits less on the host and retains more."""
+    from slackswap.planners import slackswap as planner
+
+    hw = slackswap.load_hardware("h100-sxm")
+    profile = cached_profile("gpt2-xl", hw)
+    ctx = PlanContext(profile, hw, int(0.5 * profile.keep_all_peak))
+    assert planner._search_budget(ctx) == planner.SEARCH_SIMULATIONS  # not a short step
+    unpriced = planner._pipeline(ctx, overheads=False)[1]
+    assert planner._host_bound((None, unpriced))
+    ours = ctx.attempt(STRATEGIES["slackswap"])[1]
+    assert ours.feasible and ours.peak_bytes <= ctx.budget
+    assert ours.stall_s["host"] < unpriced.stall_s["host"]
+    assert ours.retention >= unpriced.retention + 0.005
+    assert ours.retention <= retention_bound(ctx) + 1e-9
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from bisect import bisect_right
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -88,6 +89,11 @@ MIP_GAP = 5e-3
 # bert-large-mlm@1 (50-70%), llama-7b@1 (70%), gpt2-xl@12 (50%), bert-large on gh200
 # (30, 40%) and on h200 gpt2-xl@2 (90%) and llama-7b@1 (70%)
 CHAIN_NODE_LIMIT = 100
+# ... and for the covers with watch columns (NOTE [watch columns]): one of llama-7b's at
+# 30% on h200 took 5.4 s of a 9 s plan at 1000 nodes, two of bert-large's at 70% on
+# h100-sxm 3.3 s each at 100; at 10 the plans were the same on 35 whole steps (four
+# presets, 30-70%) and 30 short ones
+WATCH_NODE_LIMIT = 10
 _KEEP_MS = 1e-6  # a checkpoint no rebuild needs is left out
 
 
@@ -147,6 +153,7 @@ def choose_cover(
         node_limit = CHAIN_NODE_LIMIT
     if watches:
         program = with_watches(ctx, candidates, program)
+        node_limit = min(node_limit, WATCH_NODE_LIMIT)
     res = solve_cover(program, forward, need, node_limit)
     chosen = res if res is not None else _greedy_cover(away * size, need, cost)
     recomputed = [c for c, x in zip(candidates, chosen, strict=False) if x]
@@ -159,22 +166,28 @@ def choose_cover(
 def with_watches(ctx: PlanContext, candidates: list[Candidate], program: CoverProgram
                  ) -> CoverProgram:
     """``program`` with a column per forward segment a recompute makes the runtime watch
-    (NOTE [watch columns]).
+    and one for the time forward loses to the host (NOTE [watch columns]).
 
     NOTE [watch columns]
         The runtime watches each forward module segment that holds an op a rebuild
-        re-runs (``runtime/watch.py``), at ``watch_s`` of host time per op. Where the
-        GPU is well ahead of the host, watching hides; at the start of forward, where
-        embedding lookups take microseconds, it is the step's time: on two
-        bert-large-mlm layers at 60%, recomputing the embeddings' dropout output costs
-        0.17 ms more host stall than the best plan pays. So each segment whose watch
-        costs more host time than the GPU's lead there (its first op's start in the
-        keep-all step, less the host's dispatches and packs by then) is a column at that
-        excess, at least every column of a recompute whose rebuild re-runs an op in it:
-        paid once per segment, however many rebuilds it serves. (Leads consumed by
-        earlier watches are not counted: the simulator judges.) The planner runs once
-        with these columns and once without and keeps the better plan (NOTE [starting
-        points] in :mod:`slackswap.planners.slackswap`).
+        re-runs (``runtime/watch.py``), at ``watch_s`` of host time per op. The host
+        issues forward op c once it has paid every dispatch, pack and watch before it;
+        the GPU, in the keep-all step, starts c at its keep-all start. Forward loses
+        ``phi`` = the most, over c, by which the first exceeds the second, and every op
+        after it starts that much later. So the cover has a column per watchable segment
+        (at least every column of a recompute whose rebuild re-runs an op in it), a
+        running sum of their watch time in segment order, and ``phi`` at a millisecond
+        per millisecond, at least the running sum less the GPU's lead over the host at
+        each segment's end (and at the ops up to the next one). Where the GPU is well
+        ahead of the host, watching hides; where the host is behind, each watched
+        segment costs its full watch: at the start of forward, where embedding lookups
+        take microseconds (two bert-large-mlm layers at 60%: recomputing the embeddings'
+        dropout output cost 0.17 ms more host stall than the best plan pays), and on a
+        whole step once the watches and packs have eaten the lead (24 Mistral layers at
+        30% on h100-sxm: 65 ms of watches on a 90 ms forward; each segment priced
+        against its own lead, as before, saw none of it). The planner runs once with
+        these columns and once without and keeps the better plan (NOTE [starting
+        points] in :mod:`slackswap.planners.slackswap`); the simulator judges.
     """
     p, host = ctx.profile, ctx.hw.host
     if not p.module_events or host.watch_s == 0:
@@ -182,20 +195,47 @@ def with_watches(ctx: PlanContext, candidates: list[Candidate], program: CoverPr
     # imported here: runtime.watch imports the schedule through runtime.checks
     from slackswap.runtime.watch import forward_segments
 
-    packed = sorted(before for _, before in packs(p))
-    cost = list(program.cost)
+    fb = ctx.first_backward
+    issue = np.full(len(p.ops), host.dispatch_s)
+    for _, before in packs(p):
+        issue[min(before, len(p.ops) - 1)] += host.pack_s
+    # per forward op, the GPU's lead over the host, in ms (negative: the host is behind)
+    lead = (np.array(ctx.op_start[:fb]) - np.cumsum(issue)[:fb]) * 1e3
+    segments = forward_segments(p)
+    starts = [start for start, _ in segments]
+    readers: dict[int, list[int]] = defaultdict(list)  # segment -> candidates re-running in it
+    for i, c in enumerate(candidates):
+        held = {k for q in rebuild_ops(p, c.producer)
+                if (k := bisect_right(starts, q) - 1) >= 0 and q < segments[k][1]}
+        for k in held:
+            readers[k].append(i)
+    watchable = [(min(end, fb) - 1, host.watch_s * 1e3 * (end - start), readers[k])
+                 for k, (start, end) in enumerate(segments) if readers.get(k) and end > start]
+    if not watchable or fb == 0:
+        return program
+    cost, rows = list(program.cost), list(program.rows)
     upper = list(np.ones(len(cost)) if program.upper is None else program.upper)
-    rows = list(program.rows)
-    reruns = [rebuild_ops(p, c.producer) for c in candidates]
-    for start, end in forward_segments(p):
-        issued = (start + 1) * host.dispatch_s + host.pack_s * bisect_right(packed, start)
-        excess = host.watch_s * (end - start) - max(ctx.op_start[start] - issued, 0.0)
-        readers = [i for i, ops in enumerate(reruns) if any(start <= q < end for q in ops)]
-        if excess <= 0 or not readers:
-            continue
-        cost.append(excess * 1e3)
-        upper.append(1.0)
-        rows += [({len(cost) - 1: 1.0, i: -1.0}, 0.0, np.inf) for i in readers]
+
+    def column(ms: float, top: float) -> int:
+        cost.append(ms)
+        upper.append(top)
+        return len(cost) - 1
+
+    phi = column(1.0, np.inf)
+    rows.append(({phi: 1.0}, max(0.0, -float(lead.min())), np.inf))  # packs alone
+    running = None
+    for k, (last, ms, held) in enumerate(watchable):
+        seg = column(0.0, 1.0)
+        rows += [({seg: 1.0, i: -1.0}, 0.0, np.inf) for i in held]
+        total = column(0.0, np.inf)  # the running sum: at least the one before plus this
+        row = {total: 1.0, seg: -ms}
+        if running is not None:
+            row[running] = -1.0
+        rows.append((row, 0.0, np.inf))
+        running = total
+        upto = watchable[k + 1][0] if k + 1 < len(watchable) else fb
+        rows.append(({phi: 1.0, total: -1.0}, -float(lead[last:max(upto, last + 1)].min()),
+                     np.inf))
     return dataclasses.replace(program, cost=np.array(cost), upper=np.array(upper), rows=rows)
 
 
