@@ -434,11 +434,13 @@ def _covers(ctx: PlanContext, points, chosen) -> bool:
                for pt in points)
 
 
-def _watch_priced(ctx: PlanContext, chosen) -> float:
+def _watch_priced(ctx: PlanContext, chosen, behind: bool) -> float:
     """Seconds a cover with watch columns prices ``chosen`` at, written apart from it: its
-    rebuilds, plus the most by which the host falls behind the keep-all GPU in forward:
-    at any forward op c, the host's dispatches and packs up to c, and the watch of every
-    segment holding an op the rebuilds re-run and ending by c, less c's keep-all start."""
+    rebuilds, plus, for the segments holding an op they re-run, each one's watch beyond
+    the GPU's keep-all lead at its first op (the keep-all start less the host's
+    dispatches and packs by then) or, ``behind``, the most by which the host falls behind
+    in forward: at any forward op c, the dispatches and packs up to c and the watch of
+    every such segment ending by c, less c's keep-all start."""
     from slackswap.runtime.watch import forward_segments
     from slackswap.sim.host import packs
 
@@ -454,24 +456,35 @@ def _watch_priced(ctx: PlanContext, chosen) -> float:
                 if tid in p.never_saved and p.tensors[tid].producer not in ops:
                     ops.add(p.tensors[tid].producer)
                     stack.append(p.tensors[tid].producer)
-    ends = [(min(end, fb) - 1, host.watch_s * (end - start))
-            for start, end in forward_segments(p) if any(start <= q < end for q in ops)]
-    behind = 0.0
-    for c in range(fb):
-        issued = (c + 1) * host.dispatch_s + host.pack_s * sum(b <= c for b in before)
-        watched = sum(w for last, w in ends if last <= c)
-        behind = max(behind, issued + watched - ctx.op_start[c])
-    return sum(recompute.rebuild_cost(ctx, c) for c in chosen) + behind
+
+    def issued(c: int) -> float:
+        return (c + 1) * host.dispatch_s + host.pack_s * sum(b <= c for b in before)
+
+    watched = [(start, end) for start, end in forward_segments(p)
+               if any(start <= q < end for q in ops)]
+    if not behind:
+        late = sum(max(host.watch_s * (end - start) - max(ctx.op_start[start] - issued(start),
+                                                            0.0), 0.0)
+                   for start, end in watched)
+    else:
+        late = 0.0
+        for c in range(fb):
+            watches = sum(host.watch_s * (end - start) for start, end in watched
+                          if min(end, fb) - 1 <= c)
+            late = max(late, issued(c) + watches - ctx.op_start[c])
+    return sum(recompute.rebuild_cost(ctx, c) for c in chosen) + late
 
 
-def test_covers_that_price_watches_cost_the_least_of_every_choice() -> None:
+@pytest.mark.parametrize("behind", [False, True], ids=["segments", "behind"])
+def test_covers_that_price_watches_cost_the_least_of_every_choice(behind: bool) -> None:
     """Covers with watch columns (NOTE [watch columns]) on block steps with module
     segments and a host that watches: against every recompute set, each row checked
-    densely and each set priced apart (its rebuilds, plus the most the host falls behind
-    the GPU in forward with the segments they re-run an op in watched), the cover is
-    covered at the least cost. (Where pricing watches changes the plan: two
-    bert-large-mlm layers at 60%, gated in ``tests/test_exact.py``, and a whole step
-    whose forward waits on the host: ``test_a_host_bound_step_is_planned_with_its_watches``.)"""
+    densely and each set priced apart (its rebuilds, plus the watches of the segments
+    they re-run an op in, each beyond the GPU's lead there or, ``behind``, as the most
+    the host falls behind the GPU in forward), the cover is covered at the least cost.
+    (Where pricing watches changes the plan: two bert-large-mlm layers at 60%, gated in
+    ``tests/test_exact.py``, and a whole step whose forward waits on the host:
+    ``test_a_host_bound_step_is_planned_with_its_watches``.)"""
     from itertools import combinations
 
     from stepgraphs import block_step, with_host
@@ -493,14 +506,15 @@ def test_covers_that_price_watches_cost_the_least_of_every_choice() -> None:
             continue
         sets = [x for r in range(len(cands) + 1) for x in combinations(cands, r)
                 if _covers(ctx, points, x)]
-        cover = recompute.choose_cover(ctx, ctx.candidates, points, watches=True)
+        cover = recompute.choose_cover(ctx, ctx.candidates, points,
+                                       watches="behind" if behind else "segments")
         if not sets:
             assert cover is None, seed
             continue
         chosen = [c for c in cands if cover.get(c.name) == "recompute"]
         assert _covers(ctx, points, chosen), seed
-        least = min(_watch_priced(ctx, x) for x in sets)
-        assert _watch_priced(ctx, chosen) <= least * (1 + 6e-3) + 1e-12, seed
+        least = min(_watch_priced(ctx, x, behind) for x in sets)
+        assert _watch_priced(ctx, chosen, behind) <= least * (1 + 6e-3) + 1e-12, seed
         checked += 1
     assert checked >= 20, checked
 

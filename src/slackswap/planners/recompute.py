@@ -118,7 +118,7 @@ def choose_cover(
     credit: dict[int, int] | None = None,
     checkpoints: bool = False,
     shared: bool = False,
-    watches: bool = False,
+    watches: str | None = None,
 ) -> dict[str, Decision] | None:
     """Activations to recompute and, with ``checkpoints``, never-saved tensors to keep as
     checkpoints; ``shared``, each op a rebuild re-runs is paid once (NOTE [chain
@@ -152,8 +152,9 @@ def choose_cover(
                                shared)
         node_limit = CHAIN_NODE_LIMIT
     if watches:
-        program = with_watches(ctx, candidates, program)
-        node_limit = min(node_limit, WATCH_NODE_LIMIT)
+        program = with_watches(ctx, candidates, program, behind=watches == "behind")
+        if watches == "behind":
+            node_limit = min(node_limit, WATCH_NODE_LIMIT)
     res = solve_cover(program, forward, need, node_limit)
     chosen = res if res is not None else _greedy_cover(away * size, need, cost)
     recomputed = [c for c, x in zip(candidates, chosen, strict=False) if x]
@@ -163,31 +164,36 @@ def choose_cover(
     return cover
 
 
-def with_watches(ctx: PlanContext, candidates: list[Candidate], program: CoverProgram
-                 ) -> CoverProgram:
+def with_watches(ctx: PlanContext, candidates: list[Candidate], program: CoverProgram,
+                 behind: bool = False) -> CoverProgram:
     """``program`` with a column per forward segment a recompute makes the runtime watch
-    and one for the time forward loses to the host (NOTE [watch columns]).
+    (NOTE [watch columns]); with ``behind``, and one for the time forward loses to the
+    host.
 
     NOTE [watch columns]
         The runtime watches each forward module segment that holds an op a rebuild
-        re-runs (``runtime/watch.py``), at ``watch_s`` of host time per op. The host
-        issues forward op c once it has paid every dispatch, pack and watch before it;
-        the GPU, in the keep-all step, starts c at its keep-all start. Forward loses
-        ``phi`` = the most, over c, by which the first exceeds the second, and every op
-        after it starts that much later. So the cover has a column per watchable segment
-        (at least every column of a recompute whose rebuild re-runs an op in it), a
-        running sum of their watch time in segment order, and ``phi`` at a millisecond
-        per millisecond, at least the running sum less the GPU's lead over the host at
-        each segment's end (and at the ops up to the next one). Where the GPU is well
-        ahead of the host, watching hides; where the host is behind, each watched
-        segment costs its full watch: at the start of forward, where embedding lookups
-        take microseconds (two bert-large-mlm layers at 60%: recomputing the embeddings'
-        dropout output cost 0.17 ms more host stall than the best plan pays), and on a
-        whole step once the watches and packs have eaten the lead (24 Mistral layers at
-        30% on h100-sxm: 65 ms of watches on a 90 ms forward; each segment priced
-        against its own lead, as before, saw none of it). The planner runs once with
-        these columns and once without and keeps the better plan (NOTE [starting
-        points] in :mod:`slackswap.planners.slackswap`); the simulator judges.
+        re-runs (``runtime/watch.py``), at ``watch_s`` of host time per op: a column per
+        such segment, at least every column of a recompute whose rebuild re-runs an op
+        in it, paid once however many rebuilds it serves. Where the GPU is well ahead of
+        the host, watching hides; where the host is behind, a watch is the step's time.
+        Two prices, each in a run of its own (NOTE [starting points] in
+        :mod:`slackswap.planners.slackswap`), the simulator judging:
+        - each segment alone: its watch beyond the GPU's lead at its first op (the op's
+          keep-all start less the host's dispatches and packs by then). At the start of
+          forward, where embedding lookups take microseconds: on two bert-large-mlm
+          layers at 60%, recomputing the embeddings' dropout output costs 0.17 ms more
+          host stall than the best plan pays. Leads consumed by earlier watches are not
+          counted, so on a whole step, where the GPU's lead grows layer by layer, every
+          later segment looks free;
+        - ``behind``: the host issues forward op c once it has paid every dispatch,
+          pack and watch before it, and the keep-all GPU starts c at its keep-all start;
+          forward loses ``phi``, the most by which the first exceeds the second, and
+          every op after it starts that much later. A running sum of the watched
+          segments' time in forward order, and ``phi`` at a millisecond per millisecond,
+          at least the sum less the GPU's lead at each segment's last op (and at the
+          ops up to the next one). On 24 Mistral layers at 30% on h100-sxm the plan
+          priced by segment watched 65 ms of a 90 ms forward and waited 19 ms on the
+          host (88.69%); priced behind, 0.2 ms (92.41%).
     """
     p, host = ctx.profile, ctx.hw.host
     if not p.module_events or host.watch_s == 0:
@@ -199,8 +205,8 @@ def with_watches(ctx: PlanContext, candidates: list[Candidate], program: CoverPr
     issue = np.full(len(p.ops), host.dispatch_s)
     for _, before in packs(p):
         issue[min(before, len(p.ops) - 1)] += host.pack_s
-    # per forward op, the GPU's lead over the host, in ms (negative: the host is behind)
-    lead = (np.array(ctx.op_start[:fb]) - np.cumsum(issue)[:fb]) * 1e3
+    # per op, the GPU's lead over the host, in ms (negative: the host is behind)
+    lead = (np.array(ctx.op_start) - np.cumsum(issue)) * 1e3
     segments = forward_segments(p)
     starts = [start for start, _ in segments]
     readers: dict[int, list[int]] = defaultdict(list)  # segment -> candidates re-running in it
@@ -209,10 +215,8 @@ def with_watches(ctx: PlanContext, candidates: list[Candidate], program: CoverPr
                 if (k := bisect_right(starts, q) - 1) >= 0 and q < segments[k][1]}
         for k in held:
             readers[k].append(i)
-    watchable = [(min(end, fb) - 1, host.watch_s * 1e3 * (end - start), readers[k])
+    watchable = [(start, end, host.watch_s * 1e3 * (end - start), readers[k])
                  for k, (start, end) in enumerate(segments) if readers.get(k) and end > start]
-    if not watchable or fb == 0:
-        return program
     cost, rows = list(program.cost), list(program.rows)
     upper = list(np.ones(len(cost)) if program.upper is None else program.upper)
 
@@ -221,10 +225,21 @@ def with_watches(ctx: PlanContext, candidates: list[Candidate], program: CoverPr
         upper.append(top)
         return len(cost) - 1
 
+    if not behind:
+        for start, _, ms, held in watchable:
+            excess = ms - max(float(lead[start]), 0.0)
+            if excess > 0:
+                seg = column(excess, 1.0)
+                rows += [({seg: 1.0, i: -1.0}, 0.0, np.inf) for i in held]
+        return dataclasses.replace(program, cost=np.array(cost), upper=np.array(upper),
+                                   rows=rows)
+    if not watchable or fb == 0:
+        return program
     phi = column(1.0, np.inf)
-    rows.append(({phi: 1.0}, max(0.0, -float(lead.min())), np.inf))  # packs alone
+    rows.append(({phi: 1.0}, max(0.0, -float(lead[:fb].min())), np.inf))  # packs alone
     running = None
-    for k, (last, ms, held) in enumerate(watchable):
+    lasts = [min(end, fb) - 1 for _, end, _, _ in watchable]
+    for k, ((_, _, ms, held), last) in enumerate(zip(watchable, lasts, strict=True)):
         seg = column(0.0, 1.0)
         rows += [({seg: 1.0, i: -1.0}, 0.0, np.inf) for i in held]
         total = column(0.0, np.inf)  # the running sum: at least the one before plus this
@@ -233,7 +248,7 @@ def with_watches(ctx: PlanContext, candidates: list[Candidate], program: CoverPr
             row[running] = -1.0
         rows.append((row, 0.0, np.inf))
         running = total
-        upto = watchable[k + 1][0] if k + 1 < len(watchable) else fb
+        upto = lasts[k + 1] if k + 1 < len(lasts) else fb
         rows.append(({phi: 1.0, total: -1.0}, -float(lead[last:max(upto, last + 1)].min()),
                      np.inf))
     return dataclasses.replace(program, cost=np.array(cost), upper=np.array(upper), rows=rows)

@@ -122,13 +122,17 @@ NOTE [starting points]
     them; the second run's keeps them and reaches 89.68% (89.09; the best plan known,
     from a long randomized search, 89.71). Priced in the one run instead, the watches
     moved bert-large-mlm@1 at 70% off its optimum (93.28 to 92.59), and so did the
-    latency (to 92.77): the kick's basin is another. A whole step runs twice too when
-    the first run's plan waits on the host for ``HOST_STALL_SHARE`` of its time or more
-    (its packs and watches outrun the GPU in forward): 24 Mistral-7B layers at 30% on
-    h100-sxm retain 92.41% (88.69: 19 ms of a 315 ms step waited on the host, 0.2 ms
-    now), 24 Qwen2-7B layers 89.22 (86.68), gpt2-xl at 50% on h100-sxm 87.25 (86.34),
-    bert-large at 50% on h100-pcie 90.21 (87.86); a plan that does not wait on the
-    host (the reference workloads on a100-80gb) is made once, as before.
+    latency (to 92.77): the kick's basin is another. Then, on any step whose first run's
+    plan waits on the host for ``HOST_STALL_SHARE`` of its time or more (its packs and
+    watches outrun the GPU in forward), all of it runs once more with the watches priced
+    as the time the host runs behind the GPU, summed over the segments watched (NOTE
+    [watch columns]), the best of the runs kept: 24 Mistral-7B layers at 30% on h100-sxm
+    retain 92.41% (88.69: 19 ms of a 315 ms step waited on the host, 0.2 ms now), 24
+    Qwen2-7B layers 89.22 (86.68), gpt2-xl at 50% on h100-sxm 87.25 (86.34). Priced so
+    in the short step's second run instead, two bert-large-mlm layers at 50% on h200
+    gained 1.09 points but one llama-7b layer at 70% there lost 0.63; as a run of its
+    own it only adds. A plan that does not wait on the host (the reference workloads on
+    a100-80gb) is made as before.
 
     Where no slack-first cover fits at all (every slack fraction, every margin), the
     joint covers (NOTE [joint cover] in :mod:`slackswap.planners.joint`) are searched
@@ -207,10 +211,14 @@ def slackswap(ctx: PlanContext) -> Attempt | None:
     [starting points])."""
     best = _pipeline(ctx, overheads=False)
     priced = bool(ctx.profile.module_events) and ctx.hw.host.watch_s > 0
-    short = _search_budget(ctx) > SEARCH_SIMULATIONS
+    again = []  # NOTE [starting points]: a short step once more, a host-bound one too
     if (priced or any(latency_bound(ctx, c) for c in ctx.candidates)) and (
-            short or _host_bound(best)):  # once more: NOTE [starting points]
-        other = _pipeline(ctx, overheads=True)
+            _search_budget(ctx) > SEARCH_SIMULATIONS):
+        again.append(False)
+    if priced and _host_bound(best):
+        again.append(True)
+    for behind in again:
+        other = _pipeline(ctx, overheads=True, behind=behind)
         if other is not None and (best is None or _score(other[1]) > _score(best[1])):
             best = other
     return best
@@ -224,12 +232,13 @@ def _host_bound(attempt: Attempt | None) -> bool:
     return result.stall_s.get("host", 0.0) >= HOST_STALL_SHARE * result.step_time_s
 
 
-def _pipeline(ctx: PlanContext, overheads: bool) -> Attempt | None:
+def _pipeline(ctx: PlanContext, overheads: bool, behind: bool = False) -> Attempt | None:
     """Every stage of NOTE [starting points]; with ``overheads``, the fixed costs of each
     operation priced: covers with the host's watches (NOTE [watch columns] in
-    :mod:`slackswap.planners.recompute`), and no copy in the slack that the link's
-    latency dominates (``latency_bound``)."""
-    watches = overheads
+    :mod:`slackswap.planners.recompute`; with ``behind``, as the time the host runs
+    behind the GPU), and no copy in the slack that the link's latency dominates
+    (``latency_bound``)."""
+    watches = ("behind" if behind else "segments") if overheads else None
     cands = ctx.candidates
     cost = {c.name: rebuild_cost(ctx, c) for c in cands}
     # per byte of everything the producer saves: rebuilding one output rebuilds them all
@@ -286,7 +295,7 @@ def _pipeline(ctx: PlanContext, overheads: bool) -> Attempt | None:
 
 def _multi_start(ctx: PlanContext, starts: list[Attempt],
                  more: Callable[[], tuple[list[Attempt], list[Attempt], list[Attempt]]],
-                 watches: bool = False) -> Attempt:
+                 watches: str | None = None) -> Attempt:
     """The local search from the best start, then from the next best while simulations
     of its budget are left (NOTE [starting points]), recompute-only's plan joining the
     starts, with the bound's LP solution rounded (``relaxed_plan``), once a search has
@@ -662,7 +671,7 @@ def _offload_search(ctx: PlanContext, best: Attempt, left: int, patience: int) -
 
 
 def _offload_exchanges(ctx: PlanContext, best: Attempt, budget: int,
-                       patience: int, watches: bool = False) -> Attempt:
+                       patience: int, watches: str | None = None) -> Attempt:
     """From ``best``'s offload set: each set one activation away (one taken out, then
     one added, the largest first), covered again (``_hybrid``, every cover kind); the
     first whose cover rates better than the current set's is taken, with a local search
@@ -795,7 +804,7 @@ def _pair_moves(ctx: PlanContext, best: Attempt, left: int) -> tuple[Attempt, bo
 
 
 def _hybrid(ctx: PlanContext, offload: list[Candidate], checkpoints: bool = False,
-            shared: bool = False, watches: bool = False, late: bool = False
+            shared: bool = False, watches: str | None = None, late: bool = False
             ) -> Attempt | None:
     offloaded = {c.name for c in offload}
     rest = [c for c in ctx.candidates if c.name not in offloaded]
