@@ -122,8 +122,10 @@ def choose_cover(
 ) -> dict[str, Decision] | None:
     """Activations to recompute and, with ``checkpoints``, never-saved tensors to keep as
     checkpoints; ``shared``, each op a rebuild re-runs is paid once (NOTE [chain
-    columns]); ``watches``, the host's cost of watching forward segments counts (NOTE
-    [watch columns]); ``credit[op]`` is what other evictions already free at ``op``.
+    columns]); ``watches``, the host's cost of watching forward segments counts, each
+    segment against its own lead (``"segments"``) or as the time the host runs behind
+    (``"behind"``, NOTE [watch columns]); ``credit[op]`` is what other evictions already
+    free at ``op``.
     None when even recomputing every candidate cannot cover the excess."""
     credit = credit or {}
     candidates = [c for c in candidates if c.name in ctx.profile.recomputable]

@@ -198,8 +198,8 @@ TRADES = 2  # recompute trades repaired by offload moves after a kick: NOTE [sta
 # offload exchanges run where the budget covers a pass of them, each about this many
 # simulations (one cover of each kind): NOTE [starting points]
 EXCHANGE_SIMULATIONS = 3
-# a whole step whose plan waits this share of its time on the host is planned once more,
-# with the host's costs priced (NOTE [starting points])
+# a step whose first plan waits this share of its time on the host is planned once more,
+# with the watches priced as the time the host runs behind (NOTE [starting points])
 HOST_STALL_SHARE = 0.005
 # recompute-only is left out: its cover is this planner's with no slack spent
 STARTS = (baselines.capuchin, baselines.offload_only, baselines.checkpoint_blocks,
