@@ -135,7 +135,8 @@ def test_a_cover_is_found_without_the_solver(monkeypatch) -> None:
         x = None
 
     monkeypatch.setattr(recompute, "milp", lambda *a, **k: NoCover())
-    for ctx, points in cases:
+    for solved, points in cases:
+        ctx = PlanContext(solved.profile, solved.hw, solved.budget)  # (covers are kept)
         greedy = recompute.choose_recompute(ctx, ctx.candidates, points)
         assert greedy
         by_name = {c.name: c for c in ctx.candidates}
@@ -517,6 +518,67 @@ def test_covers_that_price_watches_cost_the_least_of_every_choice(behind: bool) 
         assert _watch_priced(ctx, chosen, behind) <= least * (1 + 6e-3) + 1e-12, seed
         checked += 1
     assert checked >= 20, checked
+
+
+def test_a_cover_asked_again_is_the_cover_a_fresh_context_gives(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``choose_cover`` keeps its answers on the context: every question (candidates,
+    credit, checkpoints, chains, watch pricing), asked in turn on one context, is
+    answered as a context that never saw another one answers it, and the answer handed
+    out is the caller's to change. And no answer is handed out for a question that
+    differs in anything but credit that leaves the rows the same (on these steps chains
+    and watch pricing seldom change a cover, so the solver alone would not show it)."""
+    from stepgraphs import block_step, with_host
+
+    def contexts() -> Iterator[tuple[random.Random, PlanContext, list]]:
+        for seed in range(30):
+            rng = random.Random(seed)
+            profile = block_step(rng, rng.randint(1, 3))
+            forward = sum(op.phase == "forward" for op in profile.ops)
+            profile.module_events = sorted(rng.sample(range(1, forward + 1),
+                                                      rng.randint(1, forward)))
+            hw = with_host(link_hardware(1e9, 1e9, 1e9, 1e9, 0.0), dispatch_s=2e-6,
+                           pack_s=3e-5, watch_s=rng.uniform(5e-5, 1e-3), replay_s=0.0,
+                           unpack_s=0.0)
+            ctx = PlanContext(profile, hw, int(rng.uniform(0.3, 0.9) * profile.keep_all_peak))
+            points = pressure_points(ctx, 0)
+            if not points:
+                continue
+            questions = []
+            for _ in range(2):  # each set of candidates and credit under every pricing
+                cands = rng.sample(ctx.candidates, rng.randint(1, len(ctx.candidates)))
+                credit = {pt.op: rng.choice([0, pt.excess // 2]) for pt in points}
+                questions += [(cands, points, credit, checkpoints, shared, watches)
+                              for checkpoints in (False, True) for shared in (False, True)
+                              for watches in (None, "segments", "behind")]
+            yield ctx, questions + questions
+
+    asked = 0
+    for ctx, questions in contexts():
+        for question in questions:
+            answer = recompute.choose_cover(ctx, *question)
+            fresh = recompute.choose_cover(PlanContext(ctx.profile, ctx.hw, ctx.budget),
+                                           *question)
+            assert answer == fresh
+            if answer:
+                answer.clear()  # the caller's copy: the kept answer stays whole
+            asked += 1
+    assert asked >= 500, asked
+
+    def labelled(ctx: PlanContext, candidates: list, rows: list, *flags: object) -> dict:
+        return {"asked": (tuple(c.name for c in candidates),
+                          tuple((pt.op, need) for pt, need in rows), *flags)}
+
+    monkeypatch.setattr(recompute, "_cover", labelled)
+    for ctx, questions in contexts():
+        for cands, points, credit, *flags in questions:
+            answer = recompute.choose_cover(ctx, cands, points, credit, *flags)
+            if answer:
+                names, rows, *asked_flags = answer["asked"]
+                assert asked_flags == flags
+                assert set(names) <= {c.name for c in cands}
+                assert dict(rows) == {pt.op: pt.excess - credit.get(pt.op, 0)
+                                      for pt in points if pt.op in dict(rows)}
 
 
 def _random_contexts(seeds: int, most_ops: int) -> Iterator[tuple[int, PlanContext]]:

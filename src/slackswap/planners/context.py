@@ -64,6 +64,7 @@ class PlanContext:
             level -= sum(res[r].bytes for r in item.frees)
         self._attempts: dict[Callable, Any] = {}
         self.simulations = 0  # plans simulated so far: searches spend them
+        self.covers: dict[tuple, Any] = {}  # recompute covers by what they were asked
 
     def attempt(self, strategy: Callable[[PlanContext], Any]) -> Any:
         """``strategy(self)`` (a strategy, or any function of the context alone), worked

@@ -136,6 +136,21 @@ def choose_cover(
         rows = _undominated([(pt, need) for pt, need in rows if need > 0], ctx.first_backward)
     if not candidates:
         return None
+    # the same cover is asked for again and again (each offload fraction, margin and run
+    # of a plan): a cover depends on nothing else, and HiGHS answers the same program
+    # the same way, so the answer is kept (bart at 50%: 24 programs in 120 asks)
+    key = (tuple(c.name for c in candidates), tuple((pt.op, need) for pt, need in rows),
+           checkpoints, shared, watches)
+    if key not in ctx.covers:
+        ctx.covers[key] = _cover(ctx, candidates, rows, checkpoints, shared, watches)
+    cover = ctx.covers[key]
+    return None if cover is None else dict(cover)
+
+
+def _cover(ctx: PlanContext, candidates: list[Candidate], rows: list[tuple[Pressure, int]],
+           checkpoints: bool, shared: bool, watches: str | None
+           ) -> dict[str, Decision] | None:
+    """:func:`choose_cover` for rows that need room and candidates that can be rebuilt."""
     ops = np.array([pt.op for pt, _ in rows])
     need = np.array([need / 1e9 for _, need in rows])
     size = np.array([c.bytes / 1e9 for c in candidates])
