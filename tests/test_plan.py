@@ -581,6 +581,37 @@ def test_a_cover_asked_again_is_the_cover_a_fresh_context_gives(
                                       for pt in points if pt.op in dict(rows)}
 
 
+def test_a_plan_simulated_again_is_answered_as_the_simulator_answers() -> None:
+    """``PlanContext.simulate`` keeps what it simulated: a plan asked for again (the
+    same decisions, prefetch points and strategy) gets the figures a fresh simulation
+    gives, counted as a simulation all the same, without its timeline until
+    ``with_run`` adds it; a plan that differs in any of the three is simulated anew."""
+    checked = 0
+    for seed, ctx in _random_contexts(80, 8):
+        if not ctx.reachable:
+            continue
+        rng = random.Random(seed)
+        names = [c.name for c in ctx.candidates]
+        plans = [ctx.plan(rng.choice(["a", "b"]),
+                          {n: rng.choice(["keep", "offload", "recompute"]) for n in names},
+                          {n: rng.randrange(len(ctx.profile.ops))
+                           for n in rng.sample(names, rng.randint(0, len(names)))})
+                 for _ in range(4)]
+        plans += [p.model_copy(update=change) for p in plans  # each differing in one
+                  for change in ({"strategy": "c"}, {"prefetch": {}})]
+        for plan in plans + plans[::-1]:
+            before = ctx.simulations
+            answer = ctx.simulate(plan)
+            fresh = slackswap.simulate(ctx.profile, plan, ctx.hw, ctx.budget)
+            assert ctx.simulations == before + 1
+            assert answer.model_dump() == fresh.model_dump()
+            ran = ctx.with_run((plan, answer))[1]
+            assert ran.model_dump() == fresh.model_dump()
+            assert ran.run.timeline.end == fresh.run.timeline.end
+            checked += 1
+    assert checked >= 200, checked
+
+
 def _random_contexts(seeds: int, most_ops: int) -> Iterator[tuple[int, PlanContext]]:
     """Random steps of 3 to ``most_ops`` forward ops on a link of random speed, at 30 to
     90% of their peaks: (seed, context)."""

@@ -94,7 +94,7 @@ def plan_in_context(ctx: PlanContext, strategy: str = "slackswap") -> Attempt | 
             and Decision.OFFLOAD in attempt[0].decisions.values()):
         # the simulator's default reload starts, written down so the runtime follows them
         attempt = with_prefetch_points(ctx, attempt)
-    return attempt
+    return attempt if attempt is None else ctx.with_run(attempt)
 
 
 def plan(

@@ -13,11 +13,11 @@ __all__ = ["with_prefetch_points"]
 def with_prefetch_points(ctx: PlanContext, attempt: Attempt) -> Attempt:
     """Write down where each reload started in the simulated step as the plan's prefetch
     points, so a runtime issues them at the same places; keep them if the step agrees."""
-    plan, result = attempt
+    plan, result = ctx.with_run(attempt)
     run = result.run
     items, h2d = run.schedule.items, run.schedule.h2d
     if not h2d:  # no reload on a copy engine (copies on the compute stream reload in place)
-        return attempt
+        return plan, result
     compute = [s for s in run.timeline.spans if s.stream == "compute"]
     starts = [s.start for s in compute]
     prefetch = {}
@@ -32,5 +32,5 @@ def with_prefetch_points(ctx: PlanContext, attempt: Attempt) -> Attempt:
     explicit = plan.model_copy(update={"prefetch": prefetch})
     checked = ctx.simulate(explicit)
     if checked.feasible and checked.retention >= result.retention:
-        return explicit, checked
-    return attempt
+        return ctx.with_run((explicit, checked))
+    return plan, result
