@@ -779,7 +779,7 @@ def test_a_host_bound_step_is_planned_with_its_watches() -> None:
     profile = cached_profile("gpt2-xl", hw)
     ctx = PlanContext(profile, hw, int(0.5 * profile.keep_all_peak))
     assert planner._search_budget(ctx) == planner.SEARCH_SIMULATIONS  # not a short step
-    unpriced = planner._pipeline(ctx, overheads=False)[1]
+    unpriced = planner._pipeline(ctx)[1]
     assert planner._host_bound((None, unpriced))
     ours = ctx.attempt(STRATEGIES["slackswap"])[1]
     assert ours.feasible and ours.peak_bytes <= ctx.budget

@@ -209,16 +209,16 @@ STARTS = (baselines.capuchin, baselines.offload_only, baselines.checkpoint_block
 def slackswap(ctx: PlanContext) -> Attempt | None:
     """SlackSwap's plan for ``ctx`` and its simulated result (NOTE [slack], NOTE
     [starting points])."""
-    best = _pipeline(ctx, overheads=False)
+    best = _pipeline(ctx)
     priced = bool(ctx.profile.module_events) and ctx.hw.host.watch_s > 0
     again = []  # NOTE [starting points]: a short step once more, a host-bound one too
     if (priced or any(latency_bound(ctx, c) for c in ctx.candidates)) and (
             _search_budget(ctx) > SEARCH_SIMULATIONS):
-        again.append(False)
+        again.append("segments")
     if priced and _host_bound(best):
-        again.append(True)
-    for behind in again:
-        other = _pipeline(ctx, overheads=True, behind=behind)
+        again.append("behind")
+    for watches in again:
+        other = _pipeline(ctx, watches)
         if other is not None and (best is None or _score(other[1]) > _score(best[1])):
             best = other
     return best
@@ -232,13 +232,11 @@ def _host_bound(attempt: Attempt | None) -> bool:
     return result.stall_s.get("host", 0.0) >= HOST_STALL_SHARE * result.step_time_s
 
 
-def _pipeline(ctx: PlanContext, overheads: bool, behind: bool = False) -> Attempt | None:
-    """Every stage of NOTE [starting points]; with ``overheads``, the fixed costs of each
-    operation priced: covers with the host's watches (NOTE [watch columns] in
-    :mod:`slackswap.planners.recompute`; with ``behind``, as the time the host runs
-    behind the GPU), and no copy in the slack that the link's latency dominates
-    (``latency_bound``)."""
-    watches = ("behind" if behind else "segments") if overheads else None
+def _pipeline(ctx: PlanContext, watches: str | None = None) -> Attempt | None:
+    """Every stage of NOTE [starting points]; with ``watches``, the fixed costs of each
+    operation priced: covers with the host's watches, priced as ``watches`` says (NOTE
+    [watch columns] in :mod:`slackswap.planners.recompute`), and no copy in the slack
+    that the link's latency dominates (``latency_bound``)."""
     cands = ctx.candidates
     cost = {c.name: rebuild_cost(ctx, c) for c in cands}
     # per byte of everything the producer saves: rebuilding one output rebuilds them all
@@ -246,7 +244,7 @@ def _pipeline(ctx: PlanContext, overheads: bool, behind: bool = False) -> Attemp
     for c in cands:
         made[c.producer] += c.bytes
     order = sorted(cands, key=lambda c: (-cost[c.name] / made[c.producer], c.producer))
-    eligible = [c for c in order if not (overheads and latency_bound(ctx, c))]
+    eligible = [c for c in order if not (watches and latency_bound(ctx, c))]
     best: Attempt | None = None
     starts: list[Attempt] = []
     offloads: list[list[Candidate]] = []
