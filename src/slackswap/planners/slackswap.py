@@ -44,12 +44,7 @@ NOTE [starting points]
 
     On a short step (a search budget above ``SEARCH_SIMULATIONS``) one more search
     starts from the best plan of the covers with chain columns (``CHAIN_COVERS``: kept
-    checkpoints, ops paid once, NOTE [chain columns]) of the offload sets (on a step of
-    more than ``POLISH_CANDIDATES`` candidates, bert-large's 420, of the
-    ``CHAINED_SETS`` whose own plans rated best: the five sets' were up to half of plan
-    time with the host's watches priced, a second of HiGHS for a set offloading
-    nothing, and on 126 cases, six presets and budgets 30-90%, no plan changed), with
-    a budget of its own: added
+    checkpoints, ops paid once, NOTE [chain columns]), with a budget of its own: added
     to the others' starts instead, those plans often rate best yet lead the one search
     a long step has into a worse basin (in a sweep of eight presets, three workloads
     and budgets 30-90%, 12 of 151 plans lost up to 1.6 points), and on bert-large-mlm@1
@@ -168,7 +163,6 @@ NOTE [starting points]
 from __future__ import annotations
 
 import functools
-import math
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -193,7 +187,6 @@ SLACK_FRACTIONS = (1.0, 0.75, 0.5, 0.25, 0.0)
 # further recompute covers of each offload set, (checkpoints, shared): NOTE [chain
 # columns] in :mod:`slackswap.planners.recompute`
 CHAIN_COVERS = ((True, False), (True, True))
-CHAINED_SETS = 2  # ... of the offload sets whose own plans rate best, on a whole workload
 PAIR_SEARCH_CANDIDATES = 10  # steps this small also try pairs of moves
 SEARCH_SIMULATIONS = 24  # the local search's budget: NOTE [starting points]
 SEARCH_OPS = 40_000  # ... or this many simulated ops, when that is more simulations
@@ -257,11 +250,11 @@ def _pipeline(ctx: PlanContext, watches: str | None = None) -> Attempt | None:
     eligible = [c for c in order if not (watches and latency_bound(ctx, c))]
     best: Attempt | None = None
     starts: list[Attempt] = []
-    tried: list[tuple[list[Candidate], Attempt | None]] = []  # each offload set, its plan
+    offloads: list[list[Candidate]] = []
     slack = offload_within_slack(ctx, eligible)
     for offload in _fractions(slack):
+        offloads.append(offload)
         attempt = _hybrid(ctx, offload, watches=watches)
-        tried.append((offload, attempt))
         if attempt is not None:
             starts.append(attempt)
         if attempt is not None and attempt[1].feasible and (
@@ -285,7 +278,7 @@ def _pipeline(ctx: PlanContext, watches: str | None = None) -> Attempt | None:
 
     def more() -> tuple[list[Attempt], list[Attempt], list[Attempt]]:  # each searched
         # apart: NOTE [starting points], NOTE [joint cover], NOTE [late slack]
-        chained = [a for offload in _chained_sets(ctx, tried) for cover in CHAIN_COVERS
+        chained = [a for offload in offloads for cover in CHAIN_COVERS
                    if (a := _hybrid(ctx, offload, *cover, watches)) is not None]
         late = (offload_within_slack(ctx, eligible, late=True)
                 if len(cands) <= POLISH_CANDIDATES else slack)
@@ -370,18 +363,6 @@ def _fractions(slack: list[Candidate]) -> list[list[Candidate]]:
                 spent += c.bytes
         sets.append(offload)
     return sets
-
-
-def _chained_sets(ctx: PlanContext, tried: list[tuple[list[Candidate], Attempt | None]]
-                  ) -> list[list[Candidate]]:
-    """The offload sets whose covers with chain columns are tried (NOTE [starting
-    points]): each of ``tried`` on a step of at most ``POLISH_CANDIDATES`` candidates,
-    else the ``CHAINED_SETS`` whose own plans rated best, best first."""
-    if len(ctx.candidates) <= POLISH_CANDIDATES:
-        return [offload for offload, _ in tried]
-    rated = sorted(tried, key=lambda t: (False, -math.inf) if t[1] is None else _score(t[1][1]),
-                   reverse=True)
-    return [offload for offload, _ in rated[:CHAINED_SETS]]
 
 
 def _searched_apart(ctx: PlanContext, best: Attempt, starts: list[Attempt], budget: int,
