@@ -789,6 +789,44 @@ def test_a_host_bound_step_is_planned_with_its_watches() -> None:
 
 
 @pytest.mark.slow
+def test_a_whole_workload_stops_spending_less_slack_past_the_best(monkeypatch) -> None:
+    """bert-large at 30% on a100-80gb (420 candidates): in each run the slack fractions
+    are tried until one's plan rates below the best so far, where all five are tried on
+    a step of fewer candidates; the plan is the one made trying all five (NOTE
+    [slack])."""
+    from slackswap.planners import slackswap as planner
+
+    hw = slackswap.load_hardware("a100-80gb")
+    profile = reference("bert-large")
+    tried: dict[str | None, list[float]] = {}
+    hybrid = planner._hybrid
+
+    def spy(ctx, offload, checkpoints=False, shared=False, watches=None, late=False):
+        attempt = hybrid(ctx, offload, checkpoints, shared, watches, late)
+        if not (checkpoints or shared or late):  # the fractions' own covers come first
+            tried.setdefault(watches, []).append(attempt[1].retention if attempt else 0.0)
+        return attempt
+
+    def plan() -> float:
+        ctx = PlanContext(profile, hw, int(0.3 * profile.keep_all_peak))
+        return ctx.attempt(STRATEGIES["slackswap"])[1].retention
+
+    assert len(PlanContext(profile, hw, 1).candidates) > planner.PAST_BEST_CANDIDATES
+
+    monkeypatch.setattr(planner, "_hybrid", spy)
+    ours = plan()
+    n = len(planner.SLACK_FRACTIONS)
+    for got in tried.values():  # the first below the best before it is the last tried
+        assert all(got[i] >= max(got[:i]) for i in range(1, len(got) - 1))
+        assert len(got) == n or got[-1] < max(got[:-1])
+    assert any(len(got) < n for got in tried.values())
+    monkeypatch.setattr(planner, "PAST_BEST_CANDIDATES", len(profile.ops))
+    tried.clear()
+    assert plan() == ours
+    assert all(len(got) == n for got in tried.values())
+
+
+@pytest.mark.slow
 def test_never_worse_than_a_baseline_across_budgets() -> None:
     """bert-large on a100-80gb at 20-80% in steps of 20 (30, 50 and 70% on every preset:
     ``test_never_worse_than_a_baseline_on_every_preset``, ``-m full``)."""
