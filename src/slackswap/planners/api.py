@@ -18,7 +18,7 @@ from slackswap.planners.prefetch import with_prefetch_points
 from slackswap.planners.search import Attempt
 from slackswap.planners.slackswap import slackswap
 from slackswap.sim.schedule import min_working_set
-from slackswap.sim.simulate import collector_paused, simulate
+from slackswap.sim.simulate import simulate
 
 __all__ = ["STRATEGIES", "plan", "plan_with_result", "plan_in_context",
            "smallest_feasible_budget"]
@@ -88,8 +88,7 @@ def plan_in_context(ctx: PlanContext, strategy: str = "slackswap") -> Attempt | 
         keep = Plan.keep_all(ctx.profile).model_copy(
             update={"strategy": strategy, "budget_bytes": ctx.budget})
         return keep, ctx.simulate(keep)
-    with collector_paused():  # NOTE [collector paused]
-        attempt = ctx.attempt(STRATEGIES[strategy])
+    attempt = ctx.attempt(STRATEGIES[strategy])
     if (attempt is not None and attempt[1].feasible and not attempt[0].prefetch
             and Decision.OFFLOAD in attempt[0].decisions.values()):
         # the simulator's default reload starts, written down so the runtime follows them

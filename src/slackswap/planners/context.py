@@ -12,7 +12,7 @@ from slackswap.core.plan import MIN_PLANNED_BYTES, Decision, Plan
 from slackswap.core.profile import StepProfile
 from slackswap.core.result import SimResult
 from slackswap.sim.schedule import min_working_set
-from slackswap.sim.simulate import simulate
+from slackswap.sim.simulate import collector_paused, simulate
 
 __all__ = ["Candidate", "PlanContext", "MIN_PLANNED_BYTES"]
 
@@ -70,9 +70,11 @@ class PlanContext:
     def attempt(self, strategy: Callable[[PlanContext], Any]) -> Any:
         """``strategy(self)`` (a strategy, or any function of the context alone), worked
         out once per context: SlackSwap starts from the baselines' plans (NOTE [starting
-        points]) and ``reproduce`` compares them."""
+        points]) and ``reproduce`` compares them. The cyclic collector stays paused over
+        all of its simulations (NOTE [collector paused])."""
         if strategy not in self._attempts:
-            self._attempts[strategy] = strategy(self)
+            with collector_paused():
+                self._attempts[strategy] = strategy(self)
         return self._attempts[strategy]
 
     @cached_property

@@ -81,6 +81,9 @@ class _Forward:
     first_save: dict[int, int]  # tensor -> ops run before autograd first packs it
     starts: list[int]  # per segment: the profile's index of its first op
     ends: list[int]  # per segment: one past its last forward op
+    segments_of: dict[int, list[int]]  # forward op -> the segments that hold it
+    last_read: dict[int, int]  # saved activation -> the last backward op that reads it
+    sensitive: list[int]  # forward ops of a ``MODE_SENSITIVE`` kind
 
 
 def _forward(profile: StepProfile) -> _Forward:
@@ -95,12 +98,21 @@ def _forward(profile: StepProfile) -> _Forward:
     for t, before in profile.saves:
         first_save.setdefault(t, before)
     starts = [0, *(min(e, len(ops)) for e in profile.module_events)]
+    ends = [*starts[1:], len(ops)]
+    segments_of: dict[int, list[int]] = {}
+    for k, (start, end) in enumerate(zip(starts, ends, strict=True)):
+        for i in range(start, end):
+            segments_of.setdefault(i, []).append(k)
+    last_read = {t.id: last for t in tensors
+                 if t.saved and t.producer is not None
+                 and (last := t.last_backward_read) is not None}
     return _Forward(
         ops=ops, ids={t.name: t.id for t in tensors if t.name is not None}, writers=writers,
         mutated=frozenset(t for op in ops if op.inplace for t in op.outputs
                           if tensors[t].producer != op.index),
         inplace=[op.index for op in ops if op.inplace], first_save=first_save,
-        starts=starts, ends=[*starts[1:], len(ops)])
+        starts=starts, ends=ends, segments_of=segments_of, last_read=last_read,
+        sensitive=[op.index for op in ops if op.kind in MODE_SENSITIVE])
 
 
 def forward_segments(profile: StepProfile) -> list[tuple[int, int]]:
@@ -140,8 +152,8 @@ def watched_segments(profile: StepProfile, plan: Plan) -> list[bool]:
             for u in ops[index].inputs:
                 if u == t or tensors[u].kind != "activation":
                     continue
-                if (not tensors[u].saved or u in f.mutated
-                        or at is not None and tensors[u].gone_before(at)):
+                if (not tensors[u].saved or u in f.mutated  # (``gone_before``, tabled)
+                        or at is not None and f.last_read.get(u, at) < at):
                     todo.append((u, at))
     # Writes that change a value after the plan has saved it to move, or after a watched
     # op read it (an op that writes a tensor from outside the step may not return it:
@@ -157,9 +169,12 @@ def watched_segments(profile: StepProfile, plan: Plan) -> list[bool]:
                for t in (*op.outputs, *op.inputs)):
             watched.add(index)
 
-    watched.update(op.index for op in ops if op.kind in MODE_SENSITIVE)
+    watched.update(f.sensitive)
     starts, ends = f.starts, f.ends
-    segments = [any(i in watched for i in range(s, e)) for s, e in zip(starts, ends, strict=True)]
+    segments = [False] * len(starts)  # each segment that holds a watched op
+    for i in watched:
+        for k in f.segments_of.get(i, ()):
+            segments[k] = True
     # a segment that runs no op keeps the mode as it was: it is switched only where
     # watching changes (an op the profile does not have there is then seen, and refused)
     for k in range(1, len(segments)):

@@ -76,13 +76,6 @@ class _Transfer:
         self.rate = 0.0
         self.start = 0.0
 
-    def next_event(self, now: float) -> float:
-        if self.active is None:
-            return math.inf
-        if now < self.latency_end:
-            return self.latency_end
-        return now + (self.remaining / self.rate if self.remaining > 0 else 0.0)
-
 
 class _Headroom:
     """How much more memory the compute stream will take between two items.
@@ -96,31 +89,29 @@ class _Headroom:
 
     def __init__(self, sched: Schedule, need_of: list[int]) -> None:
         """``need_of``: the bytes each item allocates."""
-        res = sched.residencies
-        freed = [r.bytes if r.source == "compute" else 0 for r in res]
-        level = 0
-        self.before: list[int] = []  # compute-allocated bytes resident before item k starts
-        self.during: list[int] = []  # ... while item k runs
-        for item, need in zip(sched.items, need_of, strict=True):
-            self.before.append(level)
-            level += need
-            self.during.append(level)
-            for r in item.frees:
-                level -= freed[r]
-        # sparse table for range maxima of ``during`` (rows built by numpy, read as lists)
+        freed = [r.bytes if r.source == "compute" else 0 for r in sched.residencies]
+        need = np.asarray(need_of, dtype=np.int64)
+        frees = np.asarray([sum([freed[r] for r in item.frees]) if item.frees else 0
+                            for item in sched.items], dtype=np.int64)
+        # compute-allocated bytes resident before item k starts, and while it runs
+        # (integer sums: exact in any order)
+        delta = need - frees
+        self.before = np.cumsum(delta) - delta
+        self.during = self.before + need
+        # sparse table for range maxima of ``during``
         self.table = [self.during]
-        row, width = np.asarray(self.during, dtype=np.int64), 1
-        while 2 * width <= len(self.during):
+        row, width = self.during, 1
+        while 2 * width <= len(row):
             row = np.maximum(row[:-width], row[width:])
-            self.table.append(row.tolist())
+            self.table.append(row)
             width *= 2
 
     def growth(self, first: int, last: int, started: bool) -> int:
         """Peak compute level over items ``first..last`` above the level now."""
         k = (last - first + 1).bit_length() - 1
         row = self.table[k]
-        peak = max(row[first], row[last - (1 << k) + 1])
-        now = self.during[first] if started else self.before[first]
+        peak = max(int(row[first]), int(row[last - (1 << k) + 1]))
+        now = int(self.during[first] if started else self.before[first])
         return max(peak - now, 0)
 
 
@@ -139,7 +130,7 @@ def run_schedule(sched: Schedule, link: HostLink, limit: float = math.inf,
     used = 0
     size = [r.bytes for r in res]
     holds = [r.holds for r in res]
-    need_of = [sum(size[r] for r in item.allocs) for item in items]
+    need_of = [sum([size[r] for r in item.allocs]) if item.allocs else 0 for item in items]
     # (only a reload under a limit asks how much room compute will take)
     headroom = _Headroom(sched, need_of) if limit < math.inf and sched.h2d else None
     n_items = len(items)
@@ -156,22 +147,10 @@ def run_schedule(sched: Schedule, link: HostLink, limit: float = math.inf,
     idle_since: float | None = None
     cause = "reload"
 
-    def allocate(rid: int) -> None:
-        nonlocal used
-        used += size[rid]
-        alloc_time[rid] = now
-        memory.append((now, used))
-        if used > tl.peak:
-            tl.peak, tl.peak_time = used, now
-
-    def release(rid: int) -> None:
-        nonlocal used
-        holds[rid] -= 1
-        if holds[rid] == 0:
-            used -= size[rid]
-            free_time[rid] = now
-            memory.append((now, used))
-
+    peak, peak_time = 0, 0.0
+    # (allocating and releasing are written out where they happen: an allocation adds
+    # its bytes, stamps ``alloc_time`` and ``memory`` and raises the peak; a release
+    # frees the bytes once its last hold goes, stamping ``free_time`` and ``memory``)
     while True:
         # -- start what can start at ``now`` (compute has first claim on memory) ------------
         t_host = math.inf  # the next issue time something waits for
@@ -181,7 +160,7 @@ def run_schedule(sched: Schedule, link: HostLink, limit: float = math.inf,
             if running < 0 and nxt < n_items:
                 item = items[nxt]
                 need = need_of[nxt]
-                ready = all(h2d_done[h] for h in item.needs)
+                ready = not item.needs or all(h2d_done[h] for h in item.needs)
                 waits_host = issued is not None and issued[nxt] > now
                 if ready and used + need <= limit and not waits_host:
                     if idle_since is not None:
@@ -195,7 +174,11 @@ def run_schedule(sched: Schedule, link: HostLink, limit: float = math.inf,
                                 tl.stall[cause] += now - max(issued[nxt], idle_since)
                         idle_since = None
                     for rid in item.allocs:
-                        allocate(rid)
+                        used += size[rid]
+                        alloc_time[rid] = now
+                        memory.append((now, used))
+                        if used > peak:
+                            peak, peak_time = used, now
                     running, run_end = nxt, now + item.duration
                     spans.append(Span("compute", nxt, now, run_end))
                     nxt += 1
@@ -228,7 +211,12 @@ def run_schedule(sched: Schedule, link: HostLink, limit: float = math.inf,
                         reserve = headroom.growth(current, copy.need_item, running >= 0)
                     fits = used + copy.bytes + reserve <= limit
                     if fits and (h2d_ready is None or h2d_ready[h2d.head] <= now):
-                        allocate(copy.residency)
+                        rid = copy.residency
+                        used += size[rid]
+                        alloc_time[rid] = now
+                        memory.append((now, used))
+                        if used > peak:
+                            peak, peak_time = used, now
                         h2d.active, h2d.start = copy, now
                         h2d.latency_end, h2d.remaining = now + latency, float(copy.bytes)
                         progress = True
@@ -242,7 +230,19 @@ def run_schedule(sched: Schedule, link: HostLink, limit: float = math.inf,
         h2d.rate = link.duplex_h2d_bandwidth if both else link.h2d_bandwidth
         # -- advance to the next event -------------------------------------------------------
         t_compute = run_end if running >= 0 else math.inf
-        t_d2h, t_h2d = d2h.next_event(now), h2d.next_event(now)
+        # each copy engine's next event: its latency's end, or its active copy's end
+        if d2h.active is None:
+            t_d2h = math.inf
+        elif now < d2h.latency_end:
+            t_d2h = d2h.latency_end
+        else:
+            t_d2h = now + (d2h.remaining / d2h.rate if d2h.remaining > 0 else 0.0)
+        if h2d.active is None:
+            t_h2d = math.inf
+        elif now < h2d.latency_end:
+            t_h2d = h2d.latency_end
+        else:
+            t_h2d = now + (h2d.remaining / h2d.rate if h2d.remaining > 0 else 0.0)
         t_next = min(t_compute, t_d2h, t_h2d, t_host)
         if t_next == math.inf:
             break
@@ -256,14 +256,23 @@ def run_schedule(sched: Schedule, link: HostLink, limit: float = math.inf,
         if running >= 0 and run_end == now:
             item_end[running] = now
             for rid in items[running].frees:
-                release(rid)
+                holds[rid] -= 1
+                if holds[rid] == 0:
+                    used -= size[rid]
+                    free_time[rid] = now
+                    memory.append((now, used))
             running = -1
         if done_d2h:
             copy = d2h.active  # type: ignore[assignment]
             d2h.remaining = 0.0
             spans.append(Span("d2h", d2h.head, d2h.start, now))
             d2h_done[d2h.head] = True
-            release(copy.residency)
+            rid = copy.residency
+            holds[rid] -= 1
+            if holds[rid] == 0:
+                used -= size[rid]
+                free_time[rid] = now
+                memory.append((now, used))
             d2h.active = None
             d2h.head += 1
         if done_h2d:
@@ -272,7 +281,7 @@ def run_schedule(sched: Schedule, link: HostLink, limit: float = math.inf,
             h2d_done[h2d.head] = True
             h2d.active = None
             h2d.head += 1
-    tl.end = now
+    tl.end, tl.peak, tl.peak_time = now, peak, peak_time
     if nxt < n_items or running >= 0:
         tl.blocked = _why_blocked(sched, nxt, used, limit, h2d.head)
     return tl

@@ -91,6 +91,10 @@ def packs(profile: StepProfile) -> list[tuple[int, int]]:
     without ``saves`` (schema 2, hand-built) gets one pack per saved tensor, before the
     op after the first forward op that makes or reads it.
     """
+    return list(profile.derived("packs", lambda: _packs(profile)))
+
+
+def _packs(profile: StepProfile) -> list[tuple[int, int]]:
     if profile.saves:
         return list(profile.saves)
     first_bwd = next((op.index for op in profile.ops if op.phase == "backward"),
@@ -105,9 +109,11 @@ def packs(profile: StepProfile) -> list[tuple[int, int]]:
 
 def _moved(profile: StepProfile, plan: Plan) -> set[int]:
     """Saved activations the schedule offloads or recomputes (small ones are kept)."""
-    return {t.id for t in profile.saved_activations
-            if t.producer is not None and t.name is not None and t.bytes >= MIN_PLANNED_BYTES
-            and plan.decisions.get(t.name, Decision.KEEP) != Decision.KEEP}
+    planned = profile.derived("host:planned", lambda: {
+        t.name: t.id for t in profile.saved_activations
+        if t.producer is not None and t.name is not None and t.bytes >= MIN_PLANNED_BYTES})
+    return {planned[n] for n, d in plan.decisions.items()
+            if d != Decision.KEEP and n in planned}
 
 
 def _watched(profile: StepProfile, plan: Plan) -> set[int]:
@@ -140,7 +146,7 @@ def host_times(profile: StepProfile, plan: Plan, sched: Schedule, host: Host
     pack_end: dict[int, tuple[int, float]] = {}  # tensor -> (item, host s into it) of 1st pack
     if runtime:
         packed = [0.0] * len(items)
-        for tid, before in packs(profile):
+        for tid, before in profile.derived("packs", lambda: _packs(profile)):
             k = reached(before)
             packed[k] += host.pack_s
             if tid >= 0 and tid not in pack_end:
@@ -153,8 +159,9 @@ def host_times(profile: StepProfile, plan: Plan, sched: Schedule, host: Host
             if item.recompute:
                 extra += host.replay_s
             elif item.position >= sched.first_backward:
-                unpacked = {res[r].tensor for r in item.reads} & moved
-                extra += host.unpack_s * len(unpacked)
+                if moved and item.reads:
+                    unpacked = {res[r].tensor for r in item.reads} & moved
+                    extra += host.unpack_s * len(unpacked)
             elif item.op in watched:
                 extra += host.watch_s
             cost[k] += extra

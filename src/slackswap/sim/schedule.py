@@ -283,9 +283,10 @@ class _Builder:
     def _ensure(self, tid: int, pos: int, made: list[int]) -> int | None:
         """Make ``tid`` resident before the item being built at ``pos``; its residency."""
         t = self.tensors[tid]
-        if not _is_activation(t):
+        if t.kind != "activation":  # (``_is_activation`` and ``_gone`` written out: hot)
             return None
-        gone = self._gone(tid, pos) and tid not in made  # (not made again for this op)
+        end = self.end.get(tid)
+        gone = end is not None and end < pos and tid not in made  # (not made again here)
         if (rid := self.live.get(tid)) is not None:
             if not gone:
                 return rid
@@ -355,18 +356,28 @@ class _Builder:
 
     def _backward(self) -> None:
         live, end, decision, tensors = self.live, self.end, self.decision, self.tensors
+        uses = self.uses
         moved = (Decision.OFFLOAD, Decision.RECOMPUTE)
         for index, seconds, wanted, makes in self.backward:
             made: list[int] = []
             self.first_item[index] = len(self.items)
-            reads = [r for tid in wanted if (r := self._ensure(tid, index, made)) is not None]
+            reads = []
+            for tid in wanted:  # (``_ensure``'s first case written out: most are resident)
+                rid = live.get(tid)
+                if rid is None or ((e := end.get(tid)) is not None and e < index
+                                   and tid not in made):
+                    rid = self._ensure(tid, index, made)
+                if rid is not None:
+                    reads.append(rid)
             for tid in wanted:  # unpacked for the last time: the group holds it
                 if end.get(tid) == index and tid in live and decision.get(tid) in moved:
                     self.members.append((live[tid], index))
             k = len(self.items)
-            self.items.append(Item(index, index, seconds, False))
-            for rid in dict.fromkeys(reads):
-                self._read(rid, k)
+            item = Item(index, index, seconds, False)
+            self.items.append(item)
+            for rid in dict.fromkeys(reads):  # (``_read`` written out)
+                uses[rid].append(k)
+                item.reads.append(rid)
             for tid in makes:
                 if tid not in live:
                     live[tid] = self._new_residency(tensors[tid], "compute", k)
@@ -393,8 +404,8 @@ class _Builder:
         for h, copy in enumerate(self.h2d):
             self.reload_of[copy.tensor] = h
         reload = {copy.residency: h for h, copy in enumerate(self.h2d)}
-        if reload:
-            for item in self.items:
+        if reload:  # (forward's items read no reload)
+            for item in self.items[len(self.forward.items):]:
                 item.needs = sorted({reload[rid] for rid in item.reads if rid in reload})
         return Schedule(self.items, self.res, self.d2h, self.h2d,
                         ideal_time=self.ideal_time,
