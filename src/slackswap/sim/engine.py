@@ -91,8 +91,13 @@ class _Headroom:
         """``need_of``: the bytes each item allocates."""
         freed = [r.bytes if r.source == "compute" else 0 for r in sched.residencies]
         need = np.asarray(need_of, dtype=np.int64)
-        frees = np.asarray([sum([freed[r] for r in item.frees]) if item.frees else 0
-                            for item in sched.items], dtype=np.int64)
+        freed_by = []  # (loops, not nested comprehensions: each of those is a call)
+        for item in sched.items:
+            total = 0
+            for r in item.frees:
+                total += freed[r]
+            freed_by.append(total)
+        frees = np.asarray(freed_by, dtype=np.int64)
         # compute-allocated bytes resident before item k starts, and while it runs
         # (integer sums: exact in any order)
         delta = need - frees
@@ -130,7 +135,12 @@ def run_schedule(sched: Schedule, link: HostLink, limit: float = math.inf,
     used = 0
     size = [r.bytes for r in res]
     holds = [r.holds for r in res]
-    need_of = [sum([size[r] for r in item.allocs]) if item.allocs else 0 for item in items]
+    need_of = []
+    for item in items:
+        total = 0
+        for r in item.allocs:
+            total += size[r]
+        need_of.append(total)
     # (only a reload under a limit asks how much room compute will take)
     headroom = _Headroom(sched, need_of) if limit < math.inf and sched.h2d else None
     n_items = len(items)

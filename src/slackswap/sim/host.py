@@ -160,7 +160,10 @@ def host_times(profile: StepProfile, plan: Plan, sched: Schedule, host: Host
                 extra += host.replay_s
             elif item.position >= sched.first_backward:
                 if moved and item.reads:
-                    unpacked = {res[r].tensor for r in item.reads} & moved
+                    unpacked = set()  # the moved tensors it reads (a loop: no call)
+                    for r in item.reads:
+                        if (tid := res[r].tensor) in moved:
+                            unpacked.add(tid)
                     extra += host.unpack_s * len(unpacked)
             elif item.op in watched:
                 extra += host.watch_s
