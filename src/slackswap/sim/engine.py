@@ -164,6 +164,9 @@ def run_schedule(sched: Schedule, link: HostLink, limit: float = math.inf,
     while True:
         # -- start what can start at ``now`` (compute has first claim on memory) ------------
         t_host = math.inf  # the next issue time something waits for
+        # One pass starts all it can: starting compute or a copy out lets nothing else
+        # start, and a reload only takes memory. After a reload starts while compute waits,
+        # one more pass sees the wait's cause again (memory now, where it was the host).
         progress = True
         while progress:
             progress = False
@@ -192,7 +195,6 @@ def run_schedule(sched: Schedule, link: HostLink, limit: float = math.inf,
                     running, run_end = nxt, now + item.duration
                     spans.append(Span("compute", nxt, now, run_end))
                     nxt += 1
-                    progress = True
                 else:
                     if idle_since is None:
                         idle_since = now
@@ -208,7 +210,6 @@ def run_schedule(sched: Schedule, link: HostLink, limit: float = math.inf,
                     if d2h_ready is None or d2h_ready[d2h.head] <= now:
                         d2h.active, d2h.start = copy, now
                         d2h.latency_end, d2h.remaining = now + latency, float(copy.bytes)
-                        progress = True
                     else:
                         t_host = min(t_host, d2h_ready[d2h.head])
             if h2d.active is None and h2d.head < n_h2d:
@@ -229,7 +230,7 @@ def run_schedule(sched: Schedule, link: HostLink, limit: float = math.inf,
                             peak, peak_time = used, now
                         h2d.active, h2d.start = copy, now
                         h2d.latency_end, h2d.remaining = now + latency, float(copy.bytes)
-                        progress = True
+                        progress = running < 0  # its bytes may change why compute waits
                     elif fits:
                         t_host = min(t_host, h2d_ready[h2d.head])
         # the rates the link allows now: both directions moving share it (duplex)
