@@ -300,7 +300,7 @@ class _Builder:
             reads = [r for x in dict.fromkeys(op.inputs)
                      if (r := self._ensure(x, pos, made)) is not None]
             k = len(self.items)
-            self.items.append(Item(op.index, pos, op.time_s, True))
+            self.items.append(Item(op.index, pos, op.time_s, True, [], [], [], []))
             for rid in reads:
                 self._read(rid, k)
             for out in op.outputs:
@@ -373,7 +373,7 @@ class _Builder:
                 if end.get(tid) == index and tid in live and decision.get(tid) in moved:
                     self.members.append((live[tid], index))
             k = len(self.items)
-            item = Item(index, index, seconds, False)
+            item = Item(index, index, seconds, False, [], [], [], [])  # (no factory calls)
             self.items.append(item)
             for rid in dict.fromkeys(reads):  # (``_read`` written out)
                 uses[rid].append(k)
