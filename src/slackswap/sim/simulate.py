@@ -117,9 +117,10 @@ def collector_paused() -> Iterator[None]:
     reference cycle, and each burst of them sets off Python's cyclic collector, which
     then walks the profile's million records too: 40% of a planner's time on llama-7b.
     Reference counting frees everything a simulation drops; the collector resumes after
-    it (as it was: a caller that turned it off keeps it off). A planner keeps it paused
-    over all its simulations: resumed after each, it collected once per simulation what
-    the last one made (10% of SlackSwap's planning time on gpt2-xl)."""
+    it (as it was: a caller that turned it off keeps it off). ``PlanContext.attempt``
+    keeps it paused over all of a strategy's simulations: resumed after each, it
+    collected once per simulation what the last one made (10% of SlackSwap's planning
+    time on gpt2-xl)."""
     enabled = gc.isenabled()
     gc.disable()
     try:
