@@ -811,7 +811,7 @@ def test_a_whole_workload_stops_spending_less_slack_past_the_best(monkeypatch) -
         ctx = PlanContext(profile, hw, int(0.3 * profile.keep_all_peak))
         return ctx.attempt(STRATEGIES["slackswap"])[1].retention
 
-    assert len(PlanContext(profile, hw, 1).candidates) > planner.PAST_BEST_CANDIDATES
+    assert not PlanContext(profile, hw, 1).short_step
 
     monkeypatch.setattr(planner, "_hybrid", spy)
     ours = plan()
@@ -820,7 +820,7 @@ def test_a_whole_workload_stops_spending_less_slack_past_the_best(monkeypatch) -
         assert all(got[i] >= max(got[:i]) for i in range(1, len(got) - 1))
         assert len(got) == n or got[-1] < max(got[:-1])
     assert any(len(got) < n for got in tried.values())
-    monkeypatch.setattr(planner, "PAST_BEST_CANDIDATES", len(profile.ops))
+    monkeypatch.setattr(planner, "_stops_past_best", lambda ctx: False)
     tried.clear()
     assert plan() == ours
     assert all(len(got) == n for got in tried.values())

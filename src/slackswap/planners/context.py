@@ -14,7 +14,11 @@ from slackswap.core.result import SimResult
 from slackswap.sim.schedule import min_working_set
 from slackswap.sim.simulate import collector_paused, simulate
 
-__all__ = ["Candidate", "PlanContext", "MIN_PLANNED_BYTES"]
+__all__ = ["Candidate", "PlanContext", "MIN_PLANNED_BYTES", "SHORT_STEP_CANDIDATES"]
+
+# a step of at most this many candidates is short (one or two layers): the planner
+# searches it harder, and a whole workload has several times more (bert-large: 1 080)
+SHORT_STEP_CANDIDATES = 100
 
 
 
@@ -94,6 +98,12 @@ class PlanContext:
                 layer=p.layer_index(op.module), kind=op.kind, random=t.random,
             ))
         return sorted(out, key=lambda c: (c.producer, c.tensor))
+
+    @cached_property
+    def short_step(self) -> bool:
+        """At most ``SHORT_STEP_CANDIDATES`` candidates: one or two layers, not a whole
+        workload (NOTE [starting points] in :mod:`slackswap.planners.slackswap`)."""
+        return len(self.candidates) <= SHORT_STEP_CANDIDATES
 
     @property
     def reachable(self) -> bool:

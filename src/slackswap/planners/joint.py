@@ -27,7 +27,7 @@ NOTE [joint cover]
     plans (bert-large-mlm@1 at 60%: 82.1 against 88.9, searched 86.4), so it runs only
     where those fit nowhere. Its program grows fast with the step (llama-7b with 8
     layers 1.8 s, with 32 layers 95 s, nearly all in HiGHS's root), so it runs only on
-    steps of at most ``JOINT_CANDIDATES`` candidates.
+    short steps (``PlanContext.short_step``).
 """
 
 from __future__ import annotations
@@ -45,10 +45,9 @@ from slackswap.planners.recompute import (
     solve_cover,
 )
 
-__all__ = ["choose_joint", "JOINT_CANDIDATES", "JOINT_DEPTHS"]
+__all__ = ["choose_joint", "JOINT_DEPTHS"]
 
 JOINT_DEPTHS = (2, 3)  # hops a rebuild may pull recomputed activations through
-JOINT_CANDIDATES = 100  # the largest step (in candidates) the joint cover runs on
 _OFFLOAD_TIE = 1e-3  # an offload's own cost, per millisecond of its copy: ties only
 
 Path = tuple[int, ...]  # candidate indices: a recomputed root, then what it pulls

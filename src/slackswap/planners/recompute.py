@@ -79,11 +79,10 @@ _TIE = 1e-5
 # past it the best cover found so far is used, and with none a greedy cover: a slow
 # machine never turns a coverable budget into a refusal.
 NODE_LIMIT = 1000
-# ... and on a step of more candidates (a whole workload), where HiGHS finds its cover
+# ... and on a whole workload (not ``PlanContext.short_step``), where HiGHS finds its cover
 # early and spends the nodes failing to prove it within the gap: gpt2-xl@24 at 50%
 # took 1.15 s for a 273-column cover at 1000 nodes, 0.42 s at 100, the same cover; on
 # the 126 sweep cases and eight of 12-24 layers no plan changed
-WHOLE_STEP_CANDIDATES = 100
 WHOLE_STEP_NODE_LIMIT = 100
 # Covers within half a percent of the least rebuild time are taken: on the reference
 # workloads at 50% the root's cover is the one 1000 nodes of branching keep (gpt2-xl:
@@ -170,8 +169,7 @@ def _cover(ctx: PlanContext, candidates: list[Candidate], rows: list[tuple[Press
     tie = row_tie(ctx, candidates)
     cost = np.array([rebuild_cost(ctx, c) for c in candidates]) * tie
     program = CoverProgram(cost=cost, size=size, away=away)
-    whole = len(ctx.candidates) > WHOLE_STEP_CANDIDATES
-    node_limit = WHOLE_STEP_NODE_LIMIT if whole else NODE_LIMIT
+    node_limit = NODE_LIMIT if ctx.short_step else WHOLE_STEP_NODE_LIMIT
     if checkpoints or shared:
         program = _with_chains(ctx, candidates, ops, forward, tie, program, checkpoints,
                                shared)

@@ -8,7 +8,7 @@ NOTE [late slack]
     activations can still cross during them and come back before backward reaches
     them. The late window lets a copy out land at any time, a reload be issued once its
     copy has landed, and an offload free backward's memory only once it has. On a step
-    of at most ``POLISH_CANDIDATES`` candidates (one or two layers) the covers of the
+    of at most ``SHORT_STEP_CANDIDATES`` candidates (one or two layers) the covers of the
     late window's offload sets are searched apart, last (``_searched_apart`` in
     :mod:`slackswap.planners.slackswap`), so they only add:
     added to the other starts, they led two bert-large-mlm layers at 60% into another

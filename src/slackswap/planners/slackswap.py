@@ -16,7 +16,7 @@ NOTE [slack]
     keep-all timeline can still stall once recomputation stretches backward, so the
     planner also tries spending part of the slack or none of it, and keeps the plan the
     simulator rates best. The reload start points of that plan become its prefetch points.
-    On a step of more than ``PAST_BEST_CANDIDATES`` candidates it stops at the first part
+    On a whole workload (not ``PlanContext.short_step``) it stops at the first part
     whose plan rates below the best so far: on whole workloads retention falls with the
     slack spent once past its best (the five parts of bert-large at 30% on a100-80gb
     retain 85.90, 85.72, 84.94, 84.06 and 82.94%), and the parts left untried, covers
@@ -58,7 +58,7 @@ NOTE [starting points]
     and budgets 30-90%, 12 of 151 plans lost up to 1.6 points), and on bert-large-mlm@1
     at 60% a short step's too. Searched apart, llama-7b@1 at 70% gains 1.4 points
     (95.65 to 97.01%) and bert-large-mlm@1 at 70% 0.13; the best of both is kept.
-    Then, on a step of at most ``POLISH_CANDIDATES`` candidates, one kick (``KICKS``):
+    Then, on a step of at most ``SHORT_STEP_CANDIDATES`` candidates, one kick (``KICKS``):
     the checkpoint whose keeping saves rebuilds the most time is kept, every activation
     whose rebuild reads it recomputed, and a search from there
     also tries swaps (a moved activation kept, a kept one moved in its place) where
@@ -116,7 +116,7 @@ NOTE [starting points]
     gains 0.91 points at 90% on h200 (83.81) and 0.43 at 60% on h100-pcie (89.00).
     Last, the perturbed search (NOTE [perturbed search] in
     :mod:`slackswap.planners.perturb`), with the step's search budget (these two only on
-    steps of at most ``POLISH_CANDIDATES`` candidates: on bert-large's 24 layers they
+    steps of at most ``SHORT_STEP_CANDIDATES`` candidates: on bert-large's 24 layers they
     doubled plan time, to 7 s, for 0.3 points at 30%): one bert-large-mlm
     layer at 50% on h200 gains 1.8 points (63.41 to 65.21%), where the plan the other
     stages settle in is a local optimum of every single change.
@@ -155,7 +155,7 @@ NOTE [starting points]
     search 0.2-1.8 points lower than the baselines' starts did. So, last, are the covers
     of the late window's offload sets (NOTE [late slack] in :mod:`slackswap.planners.slack`).
 
-    And, on steps of at most ``POLISH_CANDIDATES`` candidates, link room
+    And, on steps of at most ``SHORT_STEP_CANDIDATES`` candidates, link room
     (``_link_room``): the slack is a knapsack, and the greedy in rebuild-cost order can
     fill the link with small copies of tensors cheap to rebuild before a large costly one
     fits. Each recomputed activation is offloaded with the offloads cheaper to rebuild
@@ -180,7 +180,7 @@ from slackswap.errors import SlackSwapError
 from slackswap.planners import baselines
 from slackswap.planners.bound import relaxed_plan
 from slackswap.planners.context import Candidate, PlanContext
-from slackswap.planners.joint import JOINT_CANDIDATES, JOINT_DEPTHS, choose_joint
+from slackswap.planners.joint import JOINT_DEPTHS, choose_joint
 from slackswap.planners.memory import pressure_points
 from slackswap.planners.perturb import perturbed_search
 from slackswap.planners.prefetch import with_prefetch_points
@@ -192,7 +192,6 @@ from slackswap.planners.slack import eviction_credit, latency_bound, offload_wit
 __all__ = ["slackswap", "SLACK_FRACTIONS", "SEARCH_SIMULATIONS"]
 
 SLACK_FRACTIONS = (1.0, 0.75, 0.5, 0.25, 0.0)
-PAST_BEST_CANDIDATES = 100  # steps of more stop at a fraction past the best: NOTE [slack]
 # further recompute covers of each offload set, (checkpoints, shared): NOTE [chain
 # columns] in :mod:`slackswap.planners.recompute`
 CHAIN_COVERS = ((True, False), (True, True))
@@ -202,9 +201,6 @@ SEARCH_OPS = 40_000  # ... or this many simulated ops, when that is more simulat
 # a search that finds nothing better in this many simulations in a row (or a third of its
 # budget, when that is more) has settled: the planner's search ends there
 SEARCH_PATIENCE = 8
-# steps of at most this many candidates (one or two layers) end with the grouped and the
-# perturbed searches (NOTE [starting points]); on a whole workload they double plan time
-POLISH_CANDIDATES = 100
 KICKS = 1  # checkpoint kicks on a step of few candidates: NOTE [starting points]
 TRADES = 2  # recompute trades repaired by offload moves after a kick: NOTE [starting points]
 # offload exchanges run where the budget covers a pass of them, each about this many
@@ -271,7 +267,7 @@ def _pipeline(ctx: PlanContext, watches: str | None = None) -> Attempt | None:
             best = attempt
         if best is not None and best[1].stall_s["reload"] == best[1].stall_s["memory"] == 0:
             break  # the copies hide entirely: spending less slack only adds recompute
-        if (len(cands) > PAST_BEST_CANDIDATES and best is not None and attempt is not None
+        if (_stops_past_best(ctx) and best is not None and attempt is not None
                 and attempt[1].feasible and attempt[1].retention < best[1].retention):
             break  # past the best, less slack only adds recompute (NOTE [slack])
     covered = best is not None  # a slack-first cover fits
@@ -293,12 +289,12 @@ def _pipeline(ctx: PlanContext, watches: str | None = None) -> Attempt | None:
         chained = [a for offload in offloads for cover in CHAIN_COVERS
                    if (a := _hybrid(ctx, offload, *cover, watches)) is not None]
         late = (offload_within_slack(ctx, eligible, late=True)
-                if len(cands) <= POLISH_CANDIDATES else slack)
+                if ctx.short_step else slack)
         later = [] if {c.name for c in late} == {c.name for c in slack} else [
             a for offload in _fractions(late)
             if (a := _hybrid(ctx, offload, watches=watches, late=True)) is not None]
         joint = [a for depth in JOINT_DEPTHS  # (the same in both runs: made in the first)
-                 if not (covered or watches) and len(cands) <= JOINT_CANDIDATES
+                 if not (covered or watches) and ctx.short_step
                  and (a := _joint(ctx, depth)) is not None]
         return chained, joint, later
 
@@ -346,7 +342,8 @@ def _multi_start(ctx: PlanContext, starts: list[Attempt],
     if budget > SEARCH_SIMULATIONS:  # a short step: NOTE [starting points]
         chained, joint, later = more()
         best = _searched_apart(ctx, best, chained, budget, patience)
-        polish = len(ctx.candidates) <= POLISH_CANDIDATES
+        polish = ctx.short_step  # (the grouped and perturbed searches double a whole
+        # workload's plan time)
         if polish:
             best = _checkpoint_kicks(ctx, best, budget, patience)
         if EXCHANGE_SIMULATIONS * len(ctx.candidates) <= budget:
@@ -361,6 +358,12 @@ def _multi_start(ctx: PlanContext, starts: list[Attempt],
         if polish:
             best = _link_room(ctx, best, budget, patience)
     return best
+
+
+def _stops_past_best(ctx: PlanContext) -> bool:
+    """Whether the slack fractions stop at the first plan past the best (NOTE [slack]):
+    on a whole workload."""
+    return not ctx.short_step
 
 
 def _fractions(slack: list[Candidate]) -> list[list[Candidate]]:
