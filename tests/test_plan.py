@@ -15,6 +15,7 @@ from slackswap.errors import InputError
 from slackswap.models import build_model
 from slackswap.planners import (
     STRATEGIES,
+    plan_in_context,
     plan_with_result,
     recompute,
     slack,
@@ -683,10 +684,10 @@ def test_reference_workloads_at_half_budget(name: str) -> None:
     profile = reference(name)
     ctx = PlanContext(profile, slackswap.load_hardware("a100-80gb"),
                       int(0.5 * profile.keep_all_peak))
-    ours = plan_with_result(profile, 0.5)[1]
+    ours = plan_in_context(ctx)[1]  # every strategy in one context, as ``reproduce``
     assert ours.feasible and ours.peak_bytes <= ctx.budget
     for strategy in STRATEGIES:
-        attempt = plan_with_result(profile, 0.5, strategy=strategy)
+        attempt = plan_in_context(ctx, strategy)
         if attempt is not None and attempt[1].feasible:
             assert ours.retention >= attempt[1].retention, strategy
     bound = retention_bound(ctx)
