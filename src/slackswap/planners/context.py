@@ -17,7 +17,7 @@ from slackswap.sim.simulate import collector_paused, simulate
 __all__ = ["Candidate", "PlanContext", "MIN_PLANNED_BYTES", "SHORT_STEP_CANDIDATES"]
 
 # a step of at most this many candidates is short (one or two layers): the planner
-# searches it harder, and a whole workload has several times more (bert-large: 1 080)
+# searches it harder, and a whole workload has several times more (bert-large: 420)
 SHORT_STEP_CANDIDATES = 100
 
 
