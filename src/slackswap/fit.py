@@ -44,6 +44,7 @@ from slackswap.core.profile import StepProfile
 from slackswap.core.units import format_bytes
 from slackswap.device_budget import DeviceBudget, device_budget
 from slackswap.errors import InputError
+from slackswap.plan_cache import cached_attempt
 from slackswap.planners import plan_in_context
 from slackswap.planners.context import PlanContext
 
@@ -200,8 +201,10 @@ class _Evaluator:
     """Profiles, budgets and plans shapes once each, and records every outcome."""
 
     def __init__(self, hw: Hardware, profile_at: ProfileAt, search: str, fixed: int,
-                 optimizer: str, precision: str, progress: Progress) -> None:
+                 optimizer: str, precision: str, progress: Progress,
+                 cached: bool = False) -> None:
         self.hw, self.profile_at, self.search, self.fixed = hw, profile_at, search, fixed
+        self.cached = cached  # the presets' analytic profiles: plans cached by content
         self.optimizer, self.precision, self.progress = optimizer, precision, progress
         self.points: dict[int, Point] = {}
         self.contexts: dict[int, PlanContext] = {}
@@ -239,7 +242,8 @@ class _Evaluator:
     def _plan(self, size: int, strategy: str) -> None:
         point, ctx = self.points[size], self.contexts[size]
         self.progress(f"batch {point.batch}, seq {point.seq}: planning {strategy}")
-        attempt = plan_in_context(ctx, strategy)
+        attempt = (cached_attempt(ctx, strategy)[0] if self.cached
+                   else plan_in_context(ctx, strategy))
         if attempt is None:
             why = (f"the budget is below the {format_bytes(ctx.working_set)} one op needs "
                    "at once" if not ctx.reachable else "the strategy has no plan for this "
@@ -281,13 +285,15 @@ def fit(
     if ":" in model:
         raise InputError(f"fit builds preset models at every shape it tries; '{model}' is "
                          "a factory, which builds one batch: profile and plan it instead")
+    cached = profile_at is None  # (NOTE [plan cache] in :mod:`slackswap.plan_cache`)
     if profile_at is None:
         profile_at = _preset_profiles(model, hardware)
     if batch is None:
         search, fixed, unit = "batch", seq or _preset_seq(model), 1
     else:
         search, fixed, unit = "seq", batch, SEQ_STEP
-    ev = _Evaluator(hardware, profile_at, search, fixed, optimizer, precision, progress)
+    ev = _Evaluator(hardware, profile_at, search, fixed, optimizer, precision, progress,
+                    cached)
     largest = {strategy: largest_meeting(  # SlackSwap's doubling profiles the others' shapes
         lambda size, s=strategy: ev.outcome(size, s).meets(min_retention), unit)
         for strategy in FIT_STRATEGIES}

@@ -13,8 +13,6 @@ import functools
 import hashlib
 import json
 import math
-import os
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -24,8 +22,8 @@ from slackswap.core.jsonio import atomic_write, atomic_write_text, dump_model, l
 from slackswap.core.profile import StepProfile
 from slackswap.core.units import format_bytes
 from slackswap.errors import InputError
-from slackswap.planners import STRATEGIES, plan_in_context, smallest_feasible_budget
-from slackswap.planners.bound import retention_bound
+from slackswap.plan_cache import cache_root, cached_attempt, cached_bound
+from slackswap.planners import STRATEGIES, smallest_feasible_budget
 from slackswap.planners.context import PlanContext
 from slackswap.planners.summary import checkpoint_bytes, decision_bytes
 from slackswap.sim.outputs import write_trace
@@ -43,8 +41,7 @@ Progress = Callable[[str], None]
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("SLACKSWAP_CACHE") or Path.home() / ".cache" / "slackswap"
-    return Path(root) / "profiles"
+    return cache_root() / "profiles"
 
 
 def _without_host(hw: Hardware) -> dict[str, Any]:
@@ -107,18 +104,17 @@ def _no_plan(ctx: PlanContext) -> str:
     return "the strategy has no plan for this model"
 
 
-def _bound(ctx: PlanContext) -> float | None:
-    """The bound's retention; None where no plan can fit (``retention_bound`` says 0)."""
-    bound = retention_bound(ctx)
-    return bound if bound > 0 else None
+def _bound(ctx: PlanContext) -> tuple[float | None, float]:
+    """The bound's retention, None where no plan can fit (``retention_bound`` says 0),
+    and the seconds its solve took (from the cache: NOTE [plan cache])."""
+    bound, seconds = cached_bound(ctx)
+    return bound if bound > 0 else None, seconds
 
 
 def _strategy_entry(ctx: PlanContext, strategy: str) -> tuple[dict[str, Any], Any]:
     """``strategy``'s row of the results: retention None and a reason when it is
-    infeasible."""
-    start = time.perf_counter()
-    attempt = plan_in_context(ctx, strategy)
-    elapsed = time.perf_counter() - start
+    infeasible; the plan from the cache when it is there (NOTE [plan cache])."""
+    attempt, elapsed = cached_attempt(ctx, strategy)
     if attempt is None:
         return {"retention": None, "peak_bytes": None, "feasible": False,
                 "reason": _no_plan(ctx), "offloaded_bytes": 0, "recomputed_bytes": 0,
@@ -191,9 +187,7 @@ def reproduce(
         if gpus > 1:
             progress(f"{name}: the plan for one GPU, on {gpus}")
             entry["single_gpu_plan"] = _single_gpu_plan(prof, single, hw, ctx.budget)
-        start = time.perf_counter()
-        entry["bound_retention"] = _bound(ctx)
-        entry["bound_time_s"] = time.perf_counter() - start
+        entry["bound_retention"], entry["bound_time_s"] = _bound(ctx)
         if not any(e["feasible"] for e in entry["strategies"].values()):
             # what budget would do: a plan is known to fit this one
             entry["smallest_feasible_budget_bytes"] = smallest_feasible_budget(prof, hw)
@@ -267,7 +261,7 @@ def _single_gpu_plan(prof: StepProfile, single: Hardware, node: Hardware,
     from slackswap.sim import simulate
 
     ctx = PlanContext(prof, single, budget)
-    attempt = plan_in_context(ctx)
+    attempt = cached_attempt(ctx, "slackswap")[0]
     if attempt is None:
         return {"retention": None, "feasible": False, "reason": "no plan for one GPU"}
     result = simulate(prof, attempt[0], node, ctx.budget)
@@ -291,7 +285,7 @@ def _sweep(prof: StepProfile, hw: Hardware, budgets: tuple[float, ...], name: st
             if strategy == "slackswap":
                 peak = entry["peak_bytes"]
         rows["peak_bytes"].append(peak)
-        rows["bound"].append(_bound(ctx))
+        rows["bound"].append(_bound(ctx)[0])
     return rows
 
 
