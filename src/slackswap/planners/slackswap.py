@@ -92,7 +92,13 @@ NOTE [starting points]
     final norm's 64 MiB cast out of the offload set, covered again and searched, reaches
     97.43% from 97.01 (the exact model's own plan retains 97.43); two bert-large-mlm
     layers gain 0.25-1.0 points at 50-90% on a100-80gb. A full reference workload has
-    hundreds of candidates and a budget of a few dozen simulations: none run there.
+    hundreds of candidates and a budget of a few dozen simulations: none run there. They
+    run in a step's first run only: in the runs with the fixed costs priced (below) every
+    cover they ask for has watch columns and takes several times as long (wav2vec2 at 50%
+    planned in 26 s, 11 s without them there), and no plan changed on 124 short steps
+    (one- and two-layer steps of the reference models and of six other families on
+    a100-80gb, h100-sxm and h200, and the runtime tests' small models at 50 and 70%),
+    whose plan time fell by a fifth to a half.
 
     Then a last search from the best plan, swaps included: on bert-large-mlm@2 at 50%
     (a100-80gb) it gains 0.40 points (88.62 to 89.02%; a search from the exact model's
@@ -121,11 +127,12 @@ NOTE [starting points]
     layer at 50% on h200 gains 1.8 points (63.41 to 65.21%), where the plan the other
     stages settle in is a local optimum of every single change.
 
-    On a short step all of this runs twice, the second time with each operation's fixed
-    costs priced, and the better plan is kept. The covers price the host's forward
-    watches (NOTE [watch columns] in :mod:`slackswap.planners.recompute`): bert-large-mlm@2
-    at 60% reaches the exact model's proven optimum, 93.19% (92.48), bert-large at 50%
-    gains 0.14 points. And the slack leaves out the copies the link's latency dominates
+    On a short step all of this (but the offload exchanges) runs twice, the second time
+    with each operation's fixed costs priced, and the better plan is kept. The covers
+    price the host's forward watches (NOTE [watch columns] in
+    :mod:`slackswap.planners.recompute`): bert-large-mlm@2 at 60% reaches the exact
+    model's proven optimum, 93.19% (92.48), bert-large at 50% gains 0.14 points. And the
+    slack leaves out the copies the link's latency dominates
     (``latency_bound``: a layer norm's statistics, 32 KiB against 250 KiB that the
     link's 10 us would carry): each costs its latency twice whenever the link is busy,
     which the slack, fixed in the keep-all timeline, does not see once recomputation
@@ -346,8 +353,8 @@ def _multi_start(ctx: PlanContext, starts: list[Attempt],
         # workload's plan time)
         if polish:
             best = _checkpoint_kicks(ctx, best, budget, patience)
-        if EXCHANGE_SIMULATIONS * len(ctx.candidates) <= budget:
-            best = _offload_exchanges(ctx, best, budget, patience, watches)
+        if watches is None and EXCHANGE_SIMULATIONS * len(ctx.candidates) <= budget:
+            best = _offload_exchanges(ctx, best, budget, patience)
         best, _ = _local_search(ctx, best, budget, patience, swaps=True)
         if polish:
             best, _ = _local_search(ctx, best, budget, patience, swaps=True, groups=True)
@@ -688,7 +695,7 @@ def _offload_search(ctx: PlanContext, best: Attempt, left: int, patience: int) -
 
 
 def _offload_exchanges(ctx: PlanContext, best: Attempt, budget: int,
-                       patience: int, watches: str | None = None) -> Attempt:
+                       patience: int) -> Attempt:
     """From ``best``'s offload set: each set one activation away (one taken out, then
     one added, the largest first), covered again (``_hybrid``, every cover kind); the
     first whose cover rates better than the current set's is taken, with a local search
@@ -701,7 +708,7 @@ def _offload_exchanges(ctx: PlanContext, best: Attempt, budget: int,
     def cover(offload: frozenset[str]) -> Attempt | None:
         chosen = [c for c in cands if c.name in offload]
         found = [a for kind in ((False, False), *CHAIN_COVERS)
-                 if (a := _hybrid(ctx, chosen, *kind, watches)) is not None]
+                 if (a := _hybrid(ctx, chosen, *kind)) is not None]
         return max(found, key=lambda a: _score(a[1]), default=None)
 
     offload = frozenset(c.name for c in cands
