@@ -95,10 +95,10 @@ NOTE [starting points]
     hundreds of candidates and a budget of a few dozen simulations: none run there. They
     run in a step's first run only: in the runs with the fixed costs priced (below) every
     cover they ask for has watch columns and takes several times as long (wav2vec2 at 50%
-    planned in 26 s, 11 s without them there), and no plan changed on 124 short steps
-    (one- and two-layer steps of the reference models and of six other families on
-    a100-80gb, h100-sxm and h200, and the runtime tests' small models at 50 and 70%),
-    whose plan time fell by a fifth to a half.
+    planned in 26 s, 11 s without them there); on 124 short steps (one- and two-layer
+    steps of the reference models and of six other families on a100-80gb, h100-sxm and
+    h200, and the runtime tests' 62 small models at 50 and 70%) no retention changed, nor
+    any decision of the small models' plans, and plan time fell by a fifth to a half.
 
     Then a last search from the best plan, swaps included: on bert-large-mlm@2 at 50%
     (a100-80gb) it gains 0.40 points (88.62 to 89.02%; a search from the exact model's
