@@ -78,3 +78,23 @@ def test_the_bound_is_cached_as_solved(cache: Path) -> None:
     assert bound == retention_bound(_context()) > 0
     assert plan_cache.cached_bound(_context()) == (bound, seconds)
     assert len(list(cache.iterdir())) == 1
+
+
+def test_a_traced_step_is_planned_once(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``slackswap.plan(model, batch)`` off CUDA: a step traced the same way again is
+    planned from the cache (the planner is not asked), and the plan is the same."""
+    from factories import mlp
+
+    model, x = mlp()
+    first = slackswap.plan(model, x, budget=0.5)
+    assert len(list(cache.iterdir())) == 1
+
+    def planner_asked(*args, **kwargs):
+        raise AssertionError("planned again")
+
+    monkeypatch.setattr(plan_cache, "plan_in_context", planner_asked)
+    again = slackswap.plan(model, x, budget=0.5)
+    assert again.model_dump() == first.model_dump()
+    assert again._profile is not None  # so that ``apply`` prefetches without being told
+    with pytest.raises(AssertionError, match="planned again"):  # another budget: a miss
+        slackswap.plan(model, x, budget=0.6)

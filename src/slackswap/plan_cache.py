@@ -1,6 +1,7 @@
 """Plans and bounds cached on disk by content, beside the profiles ``reproduce`` caches:
 run again (another output, target or report), ``slackswap reproduce`` and ``slackswap
-fit`` plan nothing, and solve no bound, they have before.
+fit`` plan nothing, and solve no bound, they have before; ``slackswap.plan(model,
+batch)`` off CUDA plans a step it has planned before at once.
 
 NOTE [plan cache]
     A plan depends on the profile, the hardware, the budget and the strategy, and on
@@ -10,10 +11,12 @@ NOTE [plan cache]
     versions of SciPy (its HiGHS) and NumPy, so an edited checkout or another solver
     never reuses a plan. A hit is simulated once more, so its result carries the
     schedule and timeline a fresh plan's does, and reports the time the plan took to
-    make when it was made. Only the preset-driven commands use it: their profiles are
-    analytic, the same on every run, where a profile measured on a GPU differs from run
-    to run and would only fill the cache. The bound (``retention_bound``) is cached the
-    same way: on the reference workloads its LP is most of a warm ``reproduce``.
+    make when it was made. Only profiles that are the same on every run use it: the
+    preset-driven commands' analytic ones, and the steps ``slackswap.plan(model, batch)``
+    traces off CUDA (and ``auto`` and ``attach`` with it). A profile measured on a GPU
+    differs from run to run and would only fill the cache. The bound
+    (``retention_bound``) is cached the same way: on the reference workloads its LP is
+    most of a warm ``reproduce``.
 """
 
 from __future__ import annotations

@@ -65,6 +65,8 @@ def plan_with_result(
     budget: str | int | float,
     hardware: str | Path | Hardware | None = None,
     strategy: str = "slackswap",
+    *,
+    cached: bool = False,
 ) -> tuple[Plan, SimResult] | None:
     """Like :func:`plan`, with the simulated result; None when the strategy has no plan
     (a model with no transformer blocks for ``checkpoint-blocks``, say). The result may
@@ -74,6 +76,10 @@ def plan_with_result(
     hw = load_hardware(hardware or profile.hardware)
     budget = resolve_fit(budget, profile, hw)
     ctx = PlanContext(profile, hw, resolve_budget(budget, profile.keep_all_peak))
+    if cached:
+        from slackswap.plan_cache import cached_attempt  # (the cache is built on this module)
+
+        return cached_attempt(ctx, strategy)[0]
     return plan_in_context(ctx, strategy)
 
 
@@ -101,19 +107,25 @@ def plan(
     budget: str | int | float,
     hardware: str | Path | Hardware | None = None,
     strategy: str = "slackswap",
+    *,
+    cached: bool = False,
 ) -> Plan:
     """Keep, offload or recompute for every saved activation so the step fits ``budget``:
     a fraction of the keep-all activation peak (``0.5``), bytes, a string (``"24GiB"``),
     or ``"fit"``: what the device's memory leaves once AdamW's mixed-precision model states
     and the CUDA context are taken out (:mod:`slackswap.device_budget`).
+
+    ``cached``: the plan is read from the plan cache on disk when an earlier run made it,
+    and stored there when not (NOTE [plan cache] in :mod:`slackswap.plan_cache`): for a
+    profile made the same on every run (analytic, or traced), not one measured on a GPU.
     """
     hw = load_hardware(hardware or profile.hardware)
     budget = resolve_fit(budget, profile, hw)
-    attempt = plan_with_result(profile, budget, hw, strategy)
+    attempt = plan_with_result(profile, budget, hw, strategy, cached=cached)
     if attempt is None or not attempt[1].feasible:
         need = resolve_budget(budget, profile.keep_all_peak)
         if strategy != "slackswap":
-            hybrid = plan_with_result(profile, budget, hw)
+            hybrid = plan_with_result(profile, budget, hw, cached=cached)
             if hybrid is not None and hybrid[1].feasible:
                 raise InputError(f"budget {format_bytes(need)} is out of reach of "
                                  f"'{strategy}'; the 'slackswap' strategy fits it")

@@ -32,7 +32,9 @@ def plan_model(
 
     On CUDA the step is measured (real kernels, real times); elsewhere one real step is
     traced (so data-dependent branches, such as a mask checked for padding, take the
-    path training takes) and priced on ``hardware`` (default ``a100-80gb``). A model
+    path training takes) and priced on ``hardware`` (default ``a100-80gb``); such a
+    step is the same on every run, and its plan is cached on disk by content
+    (``$SLACKSWAP_CACHE``, or ``~/.cache/slackswap``: NOTE [plan cache]). A model
     sharded with FSDP2's ``fully_shard`` is profiled as its unsharded self: every rank
     must call this, since its parameters are gathered whole for the profiled step. The
     plan keeps the profile in memory, so ``slackswap.apply(model, plan)`` reloads at its
@@ -59,7 +61,8 @@ def plan_model(
         total = torch.cuda.mem_get_info(params[0].device)[1]
         budget = device_budget(step, load_hardware(hardware or step.hardware), capacity=total,
                                capacity_source="torch.cuda.mem_get_info").budget_bytes
-    result = plan(step, budget, hardware, strategy)
+    # a traced step is the same on every run: its plan is cached (NOTE [plan cache])
+    result = plan(step, budget, hardware, strategy, cached=not on_cuda)
     result._profile = step  # so that apply checks it and prefetches without being told
     return result
 
