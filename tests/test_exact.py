@@ -251,7 +251,8 @@ def test_within_half_a_point_of_the_tightest_bound(case: dict) -> None:
     assert (content_digest(profile), content_digest(hw)) == (
         case["profile_digest"], case["hardware_digest"]), (
         "the profile or hardware changed since the bound was solved: regenerate "
-        "tests/data/exact_optima.json as its test says")
+        "tests/data/exact_optima.json as its test says (or install the transformers "
+        "version pyproject.toml's test extra pins)")
     ctx = PlanContext(profile, hw, int(case["budget"] * profile.keep_all_peak))
     plan = ctx.plan("exact", case["plan"]["decisions"], case["plan"]["prefetch"])
     assert ctx.simulate(plan).retention == pytest.approx(case["plan_retention"], abs=1e-12)
