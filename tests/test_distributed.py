@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import faulthandler
 import gc
 import subprocess
 import sys
@@ -175,6 +176,7 @@ def _run(rank: int, wrapper: str, names: list[str]) -> None:
 
 def _rank(rank: int, world: int, folder: str, fn: Any, *args: Any) -> None:
     """One rank: ``fn(rank, *args)`` in a gloo group, then a mark that it passed."""
+    faulthandler.enable()  # a crash prints every thread's stack to the captured stderr
     dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank,
                             world_size=world)
     torch.set_num_threads(1)
@@ -189,17 +191,34 @@ def _rank(rank: int, world: int, folder: str, fn: Any, *args: Any) -> None:
         dist.destroy_process_group()
 
 
+def _passed(folder: str, world: int) -> bool:
+    return all(Path(folder, f"passed-{r}").exists() for r in range(world))
+
+
+def _joined(context: Any, folder: str, world: int) -> bool:
+    """Whether every rank has exited; a rank killed by a signal (its stack is in the
+    captured stderr, see ``_rank``) fails the test unless every rank had passed."""
+    try:
+        return context.join(timeout=5)
+    except mp.ProcessExitedException as crash:
+        if not _passed(folder, world):
+            raise
+        warnings.warn(f"every rank passed, but {crash} while exiting", stacklevel=3)
+        return True
+
+
 def _spawn(fn: Any, world: int, *args: Any, limit_s: float = 240) -> None:
-    """``fn(rank, *args)`` in ``world`` processes; a rank that raises fails the test, and
-    so does a hang (after ``limit_s``). Ranks that all passed their checks but hang while
-    exiting (PyTorch's gloo teardown, see ``_rank``) are stopped with a warning."""
+    """``fn(rank, *args)`` in ``world`` processes; a rank that raises or crashes fails the
+    test, and so does a hang (after ``limit_s``). Ranks that all passed their checks but
+    hang or crash while exiting (PyTorch's gloo teardown, see ``_rank``) are stopped with
+    a warning."""
     with tempfile.TemporaryDirectory() as folder:
         context = mp.spawn(_rank, args=(world, folder, fn, *args), nprocs=world,
                            join=False)
         deadline = time.monotonic() + limit_s
         passed_at = None
-        while not context.join(timeout=5):
-            passed = all(Path(folder, f"passed-{r}").exists() for r in range(world))
+        while not _joined(context, folder, world):
+            passed = _passed(folder, world)
             if passed and passed_at is None:
                 passed_at = time.monotonic()
             if passed_at is not None and time.monotonic() > passed_at + 30:
