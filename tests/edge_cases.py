@@ -281,6 +281,48 @@ def random_in_function() -> Case:
     return _RandomFunction(), torch.randn(32, 64), None
 
 
+class _FunctionMadeAModuleButNotRegistered(nn.Module):
+    """A function made a module that its caller keeps out of ``named_modules`` (as the
+    ``kernels`` package that transformers 5.25 requires does for Llama's rotary
+    embedding): module hooks see it, names do not; ``inner``, another one, runs in it."""
+
+    def __init__(self, inner: nn.Module | None = None) -> None:
+        super().__init__()
+        self._inner = (inner,)  # a tuple: not a registered child
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.tanh(x) * x
+        if self._inner[0] is not None:
+            y = self._inner[0](y)
+        return torch.sigmoid(y) * y
+
+
+class _UnregisteredBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(64, 64)
+        self.out = nn.Linear(64, 64)
+        self._fn = (_FunctionMadeAModuleButNotRegistered(_FunctionMadeAModuleButNotRegistered()),)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self._fn[0](self.proj(x)))
+
+
+class _Unregistered(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = _UnregisteredBlock()
+        self.head = nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.block(x)))
+
+
+def unregistered_modules() -> Case:
+    torch.manual_seed(0)
+    return _Unregistered(), torch.randn(32, 64), _mean_square
+
+
 MODELS: dict[str, Callable[[], Case]] = {
     "mark_dirty": mark_dirty,
     "inplace_on_view": inplace_on_view,
@@ -295,4 +337,5 @@ MODELS: dict[str, Callable[[], Case]] = {
     "sparse": sparse,
     "grad_in_forward": grad_in_forward,
     "random_in_function": random_in_function,
+    "unregistered_modules": unregistered_modules,
 }

@@ -274,6 +274,50 @@ def test_the_innermost_module_does_not_turn_on_hash_order() -> None:
         assert module_path(tracker, "M")() == "attn.value"  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("mode", ["analytic", "traced"])
+def test_a_module_the_model_does_not_register_places_its_ops_in_its_caller(mode: str) -> None:
+    """A function made a module and kept out of ``named_modules`` (transformers 5.25's
+    ``kernels`` dependency does so to Llama's rotary embedding), nested in another of its
+    class: its ops are named in the registered module that calls it, as the runtime names
+    them, so a plan of an analytic profile runs exactly; ``ModTracker``'s warning about
+    the two same-named modules is not shown, and the warnings format is left as it was
+    (NOTE [modules the model does not register])."""
+    import copy
+    import warnings
+
+    from edge_cases import _Unregistered, unregistered_modules
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from slackswap.core.plan import Plan
+
+    model, x, loss_fn = unregistered_modules()
+    if mode == "analytic":
+        with FakeTensorMode():
+            traced = _Unregistered()
+    else:
+        traced = copy.deepcopy(model)
+    formatwarning = warnings.formatwarning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning fails the test
+        profile = slackswap.profile(traced, x, mode=mode, loss_fn=loss_fn, kernels="native")
+    assert warnings.formatwarning is formatwarning
+    names = [t.name for t in profile.saved_activations if t.producer is not None]
+    assert [n.split(":")[0] for n in names] == ["block.proj", *["block"] * 8, "(top)", "head"]
+
+    def step(plan: Plan | None) -> list[torch.Tensor]:
+        net = copy.deepcopy(model)
+        with slackswap.apply(net, plan) if plan else torch.enable_grad():
+            loss = loss_fn(net(x))
+        loss.backward()
+        return [loss.detach(), *(p.grad for p in net.parameters())]
+
+    reference = step(None)
+    for decision in ("offload", "recompute"):
+        plan = Plan(fingerprint=profile.fingerprint, strategy=decision,
+                    decisions={n: decision for n in names})
+        assert all(torch.equal(a, b) for a, b in zip(step(plan), reference, strict=True))
+
+
 def test_a_model_mod_tracker_cannot_follow_is_refused_with_that_reason() -> None:
     """Hugging Face Reformer's reversible layers make ``ModTracker``'s forward hook fail:
     the error names ModTracker, not the model, as what failed."""

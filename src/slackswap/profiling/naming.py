@@ -153,8 +153,10 @@ def module_path(tracker: ModTracker, root: str) -> Callable[[], str]:
 
     def innermost() -> str:
         # (a set: in backward, sibling modules of equal path length can be active at
-        # once, Q's and V's projections; ties go to the later name, not to hash order)
-        names = [p for p in tracker.parents if p != "Global"]
+        # once, Q's and V's projections; ties go to the later name, not to hash order.
+        # Only the model's own modules, as ``ForwardModules`` counts them: a module the
+        # model calls but does not register, named by its class, is not a place)
+        names = [p for p in tracker.parents if p.startswith(prefix)]
         path = max(names, key=lambda p: (len(p), p), default="")
         return path[len(prefix):] if path.startswith(prefix) else ""
 

@@ -7,6 +7,7 @@ import functools
 import hashlib
 import json
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Literal
 
@@ -341,13 +342,35 @@ def _run_step(
     recorder: StepRecorder, tracker: ModTracker, extra: contextlib.AbstractContextManager,
     params: Iterable[torch.Tensor] = (),
 ) -> None:
-    with tracker, recorder, extra, refusing_own_checkpoint_calls(), module_events(
-            recorder.module_event):
+    with _nested_names_warn_not(), tracker, recorder, extra, \
+            refusing_own_checkpoint_calls(), module_events(recorder.module_event):
         with torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack):
             loss = _loss(call(), loss_fn, name)
         recorder.phase = "backward"
         with _weight_gradients(recorder, params):
             loss.backward()
+
+
+@contextlib.contextmanager
+def _nested_names_warn_not() -> Iterator[None]:
+    """``ModTracker`` without its warning that "the module hierarchy tracking maybe be
+    messed up", and with the warnings format it sets for the whole process put back.
+
+    NOTE [modules the model does not register]
+        ``ModTracker`` names a module the model calls but does not register by its
+        class, and warns when a module enters while one of the same name is active. Two
+        such modules nested (Llama's rotary embedding under transformers 5.25, whose
+        ``kernels`` dependency makes functions into modules) collide so; it counts them,
+        so the tracking stays right, and :func:`module_path` places ops only in the
+        model's own modules, as the runtime does. The warning is noise to a user, and
+        raising it replaces ``warnings.formatwarning`` for the rest of the process."""
+    formatwarning = warnings.formatwarning
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The module hierarchy tracking maybe")
+            yield
+    finally:
+        warnings.formatwarning = formatwarning
 
 
 @contextlib.contextmanager
