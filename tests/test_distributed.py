@@ -233,10 +233,16 @@ def _spawn(fn: Any, world: int, *args: Any, limit_s: float = 240) -> None:
                 pytest.fail(f"{world} ranks still ran after {limit_s:.0f} s")
 
 
-@pytest.mark.parametrize("wrapper", ["fsdp2", "ddp"])
-def test_two_ranks_train_bit_identically_under_plans(wrapper: str) -> None:
-    _spawn(_run, 2, wrapper, ["gpt2-xl-tiny", "bert-large-tiny", "llama-7b-tiny",
+def test_two_ranks_train_bit_identically_under_fsdp2() -> None:
+    _spawn(_run, 2, "fsdp2", ["gpt2-xl-tiny", "bert-large-tiny", "llama-7b-tiny",
                               "gpt-neox-tiny", "bn-cnn"])
+
+
+def test_two_ranks_train_bit_identically_under_ddp() -> None:
+    """What DDP adds to a step, its gradient buckets' hooks and its buffers broadcast, on
+    tied weights (GPT-2's head), dropout (GPT-NeoX) and batch norm: the other presets'
+    own ops are FSDP2's test's (about 11 s less of planning and training)."""
+    _spawn(_run, 2, "ddp", ["gpt2-xl-tiny", "gpt-neox-tiny", "bn-cnn"])
 
 
 def test_four_ranks_train_bit_identically_under_fsdp2() -> None:
