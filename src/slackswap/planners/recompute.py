@@ -80,10 +80,13 @@ _TIE = 1e-5
 # machine never turns a coverable budget into a refusal.
 NODE_LIMIT = 1000
 # ... and on a whole workload (not ``PlanContext.short_step``), where HiGHS finds its cover
-# early and spends the nodes failing to prove it within the gap: gpt2-xl@24 at 50%
+# at the root and spends the nodes failing to prove it within the gap: gpt2-xl@24 at 50%
 # took 1.15 s for a 273-column cover at 1000 nodes, 0.42 s at 100, the same cover; on
-# the 126 sweep cases and eight of 12-24 layers no plan changed
-WHOLE_STEP_NODE_LIMIT = 100
+# the 126 sweep cases and eight of 12-24 layers no plan changed. At the root alone
+# (chained covers too) no plan changed on the bert-large sweep (8 presets, 56 cases) nor
+# on 23 cases of gpt2-xl, llama-7b and bert-large-mlm (3 presets each, 30-70%), and
+# gpt2-xl@24 at 50% plans in 3.4 s, not 5.4
+WHOLE_STEP_NODE_LIMIT = 1
 # Covers within half a percent of the least rebuild time are taken: on the reference
 # workloads at 50% the root's cover is the one 1000 nodes of branching keep (gpt2-xl:
 # the same 207 activations, 43.10 ms; the search took 1.4 s of its plan time for it).
@@ -92,7 +95,8 @@ MIP_GAP = 5e-3
 # search: at 1000 nodes two of them took 9 s of gpt2-xl@24's 14 s plan at 50% (HiGHS
 # stopped at the limit); at 100 the plan is 9 s, and the same in retention there and on
 # bert-large-mlm@1 (50-70%), llama-7b@1 (70%), gpt2-xl@12 (50%), bert-large on gh200
-# (30, 40%) and on h200 gpt2-xl@2 (90%) and llama-7b@1 (70%)
+# (30, 40%) and on h200 gpt2-xl@2 (90%) and llama-7b@1 (70%); a whole workload's
+# limit, lower, holds for them too
 CHAIN_NODE_LIMIT = 100
 # ... and for the covers that price the host running behind (NOTE [watch columns]): one
 # of llama-7b's at 30% on h200 took 5.4 s of a 9 s plan at 1000 nodes, two of
@@ -176,7 +180,7 @@ def _cover(ctx: PlanContext, candidates: list[Candidate], rows: list[tuple[Press
     if checkpoints or shared:
         program = _with_chains(ctx, candidates, ops, forward, tie, program, checkpoints,
                                shared)
-        node_limit = CHAIN_NODE_LIMIT
+        node_limit = min(node_limit, CHAIN_NODE_LIMIT)
     if watches:
         program = with_watches(ctx, candidates, program, behind=watches == "behind")
         if watches == "behind":
