@@ -342,8 +342,8 @@ def _run_step(
     recorder: StepRecorder, tracker: ModTracker, extra: contextlib.AbstractContextManager,
     params: Iterable[torch.Tensor] = (),
 ) -> None:
-    with _nested_names_warn_not(), tracker, recorder, extra, \
-            refusing_own_checkpoint_calls(), module_events(recorder.module_event):
+    with (_same_name_warning_off(), tracker, recorder, extra,
+          refusing_own_checkpoint_calls(), module_events(recorder.module_event)):
         with torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack):
             loss = _loss(call(), loss_fn, name)
         recorder.phase = "backward"
@@ -352,7 +352,7 @@ def _run_step(
 
 
 @contextlib.contextmanager
-def _nested_names_warn_not() -> Iterator[None]:
+def _same_name_warning_off() -> Iterator[None]:
     """``ModTracker`` without its warning that "the module hierarchy tracking maybe be
     messed up", and with the warnings format it sets for the whole process put back.
 
