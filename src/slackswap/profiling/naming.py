@@ -157,8 +157,8 @@ def module_path(tracker: ModTracker, root: str) -> Callable[[], str]:
         # Only the model's own modules, as ``ForwardModules`` counts them: a module the
         # model calls but does not register, named by its class, is not a place)
         names = [p for p in tracker.parents if p.startswith(prefix)]
-        path = max(names, key=lambda p: (len(p), p), default="")
-        return path[len(prefix):] if path.startswith(prefix) else ""
+        path = max(names, key=lambda p: (len(p), p), default=prefix)
+        return path[len(prefix):]
 
     return innermost
 
