@@ -2,7 +2,7 @@
 
 Run: python benchmarks/exact_gap.py [--steps bert-large-mlm@1,llama-7b@1]
          [--budgets 0.5,0.6,0.7] [--op-ends] [--tight] [--time-limit 120] [--store FILE]
-         [--search SIMULATIONS]
+         [--search SIMULATIONS] [--rebuild-depth 3]
 For each step and budget: SlackSwap's simulated retention, the integer program's optimum
 (a retention no plan exceeds; 'proven' when solved to optimality) and the program's own
 plan, simulated. Where that plan reaches the optimum the best plan is known exactly, and
@@ -29,6 +29,7 @@ from slackswap.core.hardware import Hardware
 from slackswap.core.jsonio import atomic_write_text, content_digest
 from slackswap.models.presets import with_layers
 from slackswap.planners import STRATEGIES
+from slackswap.planners.bound import REBUILD_DEPTH
 from slackswap.planners.context import PlanContext
 from slackswap.planners.exact import exact_optimum
 from slackswap.planners.perturb import perturbed_search
@@ -55,6 +56,9 @@ def main() -> None:
     parser.add_argument("--op-ends", action="store_true")
     parser.add_argument("--tight", action="store_true")
     parser.add_argument("--time-limit", type=float, default=120.0)
+    parser.add_argument("--rebuild-depth", type=int, default=REBUILD_DEPTH,
+                        help="links of rebuilt tensors a read is followed through "
+                             "(NOTE [read depth] in planners/exact.py)")
     parser.add_argument("--store", type=Path, default=None)
     parser.add_argument("--search", type=int, default=0,
                         help="simulations of a seeded search for a better plan to store")
@@ -69,7 +73,7 @@ def main() -> None:
             continue
         start = time.perf_counter()
         exact = exact_optimum(ctx, time_limit_s=args.time_limit, op_ends=args.op_ends,
-                              tight=args.tight)
+                              tight=args.tight, rebuild_depth=args.rebuild_depth)
         solve = time.perf_counter() - start
         attempt = ctx.attempt(STRATEGIES["slackswap"])
         ours = attempt[1].retention
@@ -84,7 +88,8 @@ def main() -> None:
                       r.retention if r.feasible else 0.0) for source, plan, r in known]
             source, plan, retention = max(known, key=lambda k: k[2])
             entry = {"step": step, "budget": budget, "hardware": args.hardware,
-                     "op_ends": args.op_ends, "tight": args.tight, "bound": exact.bound,
+                     "op_ends": args.op_ends, "tight": args.tight,
+                     "rebuild_depth": args.rebuild_depth, "bound": exact.bound,
                      "proven": exact.proven, "time_limit_s": args.time_limit,
                      "plan": {"decisions": plan.decisions, "prefetch": plan.prefetch},
                      "plan_source": source, "plan_retention": retention,

@@ -192,3 +192,24 @@ def best_assignment(ctx, checkpoints: tuple[str, ...] = ()) -> float:
             if result.feasible:
                 best = max(best, result.retention)
     return best
+
+
+def chain_step(rng: random.Random, n: int) -> StepProfile:
+    """A line of ``n`` forward ops, each saving its input (``x_k = f_k(x_{k-1})``), and
+    backward in reverse: rebuilding x_k reads x_{k-1}, so a plan that recomputes a run of
+    them reads the activation before the run through every link of it."""
+    tensors = [T(rng.randint(8, 64) * 1000, kind="input", saved=True)]
+    ops = [Op("forward", rng.uniform(1e-4, 1e-3), [k], [k + 1]) for k in range(n)]
+    tensors += [T(rng.randint(8, 64) * 1000) for _ in range(n)]
+    grad = len(tensors)
+    tensors.append(T(1000))
+    ops.append(Op("backward", rng.uniform(1e-5, 1e-4), [], [grad]))
+    for k in reversed(range(n)):  # f_k's backward reads x_{k-1}, its saved input
+        tensors[k].saved = True
+        if tensors[k].first_backward_use is None:
+            tensors[k].first_backward_use = len(ops)
+        new = len(tensors)
+        tensors.append(T(rng.randint(8, 64) * 1000))
+        ops.append(Op("backward", rng.uniform(1e-4, 2e-3), [grad, k], [new]))
+        grad = new
+    return build(ops, tensors)

@@ -10,7 +10,7 @@ import random
 from pathlib import Path
 
 import pytest
-from stepgraphs import NO_HOST, best_assignment, block_step, link_hardware, random_step
+from stepgraphs import NO_HOST, best_assignment, block_step, chain_step, link_hardware, random_step
 
 import slackswap
 from slackswap.core.jsonio import content_digest
@@ -119,6 +119,36 @@ def test_the_program_values_every_plan_at_least_at_its_simulated_retention() -> 
                 assert value >= result.retention - 1e-9, (seed, decisions)
                 checked += 1
     assert checked >= 300
+
+
+def test_the_program_follows_a_rebuild_read_through_a_run_of_rebuilds() -> None:
+    """Lines of ops each saving its input (``chain_step``), one activation offloaded and
+    every later one recomputed: the first rebuild in backward reads the offload through
+    four links or more, so it must be back before then (NOTE [read depth]).
+    ``program_value`` stays at or over the plan's simulated retention, and on some steps
+    comes down to it where, following three links (as it did), it stayed over by points."""
+    checked = tighter = 0
+    for seed in range(40):
+        rng = random.Random(seed)
+        profile = chain_step(rng, rng.randint(6, 8))
+        for t in profile.tensors:
+            t.bytes *= 100
+        rate = rng.uniform(5e8, 2e10)
+        hw = link_hardware(rate, rate, rate, rate * rng.uniform(0.3, 1), 1e-6,
+                           host=NO_HOST if seed % 2 else None)
+        wide = PlanContext(profile, hw, profile.keep_all_peak)
+        names = [c.name for c in wide.candidates]  # in forward order
+        start = rng.randrange(0, len(names) - 4)
+        decisions = {names[start]: "offload"} | {n: "recompute" for n in names[start + 1:]}
+        ctx = PlanContext(profile, hw, wide.simulate(wide.plan("x", decisions)).peak_bytes)
+        plan = ctx.plan("x", decisions)
+        simulated = ctx.simulate(plan).retention
+        value = program_value(ctx, plan, op_ends=seed % 2 == 0)
+        assert value >= simulated - 1e-9, seed
+        cut = program_value(ctx, plan, op_ends=seed % 2 == 0, rebuild_depth=3)
+        tighter += cut > value + 0.01
+        checked += 1
+    assert checked == 40 and tighter >= 3
 
 
 @functools.cache

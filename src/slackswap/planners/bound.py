@@ -188,7 +188,8 @@ class _BoundLP:
 
     def __init__(self, ctx: PlanContext, points: tuple[list[Pressure], list[Pressure]],
                  chain_depth: int, checkpoint_timing: bool = False,
-                 rebuild_timing: bool = False, tight: bool = False) -> None:
+                 rebuild_timing: bool = False, tight: bool = False,
+                 rebuild_depth: int = REBUILD_DEPTH) -> None:
         p, link = ctx.profile, ctx.hw.host_link
         self.ctx, self.p = ctx, p
         # when offloaded checkpoints leave memory (their copies out timed at each point)
@@ -203,6 +204,9 @@ class _BoundLP:
         # by what forward and the rebuilds so far lost and from above by the rebuilds
         # that can have run; several times the solve time on one or two layers
         self.tight = tight
+        # links of rebuilt tensors the rows follow from a rebuild to what it reads (and,
+        # with ``tight``, to the producers it may re-run); deeper ones are left out
+        self.depth = rebuild_depth
         self._late: dict[int, list[tuple[int, float]]] = {}
         # point -> (column, tensor) of each offloaded checkpoint that may be away there
         self.away_checkpoints: dict[int, list[tuple[int, int]]] = {}
@@ -280,7 +284,7 @@ class _BoundLP:
         self.read_by: dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...]]]] = {}
         for i, t in enumerate(acts):
             paths = [(u, (), (t.producer,)) for u in dict.fromkeys(p.ops[t.producer].inputs)]
-            for _ in range(REBUILD_DEPTH):  # deeper ones are left out: the bound only loosens
+            for _ in range(self.depth):  # deeper ones are left out: the bound only loosens
                 deeper = []
                 for u, cols, ops in paths:
                     if u in index and index[u] != i and self.R + index[u] not in cols:
@@ -486,7 +490,7 @@ class _BoundLP:
         activation i, first needed by j, re-runs its producer and, where what that
         reads is itself rebuilt (a recomputed activation, a never-saved tensor not
         checkpointed), that one's producer, and so on (the column is 1 only when every
-        link is: w <= each). REBUILD_DEPTH links down, every producer a chain reaches
+        link is: w <= each). ``self.depth`` links down, every producer a chain reaches
         from there may re-run."""
         if hasattr(self, "_reasons"):
             return self._reasons
@@ -510,10 +514,10 @@ class _BoundLP:
                 continue
             use = t.first_backward_use
             paths = [(t.producer, (self.R + i,))]
-            for depth in range(REBUILD_DEPTH + 1):
+            for depth in range(self.depth + 1):
                 deeper = []
                 for op, cols in paths:
-                    if depth == REBUILD_DEPTH:  # every producer a chain from here reaches
+                    if depth == self.depth:  # every producer a chain from here reaches
                         add(use, cols, [q for q in self.made_by if ancestors[op] >> q & 1])
                         continue
                     add(use, cols, [op] if op in self.q else [])

@@ -30,11 +30,28 @@ from dataclasses import dataclass
 
 from slackswap.core.plan import Decision, Plan
 from slackswap.core.result import SimResult
-from slackswap.planners.bound import _BoundLP
+from slackswap.planners.bound import REBUILD_DEPTH, _BoundLP
 from slackswap.planners.context import PlanContext
 from slackswap.planners.memory import Pressure
 
 __all__ = ["Optimum", "exact_optimum", "program_value"]
+
+# NOTE [read depth]
+#     A rebuild may read an offloaded activation through a run of rebuilt ones: the
+#     MLM head's LayerNorm is rebuilt from its GELU, dense and the layer's LayerNorm, four
+#     links from the offloaded residual sum they come from, so the sum must be back
+#     before the first of those rebuilds. The rows follow such runs ``rebuild_depth``
+#     links deep (and, with ``tight``, as deep for the producers a rebuild may re-run);
+#     deeper ones are left out, which only loosens the program. At three, it valued
+#     SlackSwap's plan for two bert-large layers at 70% on h200, simulated at 74.03%, at
+#     77.03 (it let the sum come back after the rebuild); at four and at six, at 74.03.
+#     Deeper rows cost solve time where the decisions are free: the tightest program's
+#     optimum there fell from 77.33 (5 s) to 76.75 at four (37 s) and 76.31 at six (76
+#     s), but on one bert-large-mlm layer at 50% on h200 six did not prove in 120 s (its
+#     bound 67.53, against 66.25 proven at three). So ``exact_optimum`` follows three
+#     links unless asked for more, and ``program_value``, whose decisions are pinned and
+#     solve in a second, six.
+VALUE_REBUILD_DEPTH = 6
 
 
 @dataclass(frozen=True)
@@ -54,17 +71,19 @@ class Optimum:
 
 def exact_optimum(ctx: PlanContext, time_limit_s: float = 120.0,
                   chain_depth: int = 4, op_ends: bool = False,
-                  tight: bool = False) -> Optimum:
+                  tight: bool = False, rebuild_depth: int = REBUILD_DEPTH) -> Optimum:
     """Solve the integer program of NOTE [exact model] for ``ctx`` (a small step). With
     ``op_ends``, memory is checked in backward as each op ends as well as when it starts,
     so a reload in flight during an op takes its room there: two to six times the solve
     time and the same optimum where measured, but a plan that reaches it more often
     (llama-7b@1 at 70%: 97.4 of 97.7, against 95.4 without). With ``tight`` as well
     (NOTE [tight timing]), the program's value of a plan comes closer to its simulated
-    step: two to four times the solve time again."""
+    step: two to four times the solve time again. ``rebuild_depth``: how many links of
+    rebuilt tensors the rows follow from a rebuild to what it reads (NOTE [read
+    depth])."""
     if not ctx.reachable:
         return Optimum(0.0, True, None, None)
-    lp = _program(ctx, op_ends, tight, chain_depth)
+    lp = _program(ctx, op_ends, tight, chain_depth, rebuild_depth)
     if lp is None:
         return Optimum(1.0, True, None, None)
     overhead = lp.solve(integral=True, time_limit_s=time_limit_s)
@@ -79,14 +98,15 @@ def exact_optimum(ctx: PlanContext, time_limit_s: float = 120.0,
 
 
 def program_value(ctx: PlanContext, plan: Plan, time_limit_s: float = 120.0,
-                  op_ends: bool = True, tight: bool = True) -> float:
+                  op_ends: bool = True, tight: bool = True,
+                  rebuild_depth: int = VALUE_REBUILD_DEPTH) -> float:
     """What the program says ``plan``'s decisions retain at best (its reload timing left
     to the program): never under the plan's simulated retention, and as far over it as
     the model is loose for those decisions, so the place to look for what it misses.
     A checkpoint under the size floor, which the simulator keeps, counts as kept."""
     if not ctx.reachable:
         return 0.0
-    lp = _program(ctx, op_ends, tight, chain_depth=4)
+    lp = _program(ctx, op_ends, tight, chain_depth=4, rebuild_depth=rebuild_depth)
     if lp is None:
         return 1.0
     decisions = {name: Decision(d) for name, d in plan.decisions.items()}
@@ -116,11 +136,11 @@ def program_value(ctx: PlanContext, plan: Plan, time_limit_s: float = 120.0,
     return lp.retention(lp.solve(integral=True, time_limit_s=time_limit_s))
 
 
-def _program(ctx: PlanContext, op_ends: bool, tight: bool, chain_depth: int
-             ) -> _BoundLP | None:
+def _program(ctx: PlanContext, op_ends: bool, tight: bool, chain_depth: int,
+             rebuild_depth: int) -> _BoundLP | None:
     """The integer program's rows for ``ctx``; None when no point needs a decision."""
     lp = _BoundLP(ctx, _every_point(ctx, op_ends), chain_depth, checkpoint_timing=True,
-                  rebuild_timing=True, tight=tight)
+                  rebuild_timing=True, tight=tight, rebuild_depth=rebuild_depth)
     if not lp.pts:
         return None
     lp.build(thresholds=len(lp.acts) + 1, max_points=len(ctx.profile.ops))
