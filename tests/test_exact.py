@@ -244,6 +244,18 @@ def test_within_half_a_point_of_the_exact_optimum_on_other_families(family: str,
     assert ctx.attempt(STRATEGIES["slackswap"])[1].retention >= exact.bound - 0.005
 
 
+def test_the_program_values_a_plan_at_least_at_its_simulation_on_h100_sxm() -> None:
+    """One bert-large-mlm layer at 70% on h100-sxm: HiGHS's presolve once cut off the
+    program's better solution for SlackSwap's plan and valued it 0.011 points under its
+    simulated retention (NOTE [value without presolve]); now at it or over it (by at most
+    0.3 points, as on the stored cases)."""
+    hw = slackswap.load_hardware("h100-sxm")
+    profile = cached_profile(with_layers("bert-large-mlm", 1), hw)
+    ctx = PlanContext(profile, hw, int(0.7 * profile.keep_all_peak))
+    plan, result = ctx.attempt(STRATEGIES["slackswap"])
+    assert result.retention - 1e-9 <= program_value(ctx, plan) <= result.retention + 0.003
+
+
 STORED = Path(__file__).parent / "data" / "exact_optima.json"
 # stored cases where the planner is known to fall short of the bound (the comment on
 # OPEN): checked to be short still, so that closing a gap fails until the case is taken

@@ -1040,17 +1040,22 @@ class _BoundLP:
         self.upper = np.append(self.upper, 1.0)
         return self.cols - 1
 
-    def solve(self, integral: bool = False, time_limit_s: float | None = None) -> float | None:
+    def solve(self, integral: bool = False, time_limit_s: float | None = None,
+              presolve: bool = True) -> float | None:
         """The least overhead in seconds over the op times (with ``integral``, every
         decision 0 or 1, and at the time limit the solver's proven lower bound); None
-        when infeasible. The solution, when there is one, is left in ``self.x``."""
+        when infeasible. The solution, when there is one, is left in ``self.x``. Without
+        ``presolve``, HiGHS solves the program as built (NOTE [value without presolve]
+        in ``planners/exact.py`` says where its presolve was wrong)."""
         # (one array of the triples: a million entries transpose in a second, not three)
         e = np.array(self.entries, dtype=float).reshape(-1, 3)
         a = coo_matrix((e[:, 2], (e[:, 0].astype(np.int64), e[:, 1].astype(np.int64))),
                        shape=(len(self.rhs), self.cols)).tocsr()
         # decisions are 0 or 1; what is unbounded (idle, rebuild time) is continuous
         integrality = (self.upper <= 1).astype(float) if integral else np.zeros(self.cols)
-        options = {} if time_limit_s is None else {"time_limit": time_limit_s}
+        options: dict = {} if time_limit_s is None else {"time_limit": time_limit_s}
+        if not presolve:
+            options["presolve"] = False
         with solver_output_off():  # NOTE [solver output] in planners/quiet.py
             res = milp(self.objective(),
                        constraints=LinearConstraint(a, -np.inf, np.array(self.rhs)),
