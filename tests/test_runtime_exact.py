@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import re
 
 import pytest
 import torch
@@ -108,6 +109,31 @@ def test_recurrent_nets_are_exact_under_every_strategy(cell: str) -> None:
         except InputError:
             continue
         _assert_same(_step(model, x, plan, profile, verify=True), reference)
+
+
+class _SortedExp(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sort(self.lin(x), dim=-1).values.exp().square().sum()
+
+
+def test_recomputing_what_reads_an_op_that_cannot_replay_is_refused_and_says_why() -> None:
+    """exp replays bit for bit, but its input, which autograd never saves, comes from
+    sort, which is not known to: recomputing exp's output is refused before the model
+    runs, saying that its input cannot be rebuilt; offloading it is exact."""
+    torch.manual_seed(0)
+    model, x = _SortedExp(), torch.randn(8, 16)
+    profile = slackswap.profile(model, x, kernels="native")
+    [exp] = [n for n in _names(profile) if ":exp:" in n]
+    assert exp not in profile.recomputable
+    with pytest.raises(InputError, match=f"cannot recompute '{re.escape(exp)}': its rebuild "
+                                         "reads an input that cannot itself be rebuilt"):
+        slackswap.apply(model, _uniform(profile, "recompute", [exp]), profile=profile)
+    _assert_same(_step(model, x, _uniform(profile, "offload", [exp]), profile, verify=True),
+                 _step(model, x))
 
 
 def test_recomputing_a_kernel_that_cannot_replay_is_refused_up_front() -> None:

@@ -120,8 +120,9 @@ def check_recomputable(profile: StepProfile, plan: Plan) -> None:
             ops = ", ".join(sorted({op.kind for op in profile.ops
                                     if op.phase == "forward" and not op.replayable
                                     and t.id in op.outputs}))
+            why = (f"its rebuild replays {ops}, not known to replay bit for bit" if ops else
+                   "its rebuild reads an input that cannot itself be rebuilt bit for bit")
             raise InputError(
-                f"cannot recompute '{name}': its rebuild replays "
-                f"{ops or 'an input that cannot be rebuilt'}, not known to replay bit for "
-                "bit; keep or offload it (plans from slackswap.plan never recompute it)"
+                f"cannot recompute '{name}': {why}; keep or offload it (plans from "
+                "slackswap.plan never recompute it)"
             )
