@@ -23,6 +23,14 @@ from slackswap.planners.exact import exact_optimum, program_value
 from slackswap.reproduce import cached_profile
 
 
+def _random_link(rng: random.Random, seed: int, low: float = 5e8, high: float = 2e10):
+    """A host link at a rate drawn from ``rng`` between ``low`` and ``high`` (duplex H2D
+    slower by up to 70%), with the host's costs on even seeds and none on odd ones."""
+    rate = rng.uniform(low, high)
+    return link_hardware(rate, rate, rate, rate * rng.uniform(0.3, 1), 1e-6,
+                         host=NO_HOST if seed % 2 else None)
+
+
 def test_no_plan_beats_the_exact_bound_on_small_steps() -> None:
     """Every keep/offload/recompute assignment of small random steps, simulated, stays
     under the integer program's optimum (on odd seeds with its ``tight`` rows), which
@@ -33,9 +41,7 @@ def test_no_plan_beats_the_exact_bound_on_small_steps() -> None:
         profile = random_step(rng, rng.randint(3, 10))
         for t in profile.tensors:  # above the planners' size floor
             t.bytes *= 100
-        rate = rng.uniform(2e9, 5e10)
-        hw = link_hardware(rate, rate, rate, rate * rng.uniform(0.3, 1), 1e-6,
-                           host=NO_HOST if seed % 2 else None)
+        hw = _random_link(rng, seed, 2e9, 5e10)
         ctx = PlanContext(profile, hw,
                           int(rng.choice([0.3, 0.5, 0.7, 0.9]) * profile.keep_all_peak))
         names = [c.name for c in ctx.candidates]
@@ -69,9 +75,7 @@ def test_no_plan_with_checkpoints_beats_the_exact_bound() -> None:
             forward = sum(op.phase == "forward" for op in profile.ops)
             profile.module_events = sorted(seg.sample(range(1, forward + 1),
                                                       seg.randint(1, forward)))
-        rate = rng.uniform(5e8, 2e10)
-        hw = link_hardware(rate, rate, rate, rate * rng.uniform(0.3, 1), 1e-6,
-                           host=NO_HOST if seed % 2 else None)
+        hw = _random_link(rng, seed)
         ctx = PlanContext(profile, hw,
                           int(rng.choice([0.3, 0.4, 0.5, 0.6, 0.7]) * profile.keep_all_peak))
         checkpoints = tuple(sorted(profile.checkpointable))
@@ -101,9 +105,7 @@ def test_the_program_values_every_plan_at_least_at_its_simulated_retention() -> 
         profile = block_step(rng, rng.randint(1, 2))
         for t in profile.tensors:
             t.bytes *= 100
-        rate = rng.uniform(5e8, 2e10)
-        hw = link_hardware(rate, rate, rate, rate * rng.uniform(0.3, 1), 1e-6,
-                           host=NO_HOST if seed % 2 else None)
+        hw = _random_link(rng, seed)
         floor = profile.working_set[0]
         ctx = PlanContext(profile, hw, int(floor + rng.random() * (profile.keep_all_peak - floor)))
         moves = {c.name: ("keep", "offload", "recompute") if c.name in profile.recomputable
@@ -133,9 +135,7 @@ def test_the_program_follows_a_rebuild_read_through_a_run_of_rebuilds() -> None:
         profile = chain_step(rng, rng.randint(6, 8))
         for t in profile.tensors:
             t.bytes *= 100
-        rate = rng.uniform(5e8, 2e10)
-        hw = link_hardware(rate, rate, rate, rate * rng.uniform(0.3, 1), 1e-6,
-                           host=NO_HOST if seed % 2 else None)
+        hw = _random_link(rng, seed)
         wide = PlanContext(profile, hw, profile.keep_all_peak)
         names = [c.name for c in wide.candidates]  # in forward order
         start = rng.randrange(0, len(names) - 4)

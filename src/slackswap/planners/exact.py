@@ -145,8 +145,9 @@ def program_value(ctx: PlanContext, plan: Plan, time_limit_s: float = 120.0,
             lp.upper[col] = 0.0
     value = lp.retention(lp.solve(integral=True, time_limit_s=time_limit_s))
     simulated = ctx.simulate(plan)
-    if simulated.feasible and value < simulated.retention - 1e-9:  # NOTE [value without
-        # presolve]
+    # under the plan's own simulation, which no correct solve gives: NOTE [value without
+    # presolve]
+    if simulated.feasible and value < simulated.retention - 1e-9:
         value = lp.retention(lp.solve(integral=True, time_limit_s=time_limit_s,
                                       presolve=False))
     return value
