@@ -96,6 +96,12 @@ class Plan(JsonFile, pydantic.BaseModel):
                 f"plan offloads '{bad[0]}', a checkpoint forward changes in place after "
                 "making it; its copy could not be exact: keep it as a checkpoint instead"
             )
+        pinned = profile.by_name
+        if bad := [n for n in planned if n in pinned and pinned[n].written_after_save]:
+            raise InputError(
+                f"plan moves '{bad[0]}', which the step writes in place after autograd saved "
+                "it (backward reads it as written, or fails as PyTorch does): keep it"
+            )
         known = profile.by_name.keys() | profile.checkpointable.keys()
         unknown = [n for n in (*self.decisions, *self.prefetch) if n not in known]
         if unknown:

@@ -75,6 +75,9 @@ class TensorRecord(_Record):
     saved: bool = False  # saved for backward by autograd
     first_backward_use: NonNegativeInt | None = None  # the backward op that first needs it
     random: bool = False  # produced or mutated by a random op
+    # an op wrote it after autograd saved it and before backward read it back: no plan
+    # moves it (NOTE [written after it was saved] in ``slackswap.profiling.recorder``)
+    written_after_save: bool = False
 
     @property
     def is_parameter(self) -> bool:
@@ -272,7 +275,11 @@ class StepProfile(JsonFile, _Record):
                 seen.add(t)
                 for index in writers.get(t, ()):
                     op = self.ops[index]
-                    if not op.replayable or any(  # NOTE [small unseen tensors]
+                    if not op.replayable or any(
+                            # read before or after a write no op may have made: a rebuild
+                            # could not tell which value forward read
+                            self.tensors[u].written_after_save and u not in op.outputs
+                            for u in op.inputs) or any(  # NOTE [small unseen tensors]
                             self.tensors[u].kind == "input" and self.tensors[u].name is None
                             and self.tensors[u].bytes >= MIN_PLANNED_BYTES for u in op.inputs):
                         return False
@@ -284,7 +291,8 @@ class StepProfile(JsonFile, _Record):
             return True
 
         return frozenset(t.name for t in self.saved_activations
-                         if t.name is not None and t.id in writers and rebuildable(t))
+                         if t.name is not None and t.id in writers
+                         and not t.written_after_save and rebuildable(t))
 
     @cached_property
     def keep_all_peak(self) -> int:

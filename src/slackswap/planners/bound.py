@@ -315,7 +315,7 @@ class _BoundLP:
                 self.upper[self.F + col] = 0.0
         recomputable = p.recomputable
         for i, t in enumerate(acts):
-            if t.bytes < MIN_PLANNED_BYTES:
+            if t.bytes < MIN_PLANNED_BYTES or t.written_after_save:
                 self.upper[[self.R + i, self.OFF + i]] = 0.0
             elif t.name not in recomputable:
                 self.upper[self.R + i] = 0.0

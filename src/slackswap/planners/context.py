@@ -83,10 +83,12 @@ class PlanContext:
 
     @cached_property
     def candidates(self) -> list[Candidate]:
-        """Saved activations above the runtime's size floor, in production order."""
+        """Saved activations above the runtime's size floor that no write after their save
+        pins (NOTE [written after it was saved]), in production order."""
         p, out = self.profile, []
         for t in p.saved_activations:
-            if t.producer is None or t.bytes < MIN_PLANNED_BYTES or t.first_backward_use is None:
+            if (t.producer is None or t.bytes < MIN_PLANNED_BYTES
+                    or t.first_backward_use is None or t.written_after_save):
                 continue
             op = p.ops[t.producer]
             forward_uses = [c for c in t.forward_consumers if c < self.first_backward]

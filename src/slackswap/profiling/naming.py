@@ -8,12 +8,14 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.utils._pytree import tree_leaves
 
 __all__ = ["is_recorded", "op_kind", "is_random", "is_attention", "is_replayable", "name_kind",
            "strided_tensors", "module_path", "ForwardModules", "activation_name",
-           "ActivationNamer", "module_events"]
+           "ActivationNamer", "module_events", "written_arguments", "byte_geometry",
+           "overlap", "value_digest"]
 
 _RANDOM = ("bernoulli", "rand", "randn", "randint", "normal", "uniform", "exponential",
            "multinomial", "native_dropout", "dropout", "randperm")
@@ -115,6 +117,93 @@ _REPLAYABLE = frozenset({
     "resolve_neg", "_conj_physical", "conj_physical",
 })
 _REPLAYABLE_OPS: dict[Any, bool] = {}  # op overload -> replayable, memoised
+
+
+_WRITTEN: dict[Any, frozenset] = {}
+# Batch norms whose schemas do not mark the running statistics they update (3 and 4).
+_UNMARKED_WRITES = {"native_batch_norm": (3, 4), "cudnn_batch_norm": (3, 4),
+                    "miopen_batch_norm": (3, 4)}
+
+
+def written_arguments(func: Any) -> frozenset:
+    """Positions and names of the arguments an op writes, from its schema (memoised)."""
+    written = _WRITTEN.get(func)
+    if written is None:
+        arguments = func._schema.arguments
+        marked = [i for i, a in enumerate(arguments)
+                  if a.alias_info is not None and a.alias_info.is_write]
+        marked += _UNMARKED_WRITES.get(op_kind(func), ())
+        written = frozenset(marked) | {arguments[i].name for i in marked}
+        _WRITTEN[func] = written
+    return written
+
+
+ByteGeometry = tuple[int, tuple[int, ...], tuple[int, ...], int]
+# Two views whose byte spans overlap, not both dense, are compared byte for byte over the
+# union of their spans (a boolean mask); over this many bytes they are taken to overlap.
+_EXACT_OVERLAP_BYTES = 1 << 28
+
+
+def byte_geometry(t: torch.Tensor) -> ByteGeometry:
+    """Where a view lies in its storage, in bytes: offset, sizes, strides, item size."""
+    size = t.element_size()
+    return (t.storage_offset() * size, tuple(t.shape), tuple(s * size for s in t.stride()),
+            size)
+
+
+def _span(g: ByteGeometry) -> tuple[int, int, bool]:
+    offset, sizes, strides, item = g
+    low = offset + sum(min(0, (n - 1) * s) for n, s in zip(sizes, strides, strict=True))
+    high = offset + sum(max(0, (n - 1) * s) for n, s in zip(sizes, strides, strict=True)) + item
+    count = 1
+    for n in sizes:
+        count *= n
+    return low, high, count * item == high - low
+
+
+def overlap(a: ByteGeometry, b: ByteGeometry) -> bool:
+    """Whether two views of one storage share a byte. Exact (a mask over the union of
+    their spans, built on the CPU whatever the views' device or mode) unless that union
+    is over ``_EXACT_OVERLAP_BYTES``, where it answers yes; rare in practice: it is asked
+    only of an in-place write to a storage with a saved tensor not yet read back."""
+    if 0 in a[1] or 0 in b[1]:
+        return False
+    (la, ha, dense_a), (lb, hb, dense_b) = _span(a), _span(b)
+    if ha <= lb or hb <= la:
+        return False
+    if dense_a or dense_b:
+        return True
+    low, high = min(la, lb), max(ha, hb)
+    if high - low > _EXACT_OVERLAP_BYTES:
+        return True
+    with torch.utils._python_dispatch._disable_current_modes():
+        mask = torch.zeros(high - low, dtype=torch.bool)
+        marks = []
+        for offset, sizes, strides, item in (a, b):
+            marks.append(mask.as_strided((*sizes, item), (*strides, 1), offset - low))
+        marks[0].fill_(True)
+        return bool(marks[1].any())
+
+
+# feature detection, not a version check: PyTorch 2.9 and later have it
+_HASH = getattr(torch, "hash_tensor", None)
+
+
+def value_digest(t: torch.Tensor) -> torch.Tensor | None:
+    """A digest of a real tensor's values, left on the device and outside the step's
+    record: ``torch.hash_tensor`` (an XOR of their bits, blind to a change that flips the
+    same bits in an even number of them, as scaling all by 2 can) beside their sum in
+    float64 (blind to changes that cancel), as bits. None for fake and meta tensors,
+    which hold no values, and where PyTorch has no hash op."""
+    if isinstance(t, FakeTensor) or t.device.type == "meta" or _HASH is None or not t.numel():
+        return None
+    with torch.utils._python_dispatch._disable_current_modes(), torch.no_grad():
+        try:
+            t = torch.view_as_real(t.detach()) if t.is_complex() else t.detach()
+            total = t.sum(dtype=torch.float64)
+            return torch.stack([_HASH(t).view(torch.int64), total.view(torch.int64)])
+        except (RuntimeError, TypeError, NotImplementedError):  # a dtype without them
+            return None
 
 
 def is_replayable(func: Any) -> bool:

@@ -21,11 +21,15 @@ from slackswap.core.profile import OpCategory, OpRecord, TensorKind, TensorRecor
 from slackswap.errors import NESTED_BACKWARD, InputError
 from slackswap.profiling.kernels import attention_flops
 from slackswap.profiling.naming import (
+    byte_geometry,
     is_random,
     is_recorded,
     is_replayable,
     op_kind,
+    overlap,
     strided_tensors,
+    value_digest,
+    written_arguments,
 )
 
 __all__ = ["StepRecorder", "dtype_name", "op_category", "op_flops"]
@@ -114,6 +118,9 @@ class StepRecorder(TorchDispatchMode):
         # ops run before each module hook fired (StepProfile.saves, .module_events)
         self.saves: list[tuple[int, int]] = []
         self.module_events: list[int] = []
+        # NOTE [written after it was saved]: saves not yet read back, by storage
+        self._live: dict[int, list[_LiveSave]] = {}
+        self._digests: list[tuple[_LiveSave, torch.Tensor]] = []
 
     def module_event(self, *args: Any) -> None:
         """A global module forward pre- or post-hook: how many ops ran before it."""
@@ -178,12 +185,68 @@ class StepRecorder(TorchDispatchMode):
         self.tensors[tid].saved = True
         if self.phase == "forward":
             self.saves.append((tid, len(self.ops)))
-        return tid, t
+        storage = t.untyped_storage()
+        live = _LiveSave(tid, byte_geometry(t), storage._cdata, value_digest(t))
+        self._live.setdefault(storage._cdata, []).append(live)
+        return tid, t, live
 
-    def unpack(self, packed: tuple[int | None, torch.Tensor]) -> torch.Tensor:
+    def unpack(self, packed: tuple[int | None, torch.Tensor, Any]) -> torch.Tensor:
         if packed[0] is not None:
             self._unpacked.append(packed[0])
+            live, t = packed[2], packed[1]
+            if not live.read:
+                live.read = True
+                if t.untyped_storage()._cdata != live.storage:  # ``.data = ...``
+                    self.tensors[live.tensor].written_after_save = True
+                elif live.digest is not None:
+                    self._digests.append((live, value_digest(t)))
         return packed[1]
+
+    def finish(self) -> None:
+        """After backward: a saved tensor whose bytes changed between its save and its
+        first read back, by no op the step recorded (NumPy's writes through a shared
+        buffer), is marked too (NOTE [written after it was saved]). One comparison for
+        the whole step, so backward is not stopped at every read."""
+        pairs, self._digests = self._digests, []
+        if not pairs:
+            return
+        with torch.utils._python_dispatch._disable_current_modes():
+            by_device: dict[torch.device, list[tuple[_LiveSave, torch.Tensor]]] = {}
+            for live, now in pairs:
+                by_device.setdefault(now.device, []).append((live, now))
+            for group in by_device.values():
+                before = torch.stack([live.digest for live, _ in group])
+                after = torch.stack([now for _, now in group])
+                changed_rows = (before != after).any(dim=1).tolist()
+                for (live, _), changed in zip(group, changed_rows, strict=True):
+                    if changed:
+                        self.tensors[live.tensor].written_after_save = True
+
+    def _before_write(self, func: Any, args: tuple, kwargs: dict) -> None:
+        """NOTE [written after it was saved]
+            Autograd reads a saved tensor's storage as it is when backward unpacks it. A
+            write to it after the save either makes backward fail (autograd's version
+            check) or, when autograd cannot see it (through ``.data``, ``set_``, an
+            unsafe view, a NumPy array over the storage), changes what backward reads.
+            Moved, the tensor would come back as it was at the save: no error, or another
+            gradient. So the profile marks every saved activation that an op writes
+            (bytes of it, exactly: :func:`overlap`) after its save and before backward
+            first reads it back, and no plan moves it: kept, it fails or reads what
+            plain PyTorch does. Writes by no op at all (NumPy's, after forward) are not
+            seen here; see NOTE [inputs read by rebuilds] for the batch."""
+        written = written_arguments(func)
+        for position, x in (*enumerate(args), *kwargs.items()):
+            if position not in written or not isinstance(x, torch.Tensor) \
+                    or x.layout != torch.strided:
+                continue
+            saves = self._live.get(x.untyped_storage()._cdata)
+            if not saves:
+                continue
+            # ``set_`` and ``resize_`` change which bytes the tensor is: all of it counts
+            where = None if op_kind(func) in ("set_", "resize_") else byte_geometry(x)
+            for live in saves:
+                if not live.read and (where is None or overlap(where, live.geometry)):
+                    self.tensors[live.tensor].written_after_save = True
 
     # -- dispatch --------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -194,6 +257,8 @@ class StepRecorder(TorchDispatchMode):
             raise InputError(NESTED_BACKWARD)
         inputs = strided_tensors((args, kwargs))
         in_ids = [self._id(t, "input", None) for t in inputs]
+        if self._live and func._schema.is_mutable:
+            self._before_write(func, args, kwargs)
         if self.clock is None:
             out, seconds = func(*args, **kwargs), 0.0
         else:
@@ -233,6 +298,19 @@ class StepRecorder(TorchDispatchMode):
                 record.first_backward_use = index
         self._unpacked.clear()
         return out
+
+
+class _LiveSave:
+    """One save of the step: which tensor, where in its storage (and which storage), a
+    digest of its bytes then, and whether backward has read it back yet (NOTE [written
+    after it was saved])."""
+
+    __slots__ = ("tensor", "geometry", "storage", "digest", "read")
+
+    def __init__(self, tensor: int, geometry: Any, storage: int,
+                 digest: torch.Tensor | None) -> None:
+        self.tensor, self.geometry, self.storage, self.digest = tensor, geometry, storage, digest
+        self.read = False
 
 
 def op_category(kind: str) -> OpCategory:

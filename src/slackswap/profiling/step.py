@@ -30,6 +30,7 @@ from slackswap.profiling.sharding import (
     unsharded,
     unsharded_state,
 )
+from slackswap.profiling.untouched import StateGuard, leaves_no_trace
 
 __all__ = ["batch_fingerprint", "batch_tensors", "default_device", "eager_module", "fingerprint",
            "model_fingerprint", "model_state", "profile", "refuse_own_checkpointing",
@@ -75,14 +76,16 @@ def profile(
     # what a plan is valid for: the model as it is held (sharded, if it is)
     held_fingerprint, state_bytes = _AS_HELD.get(id(model)) or _as_held(model)
     if mode == "analytic":
-        rec, device = _trace_analytic(model, batch, loss_fn, name, kernels or hw.kernels)
+        with leaves_no_trace(model):  # fake tensors: only Python attributes can change
+            rec, device = _trace_analytic(model, batch, loss_fn, name, kernels or hw.kernels)
         _price(rec, hw)
         used_kernels = kernels or hw.kernels
     elif mode in ("measured", "traced"):
         # NOTE [FSDP2's hooks are not the step]: a sharded model runs as its unsharded self
-        with unsharded(model), leaves_no_trace(model):
+        # NOTE [a profiled step leaves no trace]
+        with unsharded(model), leaves_no_trace(model, (t for _, t in tensors)) as guard:
             rec, device = _trace_measured(model, _own_leaves(batch), loss_fn, name,
-                                          warmup if mode == "measured" else 0)
+                                          warmup if mode == "measured" else 0, guard)
         used_kernels = "cuda" if device.startswith("cuda") else "native"
         if mode == "traced":
             _price(rec, hw)
@@ -349,6 +352,7 @@ def _run_step(
         recorder.phase = "backward"
         with _weight_gradients(recorder, params):
             loss.backward()
+    recorder.finish()
 
 
 @contextlib.contextmanager
@@ -480,30 +484,6 @@ def _map_batch(batch: Batch, fn: Callable[[torch.Tensor], torch.Tensor]) -> Batc
     return type(batch)(fn(v) if isinstance(v, torch.Tensor) else v for v in batch)
 
 
-@contextlib.contextmanager
-def leaves_no_trace(model: torch.nn.Module) -> Iterator[None]:
-    """A measured step runs the model for real: afterwards its gradients, buffers (batch
-    norm statistics) and the RNG streams are as they were, so profiling mid-training
-    changes nothing the training would see."""
-    grads = {p: p.grad for p in model.parameters()}
-    for param in grads:
-        param.grad = None  # the profiled step accumulates into fresh tensors, not these
-    buffers = {b: b.clone() for b in model.buffers()}
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for buffer, saved in buffers.items():
-                buffer.copy_(saved)
-        for param, grad in grads.items():
-            param.grad = grad
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
-
-
 def _own_leaves(batch: Batch) -> Batch:
     """The batch with each tensor that requires grad replaced by a new leaf over the same
     storage: the profiled step's gradients and ``ModTracker``'s gradient hooks land on
@@ -523,18 +503,22 @@ def _own_leaves(batch: Batch) -> Batch:
 
 def _trace_measured(
     model: torch.nn.Module, batch: Batch, loss_fn, name: str, warmup: int,
+    guard: StateGuard,
 ) -> tuple[StepRecorder, str]:
     params = list(model.parameters())
     device = params[0].device if params else torch.device("cpu")
     for _ in range(warmup):
-        _loss(_call(model, batch, name), loss_fn, name).backward()
+        with guard:
+            _loss(_call(model, batch, name), loss_fn, name).backward()
     model.zero_grad(set_to_none=True)
     clock = _CudaClock() if device.type == "cuda" else _wall_clock
     tracker = ModTracker()
     recorder = StepRecorder(module_path(tracker, type(model).__name__), clock)
     _register_state(recorder, model, model_state(model), batch_tensors(batch))
+    # the guard is entered after the recorder, so it sees each op first: its copies are
+    # not in the op's measured time
     _run_step(lambda: _call(model, batch, name), loss_fn, name, recorder, tracker,
-              contextlib.nullcontext(), params)
+              guard, params)
     model.zero_grad(set_to_none=True)
     if isinstance(clock, _CudaClock):
         for op, seconds in zip(recorder.ops, clock.durations(), strict=True):

@@ -17,6 +17,7 @@ from slackswap.profiling.naming import (
     is_recorded,
     is_replayable,
     op_kind,
+    written_arguments,
 )
 
 __all__ = ["Ref", "Step", "Node", "GeneratorState", "Scratch", "Outside", "Geometry",
@@ -235,25 +236,6 @@ class Scratch:
     a replay writes to a copy, so rebuilding an activation leaves the model as it was."""
 
     tensor: torch.Tensor
-
-
-_WRITTEN: dict[Any, frozenset] = {}
-# Batch norms whose schemas do not mark the running statistics they update (3 and 4).
-_UNMARKED_WRITES = {"native_batch_norm": (3, 4), "cudnn_batch_norm": (3, 4),
-                    "miopen_batch_norm": (3, 4)}
-
-
-def written_arguments(func: Any) -> frozenset:
-    """Positions and names of the arguments an op writes, from its schema (memoised)."""
-    written = _WRITTEN.get(func)
-    if written is None:
-        arguments = func._schema.arguments
-        marked = [i for i, a in enumerate(arguments)
-                  if a.alias_info is not None and a.alias_info.is_write]
-        marked += _UNMARKED_WRITES.get(op_kind(func), ())
-        written = frozenset(marked) | {arguments[i].name for i in marked}
-        _WRITTEN[func] = written
-    return written
 
 
 class OpInfo(tuple):

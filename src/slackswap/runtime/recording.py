@@ -9,6 +9,19 @@ NOTE [one owner of the hooks]
     made: the op, its arguments (activations by reference, never by value), and the RNG
     state before a random op. A rebuild replays the recipe (:mod:`slackswap.runtime.replay`).
 
+NOTE [inputs read by rebuilds]
+    A rebuild reads the batch (or another host tensor from outside the model) as it is
+    then, which must be as forward read it. A write the version counter cannot see, a
+    data loader refilling a NumPy buffer the batch shares with it after forward, would
+    make the rebuild read other values than forward did, and the gradient differ from
+    plain PyTorch's. So a host tensor from outside the step that a recorded op reads
+    gets a digest of its values as it is read (once per value forward gives it), and
+    the first rebuild to read it checks it, refusing, with what to do, when it changed
+    (``Replayer._outside``). A copy would make the rebuild exact, at the cost of host
+    memory the plan does not count. Parameters, buffers and device tensors are not
+    digested: no NumPy array shares a device storage, and the model's state is checked
+    by its version.
+
 NOTE [small unseen tensors]
     A watched op can read a storage no watched op made and that is not the model's or
     the batch's: made by an unwatched segment, or by no op at all (``torch.tensor(3)`` in
@@ -30,7 +43,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from slackswap.core.plan import MIN_PLANNED_BYTES
 from slackswap.errors import InputError
-from slackswap.profiling.naming import ActivationNamer, ForwardModules, module_events
+from slackswap.profiling.naming import (
+    ActivationNamer,
+    ForwardModules,
+    module_events,
+    value_digest,
+)
 from slackswap.runtime.recipes import (
     GeneratorState,
     Node,
@@ -240,6 +258,7 @@ class Recorder:
         state = self.state
         nodes, is_external = state.nodes, state.is_external
         outside_read, outside_writes = state.outside_read, state.outside_writes
+        state_keys, units = state.state_keys, state.units
         sparse = index is not None
         strided, tensor_type = torch.strided, torch.Tensor
 
@@ -262,7 +281,12 @@ class Recorder:
             if not is_external(key):
                 state.mark_external(x)
             outside_read.add(key)
-            return Outside(x, x._version, outside_writes.get(key, 0), state)
+            writes = outside_writes.get(key, 0)
+            if key not in state_keys and key not in units and x.device.type == "cpu":
+                frozen = state.frozen.get(key)
+                if frozen is None or frozen[0] != writes:  # NOTE [inputs read by rebuilds]
+                    state.frozen[key] = (writes, value_digest(x))
+            return Outside(x, x._version, writes, state)
 
         if written:  # a replay must not repeat its writes to buffers (BatchNorm's stats)
             def mark(position: Any, x: Any) -> Any:

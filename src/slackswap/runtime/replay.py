@@ -15,7 +15,7 @@ import torch
 
 from slackswap.core.plan import Decision
 from slackswap.errors import InputError
-from slackswap.profiling.naming import is_replayable
+from slackswap.profiling.naming import is_replayable, value_digest
 from slackswap.profiling.sharding import gather_again
 from slackswap.runtime.recipes import (
     GeneratorState,
@@ -117,6 +117,8 @@ class Replayer:
         state = x.step
         writes = state.outside_writes.get(storage_key(t), 0) if state is not None else 0
         if t._version == x.version and writes == x.writes:
+            if state is not None:
+                self._unchanged(t, state, node)  # NOTE [inputs read by rebuilds]
             if t.numel() and not t.untyped_storage().nbytes():
                 self._gather(t, state, node)
             return t.detach()
@@ -130,6 +132,23 @@ class Replayer:
             "in place after forward read it; keep or offload that activation, or change "
             "the tensor only after backward"
         )
+
+    @staticmethod
+    def _unchanged(t: torch.Tensor, state: Any, node: Node) -> None:
+        key = storage_key(t)
+        frozen = state.frozen.get(key)
+        if frozen is None or frozen[1] is None or key in state.unchanged:
+            return
+        now = value_digest(t)
+        if now is not None and not torch.equal(now, frozen[1]):
+            raise InputError(
+                f"cannot rebuild '{node.name}': a batch tensor of shape {list(t.shape)} "
+                "it was made from changed after forward, by a write PyTorch does not see "
+                "(a NumPy array or buffer it shares memory with, refilled by a data "
+                "loader?); give the model a batch of its own (torch.tensor(array), or "
+                ".clone()) or change it only after backward"
+            )
+        state.unchanged.add(key)
 
     @staticmethod
     def _gather(t: torch.Tensor, state: Any, node: Node) -> None:

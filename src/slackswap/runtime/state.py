@@ -26,7 +26,7 @@ class StepState:
 
     __slots__ = ("nodes", "model_state", "state_keys", "external", "outside_read",
                  "outside_writes", "snapshots", "kept_refs", "packs", "written",
-                 "units", "__weakref__")
+                 "units", "frozen", "unchanged", "__weakref__")
 
     def __init__(self, model_state: dict[str, torch.Tensor]) -> None:
         self.nodes: dict[int, Node] = {}  # storage -> how it was made, this step
@@ -45,6 +45,11 @@ class StepState:
         self.packs: dict[int, list[Any]] = {}  # storage -> its moved packed handles
         self.written: list[Any] = []  # packed handles over storages just written
         self.units: dict[int, Any] = {}  # gathered parameter's storage -> its FSDP2 unit
+        # host storages from outside the step that recipes read, a digest of each as read:
+        # storage -> (forward's writes to it then, the digest) (NOTE [inputs read by
+        # rebuilds]); those a rebuild has found unchanged since
+        self.frozen: dict[int, tuple[int, torch.Tensor | None]] = {}
+        self.unchanged: set[int] = set()
 
     def is_external(self, key: int) -> bool:
         if key in self.state_keys:

@@ -1,0 +1,184 @@
+"""A profiled step that leaves the model, the batch and the RNG as they were.
+
+NOTE [a profiled step leaves no trace]
+    ``slackswap.plan(model, batch)``, ``attach`` and ``compile`` run a real training step
+    to profile it (measured and traced modes). Whatever that step changes, training after
+    it must not see: it would differ from plain PyTorch even at ``budget=1.0``. A step can
+    change
+    - the gradients (put back: the step accumulates into fresh ``.grad`` tensors),
+    - the buffers (batch-norm statistics): copied before, written back after,
+    - other tensors in place: a parameter decayed in forward, ``nn.Embedding(max_norm=)``'s
+      renormalised rows, a batch tensor changed in place, a tensor the module holds as a
+      plain attribute. :class:`StateGuard`, a dispatch mode over an eager step, copies
+      each such storage before the first op that writes it (only those written: no copy
+      of a model that writes none) and writes the copies back afterwards. A compiled
+      step (``slackswap.compile``) runs no dispatch mode: its writes to these are not
+      put back,
+    - the modules' Python attributes: a call counter, a flag, a tensor rebound to a new
+      one. Scalars and tensors are rebound as they were, public lists, dicts and sets
+      refilled, scalar attributes the step added removed,
+    - the RNG streams: the CPU's, every CUDA device's, and any ``torch.Generator`` a
+      module holds.
+    Not put back, and so not promised: writes by no op at all (through a NumPy array
+    over a parameter), objects nested deeper than one container in a module attribute,
+    and state outside the model (a global counter, a logger).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from slackswap.profiling.naming import written_arguments
+
+__all__ = ["StateGuard", "leaves_no_trace"]
+
+_SCALARS = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device)
+_CONTAINERS = (list, dict, set)
+
+
+def _real(t: Any) -> bool:
+    return (isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor)
+            and t.layout == torch.strided and t.device.type != "meta")
+
+
+class StateGuard(TorchDispatchMode):
+    """Copies each watched storage before the first op that writes it; :meth:`restore`
+    writes the copies back (NOTE [a profiled step leaves no trace])."""
+
+    def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
+        super().__init__()
+        self.watched: dict[int, torch.Tensor] = {
+            t.untyped_storage()._cdata: t for t in tensors if _real(t)}
+        self.copies: dict[int, tuple[torch.Tensor, torch.UntypedStorage]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func._schema.is_mutable and self.watched:
+            written = written_arguments(func)
+            for position, x in (*enumerate(args), *kwargs.items()):
+                if position in written and isinstance(x, torch.Tensor) and _real(x):
+                    self._before_write(x)
+        return func(*args, **kwargs)
+
+    def _before_write(self, x: torch.Tensor) -> None:
+        key = x.untyped_storage()._cdata
+        owner = self.watched.get(key)
+        if owner is not None and key not in self.copies:
+            with _disable_current_modes(), torch.no_grad():
+                self.copies[key] = (owner, owner.untyped_storage().clone())
+
+    def restore(self) -> None:
+        with _disable_current_modes(), torch.no_grad():
+            for owner, saved in self.copies.values():
+                owner.untyped_storage().copy_(saved)
+        self.copies.clear()
+
+
+def _tensors(model: torch.nn.Module, batch: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """What a step may change in place, besides the buffers (copied whole, as a compiled
+    step's writes are not seen op by op): parameters, tensors modules hold as plain
+    attributes, and the batch."""
+    out = [*model.parameters(), *batch]
+    for module in model.modules():
+        out += [v for v in vars(module).values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+class _Attributes:
+    """Each module's Python attributes as they were, put back after the step."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.saved: list[tuple[torch.nn.Module, set[str], dict[str, Any]]] = []
+        for module in model.modules():
+            attrs = vars(module)
+            kept: dict[str, Any] = {}
+            for name, value in attrs.items():
+                if isinstance(value, (*_SCALARS, tuple, torch.Tensor)):
+                    kept[name] = value  # rebound after the step: the same object back
+                elif isinstance(value, _CONTAINERS) and not name.startswith("_"):
+                    kept[name] = _Contents(value)  # refilled in place
+                elif isinstance(value, torch.Generator):
+                    kept[name] = _GeneratorState(value)
+            self.saved.append((module, set(attrs), kept))
+
+    def restore(self) -> None:
+        for module, names, kept in self.saved:
+            attrs = vars(module)
+            for name, value in kept.items():
+                if isinstance(value, (_Contents, _GeneratorState)):
+                    value.restore()
+                elif attrs.get(name, _MISSING) is not value:
+                    attrs[name] = value
+            for name in [n for n in attrs if n not in names]:
+                if isinstance(attrs[name], _SCALARS):  # a counter the step started
+                    del attrs[name]
+
+
+_MISSING = object()
+
+
+class _Contents:
+    __slots__ = ("container", "contents")
+
+    def __init__(self, container: list | dict | set) -> None:
+        self.container, self.contents = container, copy.copy(container)
+
+    def restore(self) -> None:
+        c = self.container
+        try:
+            if c == self.contents:
+                return
+        except Exception:  # noqa: BLE001 - elements that cannot compare: refill anyway
+            pass
+        if isinstance(c, list):
+            c[:] = self.contents
+        else:
+            c.clear()
+            c.update(self.contents)
+
+
+class _GeneratorState:
+    __slots__ = ("generator", "state")
+
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator, self.state = generator, generator.get_state()
+
+    def restore(self) -> None:
+        self.generator.set_state(self.state)
+
+
+@contextlib.contextmanager
+def leaves_no_trace(model: torch.nn.Module, batch: Iterable[torch.Tensor] = (),
+                    ) -> Iterator[StateGuard]:
+    """Run a real step of ``model`` on ``batch`` inside, with the yielded
+    :class:`StateGuard` active over every op of it: afterwards gradients, tensors written
+    in place, module attributes and RNG streams are as they were (NOTE [a profiled step
+    leaves no trace])."""
+    grads = {p: p.grad for p in model.parameters()}
+    for param in grads:
+        param.grad = None  # the profiled step accumulates into fresh tensors, not these
+    buffers = {b: b.clone() for b in model.buffers()}  # what a compiled step writes too
+    attributes = _Attributes(model)
+    guard = StateGuard(_tensors(model, batch))
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield guard
+    finally:
+        guard.restore()
+        with torch.no_grad():
+            for buffer, saved in buffers.items():
+                buffer.copy_(saved)
+        attributes.restore()
+        for param, grad in grads.items():
+            param.grad = grad
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)

@@ -1,0 +1,216 @@
+"""Writes autograd cannot see, and a profiled step that leaves no trace: each case
+bit-identical to plain PyTorch, or refused in one line before it could differ."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+import slackswap
+from slackswap.core.plan import Plan
+from slackswap.errors import InputError
+
+
+def _names(profile) -> list[str]:
+    return [t.name for t in profile.saved_activations if t.producer is not None]
+
+
+def _uniform(profile, decision: str, names) -> Plan:
+    return Plan(fingerprint=profile.fingerprint, strategy=decision,
+                decisions={n: decision for n in names})
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _step(model, x, plan=None, profile=None):
+    """Gradients of one step, or the error it raised (type and message)."""
+    model.zero_grad(set_to_none=True)
+    block = slackswap.apply(model, plan, profile=profile) if plan else contextlib.nullcontext()
+    try:
+        with block:
+            loss = model(x)
+        loss.backward()
+    except RuntimeError as e:
+        return type(e), str(e)
+    return _grads(model)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, tuple) or isinstance(b, tuple):  # both raised, as PyTorch raises
+        return isinstance(a, tuple) and isinstance(b, tuple) and a[0] is b[0]
+    return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+class _Written(torch.nn.Module):
+    """A saved sigmoid output changed after its save, in one of the ways PyTorch allows."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.a, self.c, self.b = (torch.nn.Linear(32, 64), torch.nn.Linear(64, 64),
+                                  torch.nn.Linear(64, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.sigmoid(self.c(torch.sigmoid(self.a(x)).tanh()))
+        if self.how == "data":  # clamped through .data: autograd does not see it
+            h.data.clamp_(0.3, 0.7)
+        elif self.how == "set_":
+            h.data.set_(h.data.clamp(0.3, 0.7))
+        elif self.how == "numpy":  # through a NumPy view: no op at all
+            h.detach().numpy()[:] *= 0.5
+        elif self.how == "detach":  # autograd sees it: backward fails
+            h.detach().mul_(0.5)
+        elif self.how == "no_grad":
+            with torch.no_grad():
+                h.mul_(0.5)
+        return self.b(h).square().sum()
+
+
+@pytest.mark.parametrize("how", ["data", "set_", "numpy", "detach", "no_grad"])
+def test_a_saved_tensor_written_after_its_save_is_never_moved(how: str) -> None:
+    """The profile marks it (exact bytes for op writes, a digest for NumPy's), no planner
+    moves it, a plan that does is refused in one line, and every strategy's plan gives
+    plain PyTorch's gradients, or fails in backward where PyTorch fails."""
+    torch.manual_seed(0)
+    model, x = _Written(how), torch.randn(16, 32)
+    reference = _step(model, x)
+    assert isinstance(reference, tuple) == (how in ("detach", "no_grad"))
+    profile = slackswap.profile(model, x, mode="traced")
+    [written] = [t.name for t in profile.saved_activations if t.written_after_save]
+    assert written == "(top):sigmoid:1"
+    assert written not in profile.recomputable
+    for decision in ("offload", "recompute"):
+        with pytest.raises(InputError, match="writes in place after autograd saved it"):
+            slackswap.apply(model, _uniform(profile, decision, [written]), profile=profile)
+    for strategy in ("slackswap", "offload-only", "checkpoint-blocks"):
+        for budget in (0.7, 0.5):
+            try:
+                plan = slackswap.plan(profile, budget, strategy=strategy)
+            except InputError:
+                continue
+            assert plan.decisions.get(written, "keep") == "keep"
+            assert _same(_step(model, x, plan, profile), reference), (strategy, budget)
+
+
+class _Halves(torch.nn.Module):
+    """Two halves of one storage, the second written after the first is saved: only the
+    bytes written count, so the first half stays movable."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(32, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g, v = self.lin(x).unsafe_chunk(2, -1)
+        g = g.sigmoid_()
+        v.data.mul_(2.0)
+        return (g * v.tanh()).sum()
+
+
+def test_only_the_bytes_written_after_a_save_count() -> None:
+    torch.manual_seed(0)
+    model, x = _Halves(), torch.randn(16, 32)
+    profile = slackswap.profile(model, x, mode="traced")
+    assert not any(t.written_after_save for t in profile.saved_activations)
+    reference = _step(model, x)
+    names = _names(profile)
+    assert _same(_step(model, x, _uniform(profile, "offload", names), profile), reference)
+
+
+class _Loaded(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(32, 64), torch.nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x * 2.0)).exp()).square().sum()
+
+
+def test_a_batch_refilled_through_numpy_after_forward_is_refused_not_rebuilt_from() -> None:
+    """A loader refills the NumPy buffer the batch shares after forward: a rebuild would
+    read other values than forward did. Refused in one line, saying what to do; a batch
+    of its own is exact."""
+    torch.manual_seed(0)
+    model, buffer = _Loaded(), np.random.randn(16, 32).astype(np.float32)
+    x = torch.from_numpy(buffer)
+    profile = slackswap.profile(model, x, mode="traced")
+    plan = _uniform(profile, "recompute", [n for n in _names(profile)
+                                           if n in profile.recomputable])
+    assert plan.decisions
+
+    def step(plan, refill):
+        buffer[:] = np.linspace(-1, 1, buffer.size, dtype=np.float32).reshape(buffer.shape)
+        model.zero_grad(set_to_none=True)
+        with slackswap.apply(model, plan, profile=profile) if plan else contextlib.nullcontext():
+            loss = model(x)
+        if refill:
+            buffer[:] = np.random.randn(*buffer.shape)
+        loss.backward()
+        return _grads(model)
+
+    with pytest.raises(InputError, match="changed after forward.*batch of its own"):
+        step(plan, refill=True)
+    assert _same(step(plan, refill=False), step(None, refill=False))
+
+
+class _Stateful(torch.nn.Module):
+    """A forward that changes what it can: a parameter decayed in place, renormalised
+    embedding rows, a batch tensor, a Python counter and list, a module's own generator,
+    batch-norm statistics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 16, max_norm=1.0)
+        self.lin = torch.nn.Linear(16, 16)
+        self.norm = torch.nn.BatchNorm1d(8)
+        self.calls = 0
+        self.seen: list[int] = []
+        self.gen = torch.Generator().manual_seed(3)
+
+    def forward(self, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        self.seen.append(self.calls)
+        with torch.no_grad():
+            self.lin.weight.mul_(0.99)
+        x.mul_(2)
+        noise = torch.rand(1, generator=self.gen) * self.calls
+        h = self.norm(self.emb(ids) + x + noise)
+        return torch.nn.functional.dropout(self.lin(h).tanh(), 0.1).square().sum()
+
+
+def _state(model: _Stateful, batch: dict) -> list:
+    return [*(t.clone() for t in model.state_dict().values()), model.calls, list(model.seen),
+            model.gen.get_state(), torch.get_rng_state(), *(t.clone() for t in batch.values())]
+
+
+@pytest.mark.parametrize("how", ["analytic", "traced", "plan", "attach"])
+def test_profiling_leaves_the_model_the_batch_and_the_rng_as_they_were(how: str) -> None:
+    torch.manual_seed(0)
+    model = _Stateful()
+    batch = {"ids": torch.randint(0, 50, (4, 8)), "x": torch.randn(4, 8, 16)}
+    twin, twin_batch = copy.deepcopy(model), copy.deepcopy(batch)
+    before = _state(model, batch)
+    if how == "attach":
+        with slackswap.attach(model, budget=1.0):
+            model(**batch).backward()
+        model.zero_grad(set_to_none=True)
+        torch.set_rng_state(before[-3])
+        twin(**twin_batch).backward()
+        twin.zero_grad(set_to_none=True)
+        # one training step each: the same state after it
+        for a, b in zip(_state(model, batch), _state(twin, twin_batch), strict=True):
+            assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b)
+        return
+    if how == "plan":
+        slackswap.plan(model, batch, 1.0)
+    else:
+        slackswap.profile(model, batch, mode=how)
+    after = _state(model, batch)
+    for a, b in zip(before, after, strict=True):
+        assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b)
