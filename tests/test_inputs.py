@@ -1,6 +1,7 @@
-"""Files written as a shell would write them, and bad input refused in one line (issue 14,
-items 4 and 5): every file is validated on load, random corruptions of valid files give
-a clean error or a valid result, never a hang or a traceback."""
+"""Files written atomically and never through a link, files read with limits, and bad
+input refused in one line (issue 14, items 4 and 5; issue 50): every file is validated on
+load, random corruptions of valid files give a clean error or a valid result, never a
+hang or a traceback."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import math
 import os
 import signal
 import stat
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -85,58 +85,99 @@ def test_new_files_follow_the_umask_and_old_files_keep_their_mode(tmp_path) -> N
     assert stat.S_IMODE(path.stat().st_mode) == 0o644 and path.read_text() == "y"
 
 
-def test_a_symlink_is_written_through(tmp_path) -> None:
+def test_a_symlink_is_never_written_through(tmp_path) -> None:
+    """Issue 50: a link at the output's name, to a file or to nothing, is refused and
+    left as it was; the file it points to is not touched."""
     target, link = tmp_path / "real" / "plan.json", tmp_path / "plan.json"
     target.parent.mkdir()
     target.write_text("old")
     link.symlink_to(target)
-    atomic_write_text(link, "new")
-    assert link.is_symlink() and target.read_text() == "new"
+    with pytest.raises(InputError, match=r"refusing to write .*plan\.json: it is a "
+                                         "symbolic link, not a regular file"):
+        atomic_write_text(link, "new")
+    assert link.is_symlink() and target.read_text() == "old"
     dangling = tmp_path / "dangling.json"
     dangling.symlink_to(tmp_path / "made" / "here.json")
-    atomic_write_text(dangling, "made")
-    assert dangling.is_symlink() and dangling.read_text() == "made"
+    with pytest.raises(InputError, match="symbolic link"):
+        atomic_write_text(dangling, "made")
+    assert dangling.is_symlink() and not (tmp_path / "made").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling.json", "plan.json",
+                                                          "real"]  # no temporary left
+
+
+@pytest.mark.parametrize("option", ["-o", "--trace", "--plot"])
+def test_outputs_never_write_through_a_symlink(tmp_path, profile_file, option) -> None:
+    victim, link = tmp_path / "victim.txt", tmp_path / "out"
+    victim.write_text("precious")
+    link.symlink_to(victim)
+    command = ["plan", str(profile_file), "--budget", "0.8"] if option == "-o" else [
+        "simulate", str(profile_file)]
+    code, _, stderr = run(*command, option, str(link))
+    assert_one_line_error(code, stderr, f"refusing to write {link}: it is a symbolic link")
+    assert victim.read_text() == "precious" and link.is_symlink()
 
 
 def test_the_memory_plot_is_written_as_other_files_are(tmp_path, profile) -> None:
-    """The PNG writer goes through ``atomic_write`` too: through a symlink, with the
-    umask's mode, into a folder it makes."""
+    """The PNG writer goes through ``atomic_write`` too: with the umask's mode, into a
+    folder it makes, never through a link."""
     from slackswap.sim.outputs import write_memory_plot
 
     result = simulate(profile, None, "a100-80gb")
-    target, link = tmp_path / "real" / "m.png", tmp_path / "m.png"
-    link.symlink_to(target)
     os.umask(0o022)
-    write_memory_plot(result, link)
-    assert link.is_symlink() and target.read_bytes().startswith(b"\x89PNG")
-    assert stat.S_IMODE(target.stat().st_mode) == 0o644
+    path = tmp_path / "new" / "m.png"
+    write_memory_plot(result, path)
+    assert path.read_bytes().startswith(b"\x89PNG")
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
+    target, link = tmp_path / "real.png", tmp_path / "m.png"
+    target.write_bytes(b"old")
+    link.symlink_to(target)
+    with pytest.raises(InputError, match="symbolic link"):
+        write_memory_plot(result, link)
+    assert target.read_bytes() == b"old"
 
 
-def test_a_fifo_is_written_through(tmp_path) -> None:
+def test_a_fifo_is_refused_not_waited_on(tmp_path, profile_file) -> None:
+    """Issue 50: ``-o`` naming a FIFO is a one-line error at once; nothing blocks on it."""
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
-    got: list[bytes] = []
-    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)
-    reader.start()
-    atomic_write_text(fifo, "through the pipe")
-    reader.join(5)
-    assert got == [b"through the pipe"] and stat.S_ISFIFO(fifo.stat().st_mode)
+    with time_limit(10):
+        with pytest.raises(InputError, match="it is a FIFO, not a regular file"):
+            atomic_write_text(fifo, "into the pipe")
+        code, _, stderr = run("plan", str(profile_file), "--budget", "0.8", "-o", str(fifo))
+    assert_one_line_error(code, stderr, f"refusing to write {fifo}: it is a FIFO")
+    assert stat.S_ISFIFO(fifo.stat().st_mode)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="making a device node needs root")
-def test_a_device_is_written_through(tmp_path, profile_file) -> None:
-    """As root, ``-o`` naming a device (a /dev/null of our own) writes into it."""
+def test_a_device_is_refused(tmp_path, profile_file) -> None:
+    """As root, ``-o`` naming a device (a /dev/null of our own) is refused, and the node
+    stays."""
     null = tmp_path / "null"
     os.mknod(null, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
     code, stdout, stderr = run("plan", str(profile_file), "--budget", "0.8", "-o", str(null))
-    assert code == 0, stderr
+    assert_one_line_error(code, stderr, "it is a device, not a regular file")
     assert stat.S_ISCHR(null.stat().st_mode)
+
+
+def test_a_planted_temporary_name_is_not_followed(tmp_path, monkeypatch) -> None:
+    """The temporary file is made with O_EXCL | O_NOFOLLOW: a link planted at the name
+    it draws is skipped, never written through."""
+    import slackswap.core.jsonio as jsonio
+
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    draws = iter(["planted", "fresh"])
+    monkeypatch.setattr(jsonio.secrets, "token_hex", lambda n: next(draws))
+    (tmp_path / ".out.json.planted.tmp").symlink_to(victim)
+    atomic_write_text(tmp_path / "out.json", "new")
+    assert victim.read_text() == "precious" and (tmp_path / "out.json").read_text() == "new"
 
 
 @pytest.mark.parametrize(("path", "message"), [
     ("/proc/no-such-folder/plan.json", "cannot write /proc/no-such-folder/plan.json: "),
     ("/proc/self/status", "cannot write /proc/self/status: "),
-    ("/dev/full", "cannot write /dev/full: No space left on device"),
+    ("/dev/full", "refusing to write /dev/full: it is a device, not a regular file"),
+    ("", "cannot write '': the file name is empty"),
 ])
 def test_unwritable_outputs_are_one_line_errors(profile_file, path, message) -> None:
     if not Path(path).parent.exists() and path.startswith("/dev"):
@@ -408,3 +449,120 @@ def test_corrupted_hardware_files(profile, tmp_path, data) -> None:
             _clean(e)
         # a profile priced on hardware that loads can be read back
         _load(StepProfile, json.loads(repriced.model_dump_json()), tmp_path)
+
+
+# -- issue 50: nothing a file says can harm the machine or the result ------------------
+
+
+@pytest.mark.parametrize("option", ["profile", "--plan", "--hardware"])
+def test_a_device_is_not_read(profile_file, option) -> None:
+    """``/dev/zero`` never ends: it is refused at once, as anything not a regular file."""
+    args = ["/dev/zero"] if option == "profile" else [str(profile_file), option, "/dev/zero"]
+    with time_limit(10):
+        code, _, stderr = run("simulate", *args)
+    assert_one_line_error(code, stderr, "/dev/zero: it is a device, not a regular file")
+
+
+def test_a_fifo_is_not_waited_on(tmp_path) -> None:
+    fifo = tmp_path / "p.json"
+    os.mkfifo(fifo)
+    with time_limit(10):
+        code, _, stderr = run("simulate", str(fifo))
+    assert_one_line_error(code, stderr, "it is a FIFO, not a regular file")
+
+
+def test_a_file_over_the_limit_is_not_read(profile_file, monkeypatch) -> None:
+    import slackswap.core.jsonio as jsonio
+
+    monkeypatch.setattr(jsonio, "MAX_FILE_BYTES", 1000)
+    code, _, stderr = run("simulate", str(profile_file))
+    assert_one_line_error(code, stderr, "over the 1000 bytes a profile may be")
+
+
+@pytest.mark.parametrize("hardware", ["/dev/zero", "gpu.toml", "../a100-80gb.toml",
+                                      "x" * 10_000])
+def test_the_hardware_a_profile_names_is_a_preset_never_a_path(tmp_path, profile_file,
+                                                               hardware) -> None:
+    """Issue 50: the profile's ``hardware`` field is a preset name; a file is read only
+    when the user names it with --hardware."""
+    (tmp_path / "gpu.toml").write_text(PRESET.read_text())
+    _corrupt(profile_file, _set("hardware", hardware))
+    for command in (["simulate", str(profile_file)],
+                    ["plan", str(profile_file), "--budget", "0.8"]):
+        with time_limit(10):
+            code, _, stderr = run(*command)
+        assert_one_line_error(code, stderr, "is not a preset")
+        assert len(stderr) < 1000
+    code, _, stderr = run("simulate", str(profile_file), "--hardware",
+                          str(tmp_path / "gpu.toml"))
+    assert code == 0, stderr
+
+
+@pytest.mark.parametrize(("base", "message"), [
+    ('"/dev/zero"', "it is a device, not a regular file"),
+    ('"gpu.toml"', "base 'gpu.toml' leads back to itself"),
+    ('"other.toml"', "leads back to itself"),
+    ("5", "base must be a preset name or a .toml file's path in quotes, not 5"),
+    ('""', "base must be a preset name"),
+    ("[1, 2]", "base must be a preset name"),
+])
+def test_bad_bases_are_one_line_errors(tmp_path, monkeypatch, base, message) -> None:
+    monkeypatch.chdir(tmp_path)
+    text = PRESET.read_text().replace("schema_version = 1", f"schema_version = 1\nbase = {base}")
+    (tmp_path / "gpu.toml").write_text(text)
+    (tmp_path / "other.toml").write_text('base = "gpu.toml"\n')
+    with time_limit(10), pytest.raises(InputError, match=message) as info:
+        load_hardware("gpu.toml")
+    _clean(info.value)
+
+
+@pytest.mark.parametrize("kind", ["profile", "plan", "hardware"])
+def test_bytes_that_are_not_utf8_are_one_line_errors(tmp_path, profile_file, kind) -> None:
+    bad = tmp_path / ("bad.toml" if kind == "hardware" else "bad.json")
+    bad.write_bytes(b'{"model": "\xff\xfe"}' if kind != "hardware" else b'name = "\xff"\n')
+    args = {"profile": [str(bad)], "plan": [str(profile_file), "--plan", str(bad)],
+            "hardware": [str(profile_file), "--hardware", str(bad)]}[kind]
+    code, _, stderr = run("simulate", *args)
+    assert_one_line_error(code, stderr, "not UTF-8 text (byte ")
+
+
+@pytest.mark.parametrize("depth", [500, 100_000])
+def test_deeply_nested_json_is_a_one_line_error(tmp_path, depth) -> None:
+    path = tmp_path / "deep.json"
+    path.write_text('{"model": ' + "[" * depth + "]" * depth + "}")
+    code, _, stderr = run("simulate", str(path))
+    assert code == 2 and stderr.count("\n") == 1 and "Traceback" not in stderr, stderr
+
+
+def test_deeply_nested_toml_is_a_one_line_error(tmp_path, profile_file) -> None:
+    path = tmp_path / "deep.toml"
+    path.write_text("x = " + "[" * 100_000 + "]" * 100_000 + "\n")
+    code, _, stderr = run("simulate", str(profile_file), "--hardware", str(path))
+    assert code == 2 and stderr.count("\n") == 1 and "Traceback" not in stderr, stderr
+
+
+def test_an_op_that_reads_what_it_makes_is_refused(profile_file, profile) -> None:
+    """It would need the tensor to rebuild the tensor (a RecursionError in the schedule)."""
+    t = next(t for t in profile.tensors if t.saved and t.producer is not None)
+    op = profile.ops[t.producer]
+    _corrupt(profile_file, _set(f"ops.{op.index}.inputs", [*op.inputs, t.id]))
+    data = json.loads(profile_file.read_text())
+    data["tensors"][t.id]["forward_consumers"] = sorted({*t.forward_consumers, op.index})
+    profile_file.write_text(json.dumps(data))
+    code, _, stderr = run("simulate", str(profile_file))
+    assert_one_line_error(code, stderr, f"op {op.index} reads tensor {t.id}, which it makes")
+
+
+@pytest.mark.parametrize("args", [["fit", "gpt2-xl", "--seq", "99999999999999999999"],
+                                  ["profile", "bert-large", "--batch", "100000000"]])
+def test_shapes_too_large_for_a_profile_are_one_line_errors(args) -> None:
+    code, _, stderr = run(*args)
+    assert_one_line_error(code, stderr, "a profile takes; use a smaller --batch or --seq")
+
+
+def test_an_output_that_names_no_file_is_refused(tmp_path, profile_file) -> None:
+    for output, message in ((f"{tmp_path}/newdir/", "it names a folder"),
+                            ("", "the file name is empty")):
+        code, _, stderr = run("plan", str(profile_file), "--budget", "0.8", "-o", output)
+        assert_one_line_error(code, stderr, message)
+    assert [p.name for p in tmp_path.iterdir()] == ["p.json"]

@@ -6,6 +6,7 @@ import contextlib
 import functools
 import json
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from slackswap.core.hardware import (
     load_hardware,
     on_node,
     parse_overrides,
+    profile_hardware,
 )
 from slackswap.core.jsonio import dump_model
 from slackswap.core.profile import StepProfile
@@ -39,7 +41,9 @@ def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            return fn(*args, **kwargs)
+            with warnings.catch_warnings():
+                warnings.showwarning = _one_line_warning
+                return fn(*args, **kwargs)
         except SlackSwapError as e:
             click.echo(f"error: {e}", err=True)
         except OSError as e:
@@ -47,6 +51,18 @@ def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         sys.exit(2)
 
     return wrapper
+
+
+def _one_line_warning(message: Warning | str, category: type[Warning], *args: Any,
+                      **kwargs: Any) -> None:
+    """A warning from SlackSwap (a damaged cache entry, say) as one line on stderr."""
+    if category.__module__.startswith("slackswap"):
+        click.echo(f"warning: {message}", err=True)
+    else:
+        _show_warning(message, category, *args, **kwargs)
+
+
+_show_warning = warnings.showwarning
 
 
 @contextlib.contextmanager
@@ -137,7 +153,7 @@ def profile(model: str, hardware: str, batch: int | None, seq: int | None, attn:
         net, example = load_workload(model, batch=batch, seq=seq, attn=attn, dtype=dtype,
                                      fake=mode == "analytic", device=default_device())
         result = run_profile(net, example, hw, mode=mode, name=model)
-    if output:
+    if output is not None:
         dump_model(result, output)
     if as_json:
         click.echo(json.dumps(result.summary()))
@@ -169,12 +185,13 @@ def simulate(profile_path: str, plan_path: str | None, hardware: str | None,
 
     prof = load_model(StepProfile, profile_path)
     plan = load_model(Plan, plan_path) if plan_path else None
-    hardware = on_node(load_hardware(hardware or prof.hardware, parse_overrides(overrides)),
-                       gpus)
+    hw = (load_hardware(hardware, parse_overrides(overrides)) if hardware else
+          load_hardware(profile_hardware(prof.hardware), parse_overrides(overrides)))
+    hardware = on_node(hw, gpus)
     result = run_simulation(prof, plan, hardware, memory_limit)
-    if trace:
+    if trace is not None:
         write_trace(result, trace)
-    if plot:
+    if plot is not None:
         Path(plot).parent.mkdir(parents=True, exist_ok=True)  # as -o and --trace do
         write_memory_plot(result, plot, keep_all=run_simulation(prof, None, hardware))
     if as_json:
@@ -256,7 +273,8 @@ def plan_command(source: str, budget: str, strategy: str, hardware: str | None,
         require_gpu()
     if from_file:
         prof = load_model(StepProfile, source)
-        hw = load_hardware(hardware or prof.hardware, given)
+        hw = (load_hardware(hardware, given) if hardware else
+              load_hardware(profile_hardware(prof.hardware), given))
     else:
         from slackswap.models import load_workload
         from slackswap.profiling import profile as run_profile
@@ -272,7 +290,7 @@ def plan_command(source: str, budget: str, strategy: str, hardware: str | None,
         if attempt is None or not attempt[1].feasible:
             make_plan(prof, budget, node, strategy)  # raises, naming the smallest budget
         chosen, result = attempt
-    if output:
+    if output is not None:
         dump_model(chosen, output)
     _print_plan(prof, chosen, result, output)
     if probe:
@@ -332,7 +350,7 @@ def reproduce(budget: float, hardware: str, workloads: str, out: str,
     with _progress_bar("reproducing", steps(names, budgets, gpus)) as update:
         results = run(out, budget, hardware, names, budgets, progress=update, gpus=gpus,
                       overrides=parse_overrides(overrides), reference=reference)
-    if json_path:
+    if json_path is not None:
         atomic_write_text(json_path, json.dumps(results, indent=2))
     _print_reproduce(results, out)
 
@@ -369,7 +387,7 @@ def fit_command(model: str, hardware: str, optimizer: str, precision: str, seq: 
     with _progress(f"fitting {model} on {hw.name}") as update:
         result = fit(model, hw, batch=batch, seq=seq, optimizer=optimizer,
                      precision=precision, min_retention=min_retention, progress=update)
-    if plot:
+    if plot is not None:
         write_fit_plot(result, plot)
     if as_json:
         click.echo(json.dumps(result.to_json()))

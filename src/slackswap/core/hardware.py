@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 import pydantic
 from pydantic import Field
 
-from slackswap.core.jsonio import validate_model
+from slackswap.core.jsonio import read_file, validate_model
 from slackswap.errors import InputError
 
 if sys.version_info >= (3, 11):
@@ -25,7 +25,8 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 __all__ = ["Hardware", "Compute", "Memory", "HostLink", "Host", "Node", "HOST_SOURCES",
-           "load_hardware", "hardware_presets", "on_node", "with_overrides", "parse_overrides"]
+           "load_hardware", "profile_hardware", "hardware_presets", "on_node", "with_overrides",
+           "parse_overrides"]
 
 
 def _within(low: float, high: float) -> pydantic.AfterValidator:
@@ -234,17 +235,37 @@ def hardware_presets() -> list[str]:
     return sorted(p.name[: -len(".toml")] for p in folder.iterdir() if p.name.endswith(".toml"))
 
 
-def _parse(text: str, source: str) -> Hardware:
+# The largest hardware file read, and the longest chain of ``base`` files.
+MAX_HARDWARE_BYTES = 2**20
+MAX_BASES = 8
+
+
+def _parse(text: str, source: str, bases: tuple[str, ...] = ()) -> Hardware:
+    """A hardware file's text; ``bases``: the files whose ``base`` led here."""
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise InputError(f"{source}: not valid TOML ({e})") from None
+    except RecursionError:
+        raise InputError(f"{source}: nested too deeply to be a hardware file") from None
     base = data.pop("base", None)
     if base is not None:  # a node preset: a GPU preset's fields, and its own on top
-        parent = load_hardware(base).model_dump(exclude={"name", "description", "node",
+        if not isinstance(base, str) or not base:
+            raise InputError(f"{source}: base must be a preset name or a .toml file's path "
+                             f"in quotes, not {base!r}")
+        chain = (*bases, source)
+        if base in chain or f"preset {base}" in chain or str(Path(base)) in chain:
+            raise InputError(f"{source}: base '{base}' leads back to itself "
+                             f"({' -> '.join(chain)} -> {base}); name another base")
+        if len(chain) > MAX_BASES:
+            raise InputError(f"{source}: more than {MAX_BASES} files deep in bases; "
+                             "name a preset as base")
+        parent = _load(base, chain).model_dump(exclude={"name", "description", "node",
                                                          "ranks"})
-        data = {**parent, **data,
-                "sources": {**parent["sources"], **data.get("sources", {})}}
+        sources = data.get("sources", {})
+        if not isinstance(sources, dict):
+            raise InputError(f"{source}: field 'sources': must be a table of strings")
+        data = {**parent, **data, "sources": {**parent["sources"], **sources}}
     return validate_model(Hardware, data, source)
 
 
@@ -257,12 +278,34 @@ def load_hardware(spec: str | Path | Hardware,
         return with_overrides(load_hardware(spec), overrides)
     if isinstance(spec, Hardware):
         return spec
+    return _load(spec, ())
+
+
+def profile_hardware(name: str) -> Hardware:
+    """The hardware a profile names: a preset (or ``NODE/N``), never a file (NOTE
+    [files]): a file is read only when the user names it."""
+    names = hardware_presets()
+    node, _, gpus = name.rpartition("/")
+    if name in names or (node in names and gpus.isdigit()):
+        return _load(name, ())
+    shown = name if len(name) <= 60 and name.isprintable() else f"{name[:60]!r}..."
+    raise InputError(f"the profile's hardware '{shown}' is not a preset (presets: "
+                     f"{', '.join(names)}); a profile names presets only: pass the "
+                     "hardware (--hardware, or hardware= in Python)")
+
+
+def _is_file(spec: str | Path) -> bool:
+    try:
+        return "\0" not in str(spec) and Path(spec).exists()
+    except (OSError, ValueError):
+        return False
+
+
+def _load(spec: str | Path, bases: tuple[str, ...]) -> Hardware:
     path = Path(spec)
-    if path.suffix == ".toml" or path.exists():
-        try:
-            return _parse(path.read_text(encoding="utf-8"), str(path))
-        except OSError as e:
-            raise InputError(f"cannot read hardware file {path}: {e.strerror}") from None
+    if path.suffix == ".toml" or _is_file(spec):
+        return _parse(read_file(path, "hardware file", MAX_HARDWARE_BYTES), str(path),
+                      bases)
     names = hardware_presets()
     node, _, gpus = str(spec).rpartition("/")
     if node in names and gpus.isdigit():  # "dgx-a100/8", as on_node names a node's rank
@@ -276,7 +319,8 @@ def load_hardware(spec: str | Path | Hardware,
             f"unknown hardware '{spec}'; presets: {', '.join(names)} (or a path to a .toml file)"
         )
     folder = resources.files("slackswap") / "hardware" / "presets"
-    return _parse((folder / f"{spec}.toml").read_text(encoding="utf-8"), f"preset {spec}")
+    return _parse((folder / f"{spec}.toml").read_text(encoding="utf-8"), f"preset {spec}",
+                  bases)
 
 
 def on_node(hw: Hardware, gpus: int) -> Hardware:

@@ -1,12 +1,26 @@
-"""Atomic JSON files and schema-versioned loading for the data model."""
+"""Files read and written safely, and schema-versioned loading for the data model.
+
+NOTE [files]
+    Nothing a file says, and no file an output path names, may harm the machine or the
+    result. Every write goes through :func:`atomic_write`: the new content goes to a
+    temporary file made beside the target with ``O_CREAT | O_EXCL | O_NOFOLLOW`` (a
+    link planted under its name is an error, never followed) and is renamed over the
+    target, which replaces a name and never writes through one; a target that is a
+    symbolic link, or exists and is not a regular file (a FIFO, a device, a folder), is
+    refused with a one-line error. Every read goes through :func:`read_file`: it opens
+    without blocking, refuses what is not a regular file (``/dev/zero``, a FIFO) and
+    what is larger than a limit, and reports bytes that are not UTF-8 in one line.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
+import secrets
 import stat
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
@@ -15,10 +29,15 @@ import pydantic
 
 from slackswap.errors import InputError
 
-__all__ = ["JsonFile", "atomic_write", "atomic_write_text", "content_digest", "dump_model",
-           "load_model", "validate_model"]
+__all__ = ["JsonFile", "MAX_FILE_BYTES", "atomic_write", "atomic_write_text",
+           "content_digest", "dump_model", "load_model", "make_private_dir", "parse_json",
+           "read_file",
+           "validate_model"]
 
 M = TypeVar("M", bound=pydantic.BaseModel)
+
+# The largest file read (a profile of a large model is a few tens of MB).
+MAX_FILE_BYTES = 256 * 2**20
 
 
 def _umask() -> int:
@@ -28,38 +47,150 @@ def _umask() -> int:
     return mask
 
 
-def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], object]) -> None:
+def _kind(mode: int) -> str:
+    """What a file that is not a regular file is, in words."""
+    for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a folder"),
+                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a device"),
+                       (stat.S_ISBLK, "a device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB" if n >= 2**20 else f"{n} bytes"
+
+
+def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], object], *,
+                 private: bool = False) -> None:
     """Write ``path`` with ``write(f)`` so that readers see the old file or the new one,
-    never half, and otherwise as a shell's ``>`` would: a symlink is followed, a device or
-    FIFO (``/dev/null``) is written in place, a file keeps its mode (a new one takes the
-    umask's). Missing folders are made; failures raise :class:`InputError`."""
-    target = Path(os.path.realpath(path))
+    never half, and nothing but ``path`` changes (NOTE [files]): a target that is a
+    symbolic link or not a regular file is refused, never written through. A file keeps
+    its mode, a new one takes the umask's (``private``: 0o600, in folders made 0o700,
+    for cache entries). Missing folders are made; failures raise :class:`InputError`."""
+    name = os.fspath(path)
+    if not name:
+        raise InputError("cannot write '': the file name is empty; name a file")
+    if name.endswith(os.sep):
+        raise InputError(f"cannot write {name}: it names a folder; name a file in it")
+    target = Path(os.path.abspath(name))
     try:
-        if target.exists() and not target.is_file():
-            with open(target, "wb") as f:
-                write(f)
-            return
-        target.parent.mkdir(parents=True, exist_ok=True)
-        mode = stat.S_IMODE(target.stat().st_mode) if target.exists() else 0o666 & ~_umask()
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        try:
+            info = os.lstat(target)
+        except FileNotFoundError:
+            info = None
+        if info is not None and not stat.S_ISREG(info.st_mode):
+            raise InputError(f"refusing to write {name}: it is {_kind(info.st_mode)}, not a "
+                             "regular file; remove it or name another file")
+        if private:
+            make_private_dir(target.parent)
+            mode = 0o600
+        else:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            mode = stat.S_IMODE(info.st_mode) if info is not None else 0o666 & ~_umask()
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(
+            os, "O_CLOEXEC", 0)
+        while True:
+            tmp = target.parent / f".{target.name[:64]}.{secrets.token_hex(6)}.tmp"
+            try:
+                fd = os.open(tmp, flags, 0o600)
+                break
+            except FileExistsError:
+                continue
         try:
             with os.fdopen(fd, "wb") as f:
                 write(f)
                 f.flush()
                 os.fsync(f.fileno())
-            os.chmod(tmp, mode)
-            os.replace(tmp, target)
+                os.fchmod(f.fileno(), mode)
+            os.replace(tmp, target)  # renames over the name: never writes through a link
         except BaseException:
-            Path(tmp).unlink(missing_ok=True)
+            tmp.unlink(missing_ok=True)
             raise
     except OSError as e:
-        raise InputError(f"cannot write {path}: {e.strerror or e}") from None
+        raise InputError(f"cannot write {name}: {e.strerror or e}") from None
 
 
-def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
+def make_private_dir(folder: Path) -> None:
+    """Make ``folder`` (and missing parents) readable and writable by its owner only;
+    an existing folder of ours is made so too, a link or another user's is refused."""
+    missing, here = [], folder
+    while not os.path.lexists(here) and here != here.parent:
+        missing.append(here)
+        here = here.parent
+    for made in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # (made meanwhile by another run)
+            os.mkdir(made, 0o700)
+    info = os.lstat(folder)
+    if not stat.S_ISDIR(info.st_mode):
+        raise OSError(errno.ENOTDIR, f"{folder} is {_kind(info.st_mode)}, not a folder")
+    if info.st_uid != os.geteuid():
+        raise OSError(errno.EPERM, f"{folder} belongs to another user")
+    if stat.S_IMODE(info.st_mode) != 0o700:
+        os.chmod(folder, 0o700)
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str, *,
+                      private: bool = False) -> None:
     """Write ``text`` (UTF-8) to ``path`` with :func:`atomic_write`."""
     data = text.encode("utf-8")
-    atomic_write(path, lambda f: f.write(data))
+    atomic_write(path, lambda f: f.write(data), private=private)
+
+
+def read_file(path: str | os.PathLike[str], what: str = "file",
+              limit: int | None = None) -> str:
+    """The text of ``path`` (UTF-8), read with a size limit (NOTE [files]): what is not
+    a regular file, or is larger than ``limit`` bytes (``MAX_FILE_BYTES``), is refused
+    with an :class:`InputError`, as are bytes that are not UTF-8."""
+    limit = MAX_FILE_BYTES if limit is None else limit
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)  # (a FIFO opens at once, and is refused below)
+    except OSError as e:
+        raise InputError(f"cannot read {what} {path}: {e.strerror or e}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise InputError(f"cannot read {what} {path}: it is {_kind(info.st_mode)}, not "
+                             "a regular file; name a file")
+        if info.st_size > limit:
+            raise InputError(f"cannot read {what} {path}: it is {_size(info.st_size)}, over "
+                             f"the {_size(limit)} a {what} may be; is it the right file?")
+        chunks, left = [], limit + 1
+        while left > 0 and (chunk := os.read(fd, min(left, 2**20))):
+            chunks.append(chunk)
+            left -= len(chunk)
+        data = b"".join(chunks)
+    except OSError as e:
+        raise InputError(f"cannot read {what} {path}: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise InputError(f"cannot read {what} {path}: it grew past the {_size(limit)} a "
+                         f"{what} may be while it was read")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"{path}: not UTF-8 text (byte {e.start}); is it the right "
+                         "file?") from None
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number JSON holds")
+
+
+def parse_json(text: str, source: str, strict: bool = False) -> Any:
+    """Parsed JSON, errors in one line; ``strict``: ``NaN`` and ``Infinity`` refused (a
+    data-model file's are refused by its schema, which names the field)."""
+    try:
+        return json.loads(text, parse_constant=_no_constant if strict else None)
+    except json.JSONDecodeError as e:
+        raise InputError(f"{source}: not valid JSON (line {e.lineno}: {e.msg})") from None
+    except ValueError as e:
+        raise InputError(f"{source}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise InputError(f"{source}: nested too deeply to be a SlackSwap file; is it the "
+                         "right file?") from None
 
 
 def dump_model(model: pydantic.BaseModel, path: str | os.PathLike[str]) -> None:
@@ -97,14 +228,8 @@ def validate_model(cls: type[M], data: Any, source: str) -> M:
 
 def load_model(cls: type[M], path: str | os.PathLike[str]) -> M:
     """Read a data-model object from a JSON file, with errors that name the file and field."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as e:
-        raise InputError(f"cannot read {path}: {e.strerror}") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise InputError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
+    what = {"StepProfile": "profile", "Plan": "plan"}.get(cls.__name__, "file")
+    data = parse_json(read_file(path, what), str(path))
     return validate_model(cls, data, str(path))
 
 

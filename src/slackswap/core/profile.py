@@ -149,6 +149,8 @@ def _check_tensor(p: StepProfile, t: TensorRecord,
         _fail(f"{where}.producer is missing: an {t.kind} that is read is made by an op")
     if made >= 0 and t.id not in p.ops[made].outputs:
         _fail(f"{where}.producer: op {made} does not list tensor {t.id} as an output")
+    if made >= 0 and t.id in p.ops[made].inputs:  # (a rebuild would need it to make it)
+        _fail(f"{where}.producer: op {made} reads tensor {t.id}, which it makes")
     for phase in ("forward", "backward"):
         if set(getattr(t, f"{phase}_consumers")) != readers[phase, t.id]:
             _fail(f"{where}.{phase}_consumers are not the {phase} ops that read it")

@@ -20,6 +20,9 @@ from slackswap.errors import InputError
 __all__ = ["ModelPreset", "MODEL_PRESETS", "build_model", "load_factory", "load_workload", "DTYPES",
            "with_layers"]
 
+# The most tokens a preset's batch holds: its ids and labels are real tensors (1 GiB at
+# this size), and fit's search stops at batch 65536 of 1024.
+MAX_TOKENS = 2**26
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _TINY = {"layers": 2, "hidden": 64, "heads": 4, "ffn": 256, "vocab": 1000}
 
@@ -204,6 +207,9 @@ def build_model(
     s = preset.seq if seq is None else seq
     if b <= 0 or s <= 0:
         raise InputError("--batch and --seq must be positive")
+    if b * s > MAX_TOKENS:
+        raise InputError(f"batch {b} of sequence length {s} is {b * s:.3g} tokens, more than "
+                         f"the {MAX_TOKENS:,} a profile takes; use a smaller --batch or --seq")
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -211,11 +217,17 @@ def build_model(
     torch.manual_seed(seed)
     # real weights are made where they will train (a GPU initialises billions in seconds)
     mode = FakeTensorMode() if fake else torch.device(device)
-    with mode, _default_dtype(DTYPES[dtype]):
-        model = preset.model_class()(config)
-    model.train()
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, preset.vocab, (b, s), generator=generator)
+    try:
+        with mode, _default_dtype(DTYPES[dtype]):
+            model = preset.model_class()(config)
+        model.train()
+        generator = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, preset.vocab, (b, s), generator=generator)
+    except (RuntimeError, MemoryError, OverflowError, TypeError) as e:
+        what = "out of memory" if "alloc" in str(e) or isinstance(e, MemoryError) else (
+            str(e).splitlines()[0][:120])
+        raise InputError(f"cannot build {name} at batch {b}, sequence length {s}: {what}; "
+                         "use a smaller --batch or --seq") from None
     if not fake:
         model, ids = model.to(device), ids.to(device)
     return model, {"input_ids": ids, "labels": ids.clone()}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from slackswap.core.hardware import Hardware, load_hardware
+from slackswap.core.hardware import Hardware, load_hardware, profile_hardware
 from slackswap.core.plan import Decision, Plan
 from slackswap.core.profile import StepProfile
 from slackswap.core.result import SimResult
@@ -40,7 +40,7 @@ def smallest_feasible_budget(profile: StepProfile, hardware: Hardware | None = N
     offloaded (ops then wait for copies to land), found to within 0.1% of the keep-all
     peak and never below one op's working set. ``plan`` fits it (SlackSwap falls back to
     those plans); a hybrid plan may reach lower."""
-    hw = hardware or load_hardware(profile.hardware)
+    hw = hardware or profile_hardware(profile.hardware)
     ctx = PlanContext(profile, hw, profile.keep_all_peak)
     names = [c.name for c in ctx.candidates]
     floor = min_working_set(profile)[0]
@@ -73,7 +73,7 @@ def plan_with_result(
     be infeasible: the strategy could not fit the budget."""
     if strategy not in STRATEGIES:
         raise InputError(f"unknown strategy '{strategy}'; strategies: {', '.join(STRATEGIES)}")
-    hw = load_hardware(hardware or profile.hardware)
+    hw = load_hardware(hardware) if hardware else profile_hardware(profile.hardware)
     budget = resolve_fit(budget, profile, hw)
     ctx = PlanContext(profile, hw, resolve_budget(budget, profile.keep_all_peak))
     if cached:
@@ -119,7 +119,7 @@ def plan(
     and stored there when not (NOTE [plan cache] in :mod:`slackswap.plan_cache`): for a
     profile made the same on every run (analytic, or traced), not one measured on a GPU.
     """
-    hw = load_hardware(hardware or profile.hardware)
+    hw = load_hardware(hardware) if hardware else profile_hardware(profile.hardware)
     budget = resolve_fit(budget, profile, hw)
     attempt = plan_with_result(profile, budget, hw, strategy, cached=cached)
     if attempt is None or not attempt[1].feasible:

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from slackswap.core.hardware import Hardware, load_hardware
+from slackswap.core.hardware import Hardware, load_hardware, profile_hardware
 from slackswap.core.plan import Plan
 from slackswap.device_budget import device_budget, is_fit
 from slackswap.errors import InputError
@@ -59,7 +59,8 @@ def plan_model(
                    mode="measured" if on_cuda else "traced", loss_fn=loss_fn)
     if on_cuda and is_fit(budget):  # the device's own memory, not the preset's
         total = torch.cuda.mem_get_info(params[0].device)[1]
-        budget = device_budget(step, load_hardware(hardware or step.hardware), capacity=total,
+        hw = load_hardware(hardware) if hardware else profile_hardware(step.hardware)
+        budget = device_budget(step, hw, capacity=total,
                                capacity_source="torch.cuda.mem_get_info").budget_bytes
     # a traced step is the same on every run: its plan is cached (NOTE [plan cache])
     result = plan(step, budget, hardware, strategy, cached=not on_cuda)

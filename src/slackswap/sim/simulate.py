@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from slackswap.core.hardware import Hardware, load_hardware
+from slackswap.core.hardware import Hardware, load_hardware, profile_hardware
 from slackswap.core.plan import Decision, Plan
 from slackswap.core.profile import StepProfile
 from slackswap.core.result import SimResult
@@ -48,7 +48,7 @@ def simulate(
     """
     plan = plan or Plan.keep_all(profile)
     plan.check(profile)
-    hw = load_hardware(hardware or profile.hardware)
+    hw = load_hardware(hardware) if hardware else profile_hardware(profile.hardware)
     peak_keep_all = profile.keep_all_peak
     limit = None if memory_limit is None else resolve_budget(memory_limit, peak_keep_all)
     if limit is not None:
