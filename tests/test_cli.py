@@ -207,3 +207,38 @@ def test_reproduce_command(tmp_path, monkeypatch) -> None:
     assert (quick / "gpt2-xl-tiny-slackswap-trace.json").exists()
     code, _, stderr = run("reproduce", "--workloads", "gpt3")
     assert code == 2 and "unknown workload 'gpt3'" in stderr
+
+
+def test_a_cache_that_cannot_be_written_is_read_only(tmp_path, monkeypatch) -> None:
+    """Issue 50: ``fit`` and ``reproduce`` run on a cache they cannot write (its root is a
+    file here), saying so once per folder in one line, not refusing to run."""
+    root = tmp_path / "a-file"
+    root.write_text("not a folder")
+    monkeypatch.setenv("SLACKSWAP_CACHE", str(root))
+    code, stdout, stderr = run("fit", "gpt2-xl-tiny", "--seq", "64", "--json")
+    assert code == 0, stderr
+    assert json.loads(stdout)["model"] == "gpt2-xl-tiny"
+    assert sorted(stderr.splitlines()) == [
+        f"warning: cache {root}/{folder} cannot be written (Not a directory): results are "
+        "not stored" for folder in ("plans", "profiles")]
+    code, _, stderr = run("reproduce", "--workloads", "gpt2-xl-tiny", "--out",
+                          str(tmp_path / "out"), "--budget", "0.85")
+    assert code == 0, stderr
+    assert "Traceback" not in stderr and root.read_text() == "not a folder"
+
+
+def test_a_damaged_cache_entry_is_rebuilt_with_one_warning(tmp_path, monkeypatch) -> None:
+    """Issue 50: a NaN written into a cached plan's time never reaches results.json."""
+    monkeypatch.setenv("SLACKSWAP_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "out"
+    args = ("reproduce", "--workloads", "gpt2-xl-tiny", "--out", str(out), "--budget", "0.85")
+    assert run(*args)[0] == 0
+    [entry] = (tmp_path / "cache" / "plans").glob("slackswap-*.json")
+    data = json.loads(entry.read_text())
+    entry.write_text(entry.read_text().replace(f'"seconds": {data["seconds"]}',
+                                               '"seconds": NaN'))
+    code, _, stderr = run(*args)
+    assert code == 0, stderr
+    assert stderr == (f"warning: cache entry {entry} is damaged (not valid JSON (NaN is not a "
+                      "number JSON holds)): made again\n")
+    assert "NaN" not in (out / "results.json").read_text()

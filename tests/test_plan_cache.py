@@ -3,7 +3,9 @@ but the same profile, hardware, budget, strategy and code finds it."""
 
 from __future__ import annotations
 
+import json
 import random
+import stat
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ from stepgraphs import block_step
 import slackswap
 import slackswap.plan_cache as plan_cache
 from slackswap.core.hardware import with_overrides
+from slackswap.plan_cache import CacheWarning
 from slackswap.planners import STRATEGIES, plan_in_context
 from slackswap.planners.bound import retention_bound
 from slackswap.planners.context import PlanContext
@@ -67,10 +70,124 @@ def test_a_damaged_entry_is_planned_again(cache: Path) -> None:
     fresh, _ = plan_cache.cached_attempt(_context(), "slackswap")
     [entry] = cache.iterdir()
     entry.write_text('{"value": {"decisions": 3}')
-    again, _ = plan_cache.cached_attempt(_context(), "slackswap")
+    with pytest.warns(CacheWarning, match=r"cache entry .* is damaged \(.*not valid JSON"):
+        again, _ = plan_cache.cached_attempt(_context(), "slackswap")
     assert _same(again, fresh)
-    assert entry.read_text().startswith('{"value": {')  # written whole again
+    assert entry.read_text().startswith('{"key": ')  # written whole again
     assert _same(plan_cache.cached_attempt(_context(), "slackswap")[0], fresh)
+
+
+def _entry(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def _rewrite(path: Path, entry: dict, digest: bool = True) -> None:
+    """``entry`` at ``path``, its digest made to match its value when ``digest``."""
+    if digest:
+        entry["digest"] = plan_cache._digest(entry["value"])
+    path.write_text(json.dumps(entry))
+
+
+@pytest.mark.parametrize(("damage", "why"), [
+    ("decision", "its value does not match its digest"),
+    ("other strategy", "its key is another entry's"),
+    ("nan seconds", "NaN is not a number JSON holds"),
+    ("negative seconds", "its time -1 is not a time"),
+    ("unknown activation", "the profile does not save, e.g. 'nope'"),
+    ("other budget", "its plan is for another budget"),
+    ("no key", "not a cache entry"),
+])
+def test_an_entry_that_is_not_sound_is_never_used(cache: Path, damage: str, why: str) -> None:
+    """Issue 50: an edited decision, another strategy's plan under this one's name, a
+    NaN time: each is planned again with a one-line warning, never reported."""
+    fresh, _ = plan_cache.cached_attempt(_context(), "slackswap")
+    [path] = cache.iterdir()
+    entry = _entry(path)
+    plan = entry["value"]
+    if damage == "decision":
+        name = next(n for n, d in plan["decisions"].items() if d != "keep")
+        plan["decisions"][name] = "keep"
+        _rewrite(path, entry, digest=False)
+    elif damage == "other strategy":
+        plan_cache.cached_attempt(_context(), "recompute-only")
+        other = next(p for p in cache.iterdir() if p != path)
+        path.write_text(other.read_text())
+    elif damage == "nan seconds":
+        path.write_text(path.read_text().replace(f'"seconds": {entry["seconds"]}',
+                                                 '"seconds": NaN'))
+    elif damage == "negative seconds":
+        entry["seconds"] = -1
+        _rewrite(path, entry)
+    elif damage == "unknown activation":
+        plan["decisions"]["nope"] = "recompute"
+        _rewrite(path, entry)
+    elif damage == "other budget":
+        plan["budget_bytes"] += 1
+        _rewrite(path, entry)
+    else:
+        del entry["key"]
+        _rewrite(path, entry)
+    with pytest.warns(CacheWarning) as caught:
+        again, _ = plan_cache.cached_attempt(_context(), "slackswap")
+    [warning] = [str(w.message) for w in caught]
+    assert why in warning and "made again" in warning and "\n" not in warning
+    assert _same(again, fresh)
+    assert _entry(path)["value"] == json.loads(fresh[0].model_dump_json())  # repaired
+
+
+@pytest.mark.parametrize("bound", [1.5, -0.1, True, "0.5", None])
+def test_a_cached_bound_out_of_range_is_solved_again(cache: Path, bound) -> None:
+    solved, _ = plan_cache.cached_bound(_context())
+    [path] = cache.iterdir()
+    entry = _entry(path)
+    entry["value"] = bound
+    _rewrite(path, entry)
+    with pytest.warns(CacheWarning, match="is not a retention in"):
+        assert plan_cache.cached_bound(_context())[0] == solved
+
+
+def test_entries_are_private_and_never_written_through_a_link(cache: Path,
+                                                              tmp_path: Path) -> None:
+    """Issue 50: the cache's folders are its user's only; an entry replaced by a link to
+    another file leaves that file as it was."""
+    fresh, _ = plan_cache.cached_attempt(_context(), "slackswap")
+    [path] = cache.iterdir()
+    assert stat.S_IMODE(cache.stat().st_mode) == 0o700
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    path.unlink()
+    path.symlink_to(victim)
+    with pytest.warns(CacheWarning) as caught:
+        again, _ = plan_cache.cached_attempt(_context(), "slackswap")
+    assert _same(again, fresh)
+    assert victim.read_text() == "precious" and path.is_symlink()
+    assert any("symbolic link" in str(w.message) for w in caught)
+
+
+def test_a_cache_folder_that_is_a_link_is_not_used(cache: Path, tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    cache.symlink_to(elsewhere)
+    with pytest.warns(CacheWarning, match="is a symbolic link: not used"):
+        made, _ = plan_cache.cached_attempt(_context(), "slackswap")
+    assert made is not None and list(elsewhere.iterdir()) == []
+
+
+def test_an_unwritable_cache_is_read_only(tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 50: a cache that cannot be written (here: its root is a file) only costs the
+    next run its time: the plan and the bound are made, with one warning."""
+    root = tmp_path / "a-file"
+    root.write_text("not a folder")
+    monkeypatch.setenv("SLACKSWAP_CACHE", str(root))
+    fresh = plan_in_context(_context(), "slackswap")
+    with pytest.warns(CacheWarning, match=r"cache .* cannot be written .*: results are not "
+                                          "stored"):
+        made, _ = plan_cache.cached_attempt(_context(), "slackswap")
+        bound, _ = plan_cache.cached_bound(_context())
+    assert _same(made, fresh) and bound == retention_bound(_context())
+    assert root.read_text() == "not a folder"
 
 
 def test_the_bound_is_cached_as_solved(cache: Path) -> None:
@@ -98,3 +215,26 @@ def test_a_traced_step_is_planned_once(cache: Path, monkeypatch: pytest.MonkeyPa
     assert again._profile is not None  # so that ``apply`` prefetches without being told
     with pytest.raises(AssertionError, match="planned again"):  # another budget: a miss
         slackswap.plan(model, x, budget=0.6)
+
+
+def test_a_cached_profile_is_the_model_it_is_filed_under(tmp_path: Path) -> None:
+    """Issue 50: bert's profile copied over gpt2's entry is not reported as gpt2's: the
+    entry's key and content are checked, and gpt2 is profiled again."""
+    from slackswap.reproduce import cached_profile
+
+    hw = slackswap.load_hardware("a100-80gb")
+    gpt2 = cached_profile("gpt2-xl-tiny", hw)
+    cached_profile("bert-large-tiny", hw)
+    folder = tmp_path / "profiles"
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    [gpt2_path] = folder.glob("gpt2-xl-tiny-*.json")
+    [bert_path] = folder.glob("bert-large-tiny-*.json")
+    gpt2_path.write_text(bert_path.read_text())
+    with pytest.warns(CacheWarning, match="its key is another entry's"):
+        again = cached_profile("gpt2-xl-tiny", hw)
+    assert again.model == "gpt2-xl-tiny" and again.model_dump() == gpt2.model_dump()
+    bert = _entry(bert_path)  # bert's profile under gpt2's key: still another model's
+    bert["key"] = _entry(gpt2_path)["key"]
+    _rewrite(gpt2_path, bert)
+    with pytest.warns(CacheWarning, match="another model's profile"):
+        assert cached_profile("gpt2-xl-tiny", hw).model == "gpt2-xl-tiny"

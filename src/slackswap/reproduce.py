@@ -18,11 +18,17 @@ from pathlib import Path
 from typing import Any
 
 from slackswap.core.hardware import Hardware, load_hardware, on_node
-from slackswap.core.jsonio import atomic_write, atomic_write_text, dump_model, load_model
+from slackswap.core.jsonio import atomic_write, atomic_write_text, dump_model, validate_model
 from slackswap.core.profile import StepProfile
 from slackswap.core.units import format_bytes
 from slackswap.errors import InputError
-from slackswap.plan_cache import cache_root, cached_attempt, cached_bound
+from slackswap.plan_cache import (
+    cache_root,
+    cached_attempt,
+    cached_bound,
+    read_entry,
+    write_entry,
+)
 from slackswap.planners import STRATEGIES, smallest_feasible_budget
 from slackswap.planners.context import PlanContext
 from slackswap.planners.summary import checkpoint_bytes, decision_bytes
@@ -67,18 +73,23 @@ def cached_profile(name: str, hw: Hardware, batch: int | None = None,
     from slackswap.profiling.step import fingerprint
 
     model, example = build_model(name, batch=batch, seq=seq)
+    print_ = fingerprint(model, example)
     key = hashlib.sha256(
-        f"{fingerprint(model, example)}|{hw.model_dump_json(exclude=_without_host(hw))}|"
+        f"{print_}|{hw.model_dump_json(exclude=_without_host(hw))}|"
         f"{version('slackswap')}|{_profiler_digest()}".encode()
     ).hexdigest()[:24]
     path = _cache_dir() / f"{name}-{hw.name}-{key}.json"
-    if path.exists():
-        try:
-            return load_model(StepProfile, path)
-        except InputError:
-            pass  # a damaged cache entry is rebuilt
+
+    def read(value: Any) -> StepProfile:
+        found = validate_model(StepProfile, value, str(path))
+        if found.model != name or found.fingerprint != print_:
+            raise ValueError(f"it holds another model's profile ({found.model})")
+        return found
+
+    if (entry := read_entry(path, key, read)) is not None:  # (NOTE [cache entries])
+        return entry[0]
     result = profile(model, example, hw, name=name)
-    dump_model(result, path)
+    write_entry(path, key, result.model_dump(mode="json"), 0.0)
     return result
 
 
