@@ -566,3 +566,51 @@ def test_an_output_that_names_no_file_is_refused(tmp_path, profile_file) -> None
         code, _, stderr = run("plan", str(profile_file), "--budget", "0.8", "-o", output)
         assert_one_line_error(code, stderr, message)
     assert [p.name for p in tmp_path.iterdir()] == ["p.json"]
+
+
+@pytest.mark.parametrize("model", ["[link=https://example.com]click[/link]", "[red]x[/red]",
+                                   "a\x1b[2Jb\x07", "m" * 10_000_000])
+def test_names_from_a_file_are_printed_as_text(profile_file, model) -> None:
+    """Issue 50: a profile's model name is printed as it is written, never read as rich
+    markup; control characters are escaped and a long name is cut (a 10 MB one had
+    rich's highlighter hang)."""
+    _corrupt(profile_file, _set("model", model))
+    with time_limit(20):
+        for command in (["simulate", str(profile_file)],
+                        ["plan", str(profile_file), "--budget", "0.8"]):
+            code, stdout, stderr = run(*command)
+            assert code == 0, stderr
+            first = stdout.splitlines()[0]
+            assert "\x1b" not in stdout and "\x07" not in stdout
+            if model.startswith("["):
+                assert first.startswith(model)
+            elif model.startswith("a"):
+                assert first.startswith("a\\x1b[2Jb\\x07")
+            else:
+                assert "m" * 200 not in stdout.replace("\n", "") and "m..." in stdout
+
+
+@pytest.mark.parametrize(("command", "option"), [
+    (["plan", "{p}", "--budget", "0.8"], "-o"),
+    (["simulate", "{p}"], "--trace"),
+    (["simulate", "{p}"], "--plot"),
+])
+def test_an_output_that_is_an_input_is_refused(profile_file, command, option) -> None:
+    """Issue 50: ``plan p.json -o p.json`` would replace the profile with its plan."""
+    before = profile_file.read_bytes()
+    args = [a.replace("{p}", str(profile_file)) for a in command]
+    same = str(profile_file.parent / "." / profile_file.name)  # the same file, spelt apart
+    code, _, stderr = run(*args, option, same)
+    assert_one_line_error(code, stderr, f"{option} {same} is an input of this command")
+    assert profile_file.read_bytes() == before
+
+
+def test_trace_and_plot_onto_one_file_and_a_plot_not_png_are_refused(tmp_path,
+                                                                     profile_file) -> None:
+    out = tmp_path / "out"
+    code, _, stderr = run("simulate", str(profile_file), "--trace", str(out), "--plot",
+                          str(out))
+    assert_one_line_error(code, stderr, "--plot and --trace name the same file")
+    code, _, stderr = run("simulate", str(profile_file), "--plot", str(tmp_path / "m.pdf"))
+    assert_one_line_error(code, stderr, "the plot is a PNG image; name a .png file")
+    assert not out.exists() and not (tmp_path / "m.pdf").exists()

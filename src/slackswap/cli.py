@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
 import sys
 import warnings
 from collections.abc import Callable, Iterator
@@ -13,6 +14,7 @@ from typing import Any
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from slackswap.core.hardware import (
@@ -34,6 +36,21 @@ __all__ = ["main"]
 _err = Console(stderr=True)
 
 
+def _plain(text: object, limit: int = 120) -> str:
+    """``text`` as a line of plain text: control characters written as escapes (``\\x1b``),
+    cut to about ``limit`` characters (a name from a file may be anything, and long)."""
+    line = str(text)
+    if len(line) > limit:
+        line = line[: limit - 3] + "..."
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in line)
+
+
+def _shown(text: object, limit: int = 120) -> str:
+    """``text`` from a file or the user, to print through rich: plain (:func:`_plain`)
+    and never read as markup."""
+    return escape(_plain(text, limit))
+
+
 def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Print a :class:`SlackSwapError`, or a file the system refused, as one line and exit
     2, with no traceback."""
@@ -45,9 +62,9 @@ def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
                 warnings.showwarning = _one_line_warning
                 return fn(*args, **kwargs)
         except SlackSwapError as e:
-            click.echo(f"error: {e}", err=True)
+            click.echo(f"error: {_plain(e, 2000)}", err=True)
         except OSError as e:
-            click.echo(f"error: {e.filename or 'a file'}: {e.strerror or e}", err=True)
+            click.echo(f"error: {_plain(e.filename or 'a file')}: {e.strerror or e}", err=True)
         sys.exit(2)
 
     return wrapper
@@ -57,12 +74,36 @@ def _one_line_warning(message: Warning | str, category: type[Warning], *args: An
                       **kwargs: Any) -> None:
     """A warning from SlackSwap (a damaged cache entry, say) as one line on stderr."""
     if category.__module__.startswith("slackswap"):
-        click.echo(f"warning: {message}", err=True)
+        click.echo(f"warning: {_plain(message, 2000)}", err=True)
     else:
         _show_warning(message, category, *args, **kwargs)
 
 
 _show_warning = warnings.showwarning
+
+
+def _check_outputs(outputs: dict[str, str | None], inputs: list[str | None]) -> None:
+    """Refuse, before any work, an output that is one of the inputs (``plan p.json -o
+    p.json`` would replace the profile) or another output, and a plot not named .png."""
+    def same(a: str, b: str) -> bool:
+        try:
+            return os.path.samefile(a, b)
+        except (OSError, ValueError):
+            return os.path.abspath(a) == os.path.abspath(b)
+
+    named = [(option, path) for option, path in outputs.items() if path]
+    for i, (option, path) in enumerate(named):
+        for given in filter(None, inputs):
+            if same(path, given):
+                raise InputError(f"{option} {_plain(path)} is an input of this command: it "
+                                 "would be replaced; name another file")
+        for other, second in named[:i]:
+            if same(path, second):
+                raise InputError(f"{option} and {other} name the same file "
+                                 f"{_plain(path)}; name two files")
+        if option == "--plot" and Path(path).suffix.lower() not in ("", ".png"):
+            raise InputError(f"--plot {_plain(path)}: the plot is a PNG image; name a .png "
+                             "file")
 
 
 @contextlib.contextmanager
@@ -146,6 +187,7 @@ def profile(model: str, hardware: str, batch: int | None, seq: int | None, attn:
     from slackswap.profiling import default_device
     from slackswap.profiling import profile as run_profile
 
+    _check_outputs({"-o": output}, [hardware])
     hw = load_hardware(hardware, parse_overrides(overrides))
     if ":" not in model and model not in MODEL_PRESETS:
         load_workload(model)  # raises the error that lists the presets
@@ -183,6 +225,7 @@ def simulate(profile_path: str, plan_path: str | None, hardware: str | None,
     from slackswap.sim import simulate as run_simulation
     from slackswap.sim.outputs import write_memory_plot, write_trace
 
+    _check_outputs({"--trace": trace, "--plot": plot}, [profile_path, plan_path, hardware])
     prof = load_model(StepProfile, profile_path)
     plan = load_model(Plan, plan_path) if plan_path else None
     hw = (load_hardware(hardware, parse_overrides(overrides)) if hardware else
@@ -204,10 +247,12 @@ def simulate(profile_path: str, plan_path: str | None, hardware: str | None,
 
 def _print_result(prof: StepProfile, result: Any, trace: str | None, plot: str | None) -> None:
     out = Console()
-    status = "feasible" if result.feasible else f"[red]INFEASIBLE[/red]: {result.infeasible_reason}"
+    status = ("feasible" if result.feasible else
+              f"[red]INFEASIBLE[/red]: {_shown(result.infeasible_reason, 400)}")
     limit = (format_bytes(result.memory_limit_bytes) if result.memory_limit_bytes
              else "no limit")
-    out.print(f"[bold]{prof.model}[/bold], plan {result.strategy}, {limit}: {status}")
+    out.print(f"[bold]{_shown(prof.model)}[/bold], plan {_shown(result.strategy)}, {limit}: "
+              f"{status}")
     table = Table(show_header=False)
     rows = [
         ("step time", f"{result.step_time_s * 1e3:.2f} ms "
@@ -227,7 +272,7 @@ def _print_result(prof: StepProfile, result: Any, trace: str | None, plot: str |
     out.print(table)
     for label, path in (("trace", trace), ("plot", plot)):
         if path:
-            out.print(f"{label} written to {path}")
+            out.print(f"{label} written to {_shown(path, 400)}")
 
 
 @main.command("plan")
@@ -264,6 +309,7 @@ def plan_command(source: str, budget: str, strategy: str, hardware: str | None,
 
     given = parse_overrides(overrides)
     from_file = source.endswith(".json") or Path(source).is_file()
+    _check_outputs({"-o": output}, [source if from_file else None, hardware])
     if probe and (from_file or not is_fit(budget) or gpus > 1 or overrides):
         raise InputError("--probe checks a --budget fit plan of a preset MODEL on the GPU "
                          "it runs on (no profile file, --gpus or --set)")
@@ -310,7 +356,7 @@ def _fit_budget(prof: StepProfile, hw: Hardware, budget: str, optimizer: str | N
                              "--budget fit; give them with it")
         return budget
     device = device_budget(prof, hw, optimizer or "adamw", precision or "mixed")
-    Console().print("\n".join(device.lines()), highlight=False)
+    Console().print("\n".join(_shown(line, 400) for line in device.lines()), highlight=False)
     return str(device.budget_bytes)
 
 
@@ -343,6 +389,7 @@ def reproduce(budget: float, hardware: str, workloads: str, out: str,
     from slackswap.reproduce import SWEEP, steps
     from slackswap.reproduce import reproduce as run
 
+    _check_outputs({"--json": json_path}, [hardware])
     names = tuple(w.strip() for w in workloads.split(",") if w.strip())
     if unknown := [n for n in names if n not in MODEL_PRESETS]:
         raise InputError(f"unknown workload '{unknown[0]}'; presets: {', '.join(MODEL_PRESETS)}")
@@ -383,6 +430,7 @@ def fit_command(model: str, hardware: str, optimizer: str, precision: str, seq: 
     checkpointing and keep-all."""
     from slackswap.fit import fit, write_fit_plot
 
+    _check_outputs({"--plot": plot}, [hardware])
     hw = load_hardware(hardware, parse_overrides(overrides))
     with _progress(f"fitting {model} on {hw.name}") as update:
         result = fit(model, hw, batch=batch, seq=seq, optimizer=optimizer,
@@ -408,7 +456,8 @@ def hardware_list() -> None:
 def _print_profile(p: StepProfile, output: str | None) -> None:
     out = Console()
     s = p.summary()
-    out.print(f"[bold]{p.model}[/bold] on {p.hardware} ({p.mode}, {p.kernels} kernels): "
+    out.print(f"[bold]{_shown(p.model)}[/bold] on {_shown(p.hardware)} ({p.mode}, {p.kernels} "
+              "kernels): "
               f"{s['num_saved_tensors']} saved activations, "
               f"{format_bytes(s['saved_bytes_total'])}; "
               f"forward {s['forward_time_s'] * 1e3:.1f} ms, "
@@ -433,10 +482,10 @@ def _print_profile(p: StepProfile, output: str | None) -> None:
     by_kind = sorted(p.saved_bytes_by("kind").items(), key=lambda kv: -kv[1])
     for kind, nbytes in by_kind:
         share = nbytes / s["saved_bytes_total"] if s["saved_bytes_total"] else 0.0
-        kinds.add_row(kind, format_bytes(nbytes), f"{share:.1%}")
+        kinds.add_row(_shown(kind), format_bytes(nbytes), f"{share:.1%}")
     out.print(kinds)
     if output:
-        out.print(f"profile written to {output}")
+        out.print(f"profile written to {_shown(output, 400)}")
 
 
 def _print_plan(prof: StepProfile, chosen: Any, result: Any, output: str | None) -> None:
@@ -444,7 +493,7 @@ def _print_plan(prof: StepProfile, chosen: Any, result: Any, output: str | None)
 
     out = Console()
     totals = decision_bytes(prof, chosen, by="total")["total"]
-    out.print(f"[bold]{prof.model}[/bold], {chosen.strategy}, budget "
+    out.print(f"[bold]{_shown(prof.model)}[/bold], {_shown(chosen.strategy)}, budget "
               f"{format_bytes(chosen.budget_bytes or 0)}: predicted retention "
               f"{result.retention:.2%}, peak {format_bytes(result.peak_bytes)} "
               f"(keep-all {format_bytes(result.keep_all_peak_bytes)})")
@@ -461,10 +510,11 @@ def _print_plan(prof: StepProfile, chosen: Any, result: Any, output: str | None)
         keys = sorted(groups, key=lambda k: (not k.isdigit(), int(k) if k.isdigit() else k))
         for key in keys:
             row = groups[key]
-            table.add_row(key, *(format_bytes(row[d]) for d in ("keep", "offload", "recompute")))
+            table.add_row(_shown(key), *(format_bytes(row[d])
+                                         for d in ("keep", "offload", "recompute")))
         out.print(table)
     if output:
-        out.print(f"plan written to {output}")
+        out.print(f"plan written to {_shown(output, 400)}")
 
 
 def _print_reproduce(results: dict[str, Any], out_dir: str) -> None:
@@ -474,7 +524,7 @@ def _print_reproduce(results: dict[str, Any], out_dir: str) -> None:
     out = Console()
     workloads = results["workloads"]
     table = Table(title=f"Throughput retained at {results['budget_fraction']:.0%} budget, "
-                        f"{results['hardware']} (simulated)")
+                        f"{_shown(results['hardware'])} (simulated)")
     table.add_column("strategy")
     for w in workloads:
         table.add_column(w["name"], justify="right")
@@ -491,18 +541,21 @@ def _print_reproduce(results: dict[str, Any], out_dir: str) -> None:
             else "infeasible" for w in workloads))
     out.print(table)
     out.print("* the paper's own simulation (A100, PCIe 4.0, 50% budget)")
-    out.print(f"results written to {out_dir}/ ({', '.join(written_files(results))})")
+    out.print(f"results written to {_shown(out_dir, 400)}/ "
+              f"({', '.join(written_files(results))})")
 
 
 def _print_fit(result: Any, plot: str | None) -> None:
     from slackswap.fit import FIT_STRATEGIES
 
     out = Console()
-    out.print("\n".join(result.device.lines()), highlight=False)
+    out.print("\n".join(_shown(line, 400) for line in result.device.lines()),
+              highlight=False)
     dim = "micro-batch" if result.search == "batch" else "sequence length"
     fixed = f"seq {result.fixed}" if result.search == "batch" else f"batch {result.fixed}"
     target = f"{result.min_retention:.1%}"
-    table = Table(title=f"{result.model} on {result.hardware}, {fixed}: simulated tokens/s "
+    table = Table(title=f"{_shown(result.model)} on {_shown(result.hardware)}, {fixed}: "
+                        "simulated tokens/s "
                         f"(retention); * meets {target}")
     table.add_column(dim, justify="right")
     table.add_column("keep-all peak", justify="right")
@@ -519,7 +572,8 @@ def _print_fit(result: Any, plot: str | None) -> None:
         p = result.chosen(strategy)
         if p is None:
             first = result.points[0].outcomes[strategy]
-            why = first.reason or f"retains {first.retention:.1%}"
+            why = _shown(first.reason, 400) if first.reason else (
+                f"retains {first.retention:.1%}")
             out.print(f"  {strategy:<18} none: at {dim} {result.size_of(result.points[0])}"
                       f" {why}", highlight=False)
             continue
@@ -535,7 +589,7 @@ def _print_fit(result: Any, plot: str | None) -> None:
         out.print(f"Most tokens/s at {target} or more (of the shapes tried): {strategy} at "
                   f"{dim} {result.size_of(p)}, {o.tokens_per_s:,.0f} tokens/s", highlight=False)
     if plot:
-        out.print(f"plot written to {plot}")
+        out.print(f"plot written to {_shown(plot, 400)}")
 
 
 def _fit_cell(outcome: Any, target: float) -> str:
