@@ -614,3 +614,92 @@ def test_trace_and_plot_onto_one_file_and_a_plot_not_png_are_refused(tmp_path,
     code, _, stderr = run("simulate", str(profile_file), "--plot", str(tmp_path / "m.pdf"))
     assert_one_line_error(code, stderr, "the plot is a PNG image; name a .png file")
     assert not out.exists() and not (tmp_path / "m.pdf").exists()
+
+
+# -- property: hostile files and paths (issue 50) --------------------------------------
+
+
+HOSTILE_BYTES = [b"", b"{}", b"[]", b"null", b"5", b"\xff\xfe\x00", b"[" * 100_000,
+                 b'{"schema_version": "3"}', b'{"schema_version": true}', b"NaN",
+                 b'base = "/dev/zero"', b"base = 5", b'name = "\x1b[2J"', b"x = [[[[[[[[",
+                 b'{"model": "' + b"[red]" * 2000 + b'"}']
+PATH_KINDS = ["file", "profile", "link to victim", "dangling link", "fifo", "folder",
+              "/dev/zero", "missing"]
+
+
+def _make(kind: str, path: Path, content: bytes, profile_text: str, victim: Path) -> str:
+    """``path`` made as ``kind`` (a file holding ``content``, the good profile, a link, a
+    FIFO...); the name to pass."""
+    if kind == "file":
+        path.write_bytes(content)
+    elif kind == "profile":
+        path.write_text(profile_text)
+    elif kind == "link to victim":
+        path.symlink_to(victim)
+    elif kind == "dangling link":
+        path.symlink_to(path.parent / "nowhere" / "x")
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "folder":
+        path.mkdir()
+    elif kind == "/dev/zero":
+        return "/dev/zero"
+    return str(path)
+
+
+def _snapshot(folder: Path) -> dict[str, tuple[str, bytes | None]]:
+    """What each entry of ``folder`` is, and a file's bytes."""
+    out = {}
+    for p in folder.iterdir():
+        info = os.lstat(p)
+        kind = stat.filemode(info.st_mode)[0]
+        out[p.name] = (kind, p.read_bytes() if stat.S_ISREG(info.st_mode) else None)
+    return out
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data())
+def test_hostile_files_and_paths(tmp_path_factory, data) -> None:
+    """Issue 50: whatever the files say and whatever the paths are (links, FIFOs,
+    devices, folders, bytes that are not JSON or not UTF-8, deep nesting, markup), a
+    command gives a one-line error or a result, with no traceback and no hang, and
+    nothing but its named outputs changes: a link's target never."""
+    tmp = tmp_path_factory.mktemp("hostile")
+    victim = tmp / "victim.txt"
+    victim.write_bytes(b"precious")
+    profile_text = (Path(__file__).parent / "data" / "mlp-profile.json").read_text()
+    names = {}
+    for role in ("input", "plan", "hardware", "output"):
+        kind = data.draw(st.sampled_from(PATH_KINDS), label=f"{role} kind")
+        content = data.draw(st.one_of(st.sampled_from(HOSTILE_BYTES), st.binary(max_size=64)),
+                            label=f"{role} content")
+        names[role] = _make(kind, tmp / f"{role}.{'toml' if role == 'hardware' else 'json'}",
+                            content, profile_text, victim)
+    command = data.draw(st.sampled_from(["plan", "simulate"]), label="command")
+    args = [command, names["input"]]
+    if command == "plan":
+        args += ["--budget", "0.8", "-o", names["output"]]
+    else:
+        args += ["--trace", names["output"]]
+        if data.draw(st.booleans(), label="with a plan"):
+            args += ["--plan", names["plan"]]
+    if data.draw(st.booleans(), label="with hardware"):
+        args += ["--hardware", names["hardware"]]
+    before = _snapshot(tmp)
+    with time_limit(20):
+        result = CliRunner().invoke(main, args)
+    assert result.exception is None or isinstance(result.exception, SystemExit), (
+        args, result.exc_info)
+    assert result.exit_code in (0, 1, 2)
+    if result.exit_code == 2 and "\nError: " not in result.stderr:  # (not click's usage)
+        assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, (
+            args, result.stderr)
+    assert "Traceback" not in result.stderr
+    assert victim.read_bytes() == b"precious"
+    after = _snapshot(tmp)
+    output = Path(names["output"]).name
+    changed = {n for n in set(before) | set(after) if before.get(n) != after.get(n)}
+    assert changed <= {output}, (args, changed)
+    if output in changed and output in before:
+        assert before[output][0] == "-" and after[output][0] == "-"  # a file replaced
