@@ -76,8 +76,9 @@ class TensorRecord(_Record):
     first_backward_use: NonNegativeInt | None = None  # the backward op that first needs it
     random: bool = False  # produced or mutated by a random op
     # an op wrote it after autograd saved it and before backward read it back: no plan
-    # moves it (NOTE [written after it was saved] in ``slackswap.profiling.recorder``)
-    written_after_save: bool = False
+    # moves it (NOTE [written after it was saved] in ``slackswap.profiling.recorder``).
+    # Left out of the file when false, so profiles without such writes are as before.
+    written_after_save: bool = Field(default=False, exclude_if=lambda v: not v)
 
     @property
     def is_parameter(self) -> bool:
