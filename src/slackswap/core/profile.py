@@ -79,6 +79,11 @@ class TensorRecord(_Record):
     # moves it (NOTE [written after it was saved] in ``slackswap.profiling.recorder``).
     # Left out of the file when false, so profiles without such writes are as before.
     written_after_save: bool = Field(default=False, exclude_if=lambda v: not v)
+    # the backward op after which autograd lets go of it, where that is after the last op
+    # that reads it: the end of the backward node that last unpacked it (BmmBackward
+    # holds both its inputs through both its matmuls). Left out of the file when unset.
+    released_after: NonNegativeInt | None = Field(default=None,
+                                                  exclude_if=lambda v: v is None)
 
     @property
     def is_parameter(self) -> bool:
@@ -89,7 +94,8 @@ class TensorRecord(_Record):
     def last_backward_read(self) -> int | None:
         """The last backward op that reads (or unpacks) this tensor; None if none does."""
         uses = [*self.backward_consumers,
-                *(() if self.first_backward_use is None else (self.first_backward_use,))]
+                *(() if self.first_backward_use is None else (self.first_backward_use,)),
+                *(() if self.released_after is None else (self.released_after,))]
         return max(uses) if uses else None
 
     def gone_before(self, op: int) -> bool:
@@ -141,7 +147,8 @@ def _check_tensor(p: StepProfile, t: TensorRecord,
     read only after that by the ops that list it as an input, first used in backward by a
     backward op; a saved activation has a name."""
     where = f"tensors.{t.id}"
-    for field in ("producer", "forward_consumers", "backward_consumers", "first_backward_use"):
+    for field in ("producer", "forward_consumers", "backward_consumers", "first_backward_use",
+                  "released_after"):
         ids = getattr(t, field)
         _in_range(f"{where}.{field}", ids if isinstance(ids, list) else [ids], "op", len(p.ops))
     made = -1 if t.producer is None else t.producer
@@ -156,10 +163,12 @@ def _check_tensor(p: StepProfile, t: TensorRecord,
         if set(getattr(t, f"{phase}_consumers")) != readers[phase, t.id]:
             _fail(f"{where}.{phase}_consumers are not the {phase} ops that read it")
     first = t.first_backward_use
+    released = t.released_after
     if min([made, *t.forward_consumers, *t.backward_consumers]) < made or (
-            first is not None and (first < made or p.ops[first].phase != "backward")):
+            first is not None and (first < made or p.ops[first].phase != "backward")) or (
+            released is not None and (first is None or released < first)):
         _fail(f"{where} is read before it is made, or its first_backward_use is not a "
-              "backward op")
+              "backward op, or it is released before backward first reads it")
     if t.saved and not t.is_parameter and t.name is None:
         _fail(f"{where}.name is missing: a plan names each saved activation")
 
@@ -310,6 +319,8 @@ class StepProfile(JsonFile, _Record):
                 uses = [t.producer, *t.forward_consumers, *t.backward_consumers]
                 if t.first_backward_use is not None:
                     uses.append(t.first_backward_use)
+                if t.released_after is not None:
+                    uses.append(t.released_after)
                 last_use[t.id] = max(uses)
         frees: dict[int, int] = defaultdict(int)
         for tid, op in last_use.items():

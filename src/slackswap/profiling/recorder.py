@@ -8,6 +8,7 @@ to its base and each saved storage is counted once.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -121,6 +122,9 @@ class StepRecorder(TorchDispatchMode):
         # NOTE [written after it was saved]: saves not yet read back, by storage
         self._live: dict[int, list[_LiveSave]] = {}
         self._digests: list[tuple[_LiveSave, torch.Tensor]] = []
+        # NOTE [held to the node's end]: backward nodes that unpacked, by id
+        self._node_reads: dict[int, list[int]] = {}
+        self._nodes: list[Any] = []
 
     def module_event(self, *args: Any) -> None:
         """A global module forward pre- or post-hook: how many ops ran before it."""
@@ -193,6 +197,7 @@ class StepRecorder(TorchDispatchMode):
     def unpack(self, packed: tuple[int | None, torch.Tensor, Any]) -> torch.Tensor:
         if packed[0] is not None:
             self._unpacked.append(packed[0])
+            self._held_by_node(packed[0])
             live, t = packed[2], packed[1]
             if not live.read:
                 live.read = True
@@ -202,11 +207,36 @@ class StepRecorder(TorchDispatchMode):
                     self._digests.append((live, value_digest(t)))
         return packed[1]
 
+    def _held_by_node(self, tid: int) -> None:
+        """NOTE [held to the node's end]
+            Autograd holds what a backward node unpacked until the node is done, not
+            until the last op that reads it: BmmBackward reads one input in each of its
+            two matmuls and lets go of both after the second. A post-hook on the node
+            that unpacks marks each of its tensors released after the last op it ran."""
+        node = torch._C._current_autograd_node()
+        if node is None:  # unpacked outside backward (ctx.saved_tensors in forward)
+            return
+        tids = self._node_reads.get(id(node))
+        if tids is None:
+            tids = self._node_reads[id(node)] = []
+            self._nodes.append(node)  # alive until the step ends: its id stays its own
+            node.register_hook(functools.partial(self._node_done, id(node)))
+        tids.append(tid)
+
+    def _node_done(self, key: int, *_: Any) -> None:
+        last = len(self.ops) - 1
+        for tid in self._node_reads.pop(key, ()):
+            record = self.tensors[tid]
+            read = record.last_backward_read
+            if read is not None and last > read:
+                record.released_after = last
+
     def finish(self) -> None:
         """After backward: a saved tensor whose bytes changed between its save and its
         first read back, by no op the step recorded (NumPy's writes through a shared
         buffer), is marked too (NOTE [written after it was saved]). One comparison for
         the whole step, so backward is not stopped at every read."""
+        self._nodes.clear()
         pairs, self._digests = self._digests, []
         if not pairs:
             return

@@ -107,6 +107,9 @@ class _Step:
     planned: dict[str, TensorRecord]  # ... those a plan's decision applies to
     kept: dict[int, Decision]  # every saved activation a plan may decide on, kept
     end: dict[int, int]  # saved tensor -> the last backward op that reads it
+    # backward op -> saved tensors autograd lets go of after it, past their last read
+    # (NOTE [held to the node's end] in ``slackswap.profiling.recorder``)
+    released: dict[int, list[int]]
     mutators: dict[int, list[int]]  # tensor -> forward in-place ops on it
     resets: list[int]  # backward ops before which the rebuild group goes
     forward: _Forward
@@ -158,11 +161,14 @@ def _step(profile: StepProfile) -> _Step:
     ops, tensors = profile.ops, profile.tensors
     first_backward = next((op.index for op in ops if op.phase == "backward"), len(ops))
     end: dict[int, int] = {}  # NOTE [gone tensors]
+    released: dict[int, list[int]] = {}
     needed_at: dict[int, list[int]] = {}
     for t in profile.saved_activations:
         last = t.last_backward_read
         if t.producer is not None and last is not None:
             end[t.id] = last
+            if t.released_after is not None:
+                released.setdefault(t.released_after, []).append(t.id)
         if t.first_backward_use is not None:
             needed_at.setdefault(t.first_backward_use, []).append(t.id)
     mutators: dict[int, list[int]] = {}
@@ -182,7 +188,8 @@ def _step(profile: StepProfile) -> _Step:
         makes = [tid for tid in op.outputs
                  if tensors[tid].producer == op.index and _is_activation(tensors[tid])]
         backward.append((op.index, op.time_s, wanted, makes))
-    return _Step(first_backward, named, planned, kept, end, mutators, _group_resets(profile),
+    return _Step(first_backward, named, planned, kept, end, released, mutators,
+                 _group_resets(profile),
                  _lay_out_forward(profile, first_backward), backward,
                  sum(op.time_s for op in ops))
 
@@ -231,6 +238,7 @@ class _Builder:
         self.d2h_of: dict[int, int] | None = None  # tensor -> d2h index
         self.mutators = step.mutators
         self.end = step.end
+        self.released = step.released
         self.resets = step.resets
         self.forward, self.backward = step.forward, step.backward
         self.ideal_time = step.ideal_time
@@ -378,6 +386,10 @@ class _Builder:
             for rid in dict.fromkeys(reads):  # (``_read`` written out)
                 uses[rid].append(k)
                 item.reads.append(rid)
+            for tid in self.released.get(index, ()):  # NOTE [held to the node's end]
+                rid = live.get(tid)
+                if rid is not None and k not in uses[rid]:
+                    uses[rid].append(k)
             for tid in makes:
                 if tid not in live:
                     live[tid] = self._new_residency(tensors[tid], "compute", k)
