@@ -89,9 +89,9 @@ class Plan(JsonFile, pydantic.BaseModel):
         if bad := [n for n in self.prefetch if n in checkpoints
                    and self.decisions.get(n) != Decision.OFFLOAD]:
             raise InputError(f"plan prefetches '{bad[0]}', a checkpoint it does not offload")
-        changed = profile.changed_in_place
+        offloadable = profile.offloadable_checkpoints
         if bad := [n for n, d in self.decisions.items() if d == Decision.OFFLOAD
-                   and n in checkpoints and checkpoints[n].id in changed]:
+                   and n in checkpoints and n not in offloadable]:
             raise InputError(
                 f"plan offloads '{bad[0]}', a checkpoint forward changes in place after "
                 "making it; its copy could not be exact: keep it as a checkpoint instead"

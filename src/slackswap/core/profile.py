@@ -243,6 +243,16 @@ class StepProfile(JsonFile, _Record):
                 if t.kind == "activation" and not t.saved and t.name is not None}
 
     @cached_property
+    def offloadable_checkpoints(self) -> frozenset[str]:
+        """Checkpoints a plan may offload: forward does not change them in place after
+        making them. The runtime copies a checkpoint to the host as it is made, and a
+        rebuild may read it at a later value; one that is changed can be kept as a
+        checkpoint or left out, never offloaded (``Plan.check`` refuses it, and
+        ``PlanContext.plan`` holds every strategy to it)."""
+        changed = self.changed_in_place
+        return frozenset(n for n, t in self.checkpointable.items() if t.id not in changed)
+
+    @cached_property
     def never_saved(self) -> frozenset[int]:
         """Activations made in forward that autograd never saved and backward never reads:
         rebuilding anything made from one needs it made again first (or kept since forward

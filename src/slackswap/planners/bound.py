@@ -308,8 +308,8 @@ class _BoundLP:
         # keeps it) or recompute one no replay rebuilds exactly (``PlanContext.plan``)
         self.upper = np.ones(self.cols)
         self.upper[self.SF] = self.upper[self.SB] = np.inf  # idle time is unbounded
-        offloadable = {t.id for t in p.checkpointable.values()
-                       if t.bytes >= MIN_PLANNED_BYTES and t.id not in p.changed_in_place}
+        offloadable = {p.checkpointable[n].id for n in p.offloadable_checkpoints
+                       if p.checkpointable[n].bytes >= MIN_PLANNED_BYTES}
         for u, col in self.chain.items():
             if u not in offloadable:
                 self.upper[self.F + col] = 0.0

@@ -114,13 +114,23 @@ class PlanContext:
 
     def plan(self, strategy: str, decisions: dict[str, str],
              prefetch: dict[str, int] | None = None) -> Plan:
-        """The plan, with activations no replay rebuilds exactly kept instead of recomputed
-        (NOTE [replayable ops]): every strategy is held to what the runtime can do."""
-        recomputable = self.profile.recomputable
-        decisions = {n: Decision.KEEP if d == Decision.RECOMPUTE and n not in recomputable else d
-                     for n, d in decisions.items()}
-        return Plan(fingerprint=self.profile.fingerprint, strategy=strategy,
-                    budget_bytes=self.budget, decisions=decisions, prefetch=prefetch or {})
+        """The plan, held to what the runtime can do, whatever the strategy asked: an
+        activation no replay rebuilds exactly (NOTE [replayable ops]), or a checkpoint
+        (which autograd does not save: never recomputed), is kept instead of recomputed; a
+        checkpoint forward changes in place after making it is kept instead of offloaded
+        (``StepProfile.offloadable_checkpoints``); only offloads are prefetched. So no
+        strategy makes a plan ``Plan.check`` or the runtime refuses."""
+        p = self.profile
+        recomputable, checkpoints = p.recomputable, p.checkpointable
+        offloadable = p.offloadable_checkpoints
+        decisions = {n: Decision.KEEP if (
+            d == Decision.RECOMPUTE and n not in recomputable
+            or d == Decision.OFFLOAD and n in checkpoints and n not in offloadable) else d
+            for n, d in decisions.items()}
+        prefetch = {n: i for n, i in (prefetch or {}).items()
+                    if decisions.get(n) == Decision.OFFLOAD}
+        return Plan(fingerprint=p.fingerprint, strategy=strategy,
+                    budget_bytes=self.budget, decisions=decisions, prefetch=prefetch)
 
     def simulate_unlimited(self, plan: Plan) -> SimResult:
         """Simulate ``plan`` with no memory limit (counted in ``simulations``)."""

@@ -18,7 +18,6 @@ from __future__ import annotations
 import random
 
 from slackswap.core.plan import Decision
-from slackswap.errors import SlackSwapError
 from slackswap.planners.context import PlanContext
 from slackswap.planners.search import Attempt, Score, scores_better
 from slackswap.planners.search import score as _score
@@ -36,7 +35,9 @@ def perturbed_search(ctx: PlanContext, start: Attempt, simulations: int, seed: i
         c.name: [Decision.KEEP, Decision.OFFLOAD]
         + ([Decision.RECOMPUTE] if c.name in p.recomputable else [])
         for c in ctx.candidates}
-    options.update({n: [Decision.KEEP, Decision.OFFLOAD, None] for n in sorted(p.checkpointable)})
+    options.update({n: [d for d in (Decision.KEEP, Decision.OFFLOAD, None)
+                        if d != Decision.OFFLOAD or n in p.offloadable_checkpoints]
+                    for n in sorted(p.checkpointable)})
     names = list(options)
     activations = {c.name for c in ctx.candidates}
     left = simulations
@@ -49,14 +50,10 @@ def perturbed_search(ctx: PlanContext, start: Attempt, simulations: int, seed: i
         left -= 1  # (a plan met again counts too: the search ends on a step of few plans)
         if key not in seen:
             plan = ctx.plan(start[0].strategy, {k: v for k, v in d.items() if v is not None})
-            try:
-                result = ctx.simulate(plan)
-            except SlackSwapError:  # a checkpoint the plan cannot hold
-                seen[key] = (False, float("-inf"))
-            else:
-                seen[key] = _score(result)
-                if scores_better(seen[key], top[0]):
-                    top[:] = [seen[key], (plan, result)]
+            result = ctx.simulate(plan)
+            seen[key] = _score(result)
+            if scores_better(seen[key], top[0]):
+                top[:] = [seen[key], (plan, result)]
         return seen[key]
 
     def descend(d: dict, s: Score) -> tuple[dict, Score]:

@@ -253,6 +253,18 @@ def _host_bound(attempt: Attempt | None) -> bool:
     return result.stall_s.get("host", 0.0) >= HOST_STALL_SHARE * result.step_time_s
 
 
+def _baseline(ctx: PlanContext, strategy: Callable[[PlanContext], Attempt | None]
+              ) -> Attempt | None:
+    """A baseline's plan as a start of the search (NOTE [starting points]), or None where
+    that baseline cannot plan this step: it is one candidate among others, and SlackSwap
+    plans without it (its plans are held to what the runtime can do by
+    ``PlanContext.plan``, so this is a guard, not a filter)."""
+    try:
+        return ctx.attempt(strategy)
+    except SlackSwapError:
+        return None
+
+
 def _pipeline(ctx: PlanContext, watches: str | None = None) -> Attempt | None:
     """Every stage of NOTE [starting points]; with ``watches``, the fixed costs of each
     operation priced: covers with the host's watches, priced as ``watches`` says (NOTE
@@ -288,7 +300,7 @@ def _pipeline(ctx: PlanContext, watches: str | None = None) -> Attempt | None:
     if best is not None:
         starts.append(best)
     for start in STARTS:  # NOTE [starting points]
-        other = ctx.attempt(start)
+        other = _baseline(ctx, start)
         if other is not None:
             starts.append((ctx.plan("slackswap", dict(other[0].decisions)), other[1]))
     if not any(a[1].feasible for a in starts):  # nothing fits yet: keep-all and each
@@ -343,7 +355,7 @@ def _multi_start(ctx: PlanContext, starts: list[Attempt],
             best = found
         if left > 0 and not joined:
             joined = True
-            other = ctx.attempt(baselines.recompute_only)
+            other = _baseline(ctx, baselines.recompute_only)
             if other is not None:
                 pending.append((ctx.plan("slackswap", dict(other[0].decisions)), other[1]))
             pending.sort(key=lambda a: _score(a[1]), reverse=True)
@@ -465,10 +477,7 @@ def _local_search(ctx: PlanContext, best: Attempt, left: int,
             for name in [n for n, d in change.items() if d is None]:
                 del decisions[name]  # a checkpoint left to be rebuilt
             plan = ctx.plan("slackswap", decisions)
-            try:
-                result = ctx.simulate(plan)
-            except SlackSwapError:  # a checkpoint move the plan cannot make
-                continue
+            result = ctx.simulate(plan)
             if _improves(result, best[1]):
                 best, improved, stale = (plan, result), True, 0
             else:
@@ -543,11 +552,8 @@ def _checkpoint_kicks(ctx: PlanContext, best: Attempt, budget: int,
                 groups.setdefault(t.name, {t.name: Decision.KEEP})[c.name] = Decision.RECOMPUTE
                 saves[t.name] += chain_seconds(p, q, issue)
     for name in sorted(groups, key=lambda n: (-saves[n], n))[:KICKS]:
-        try:
-            plan = ctx.plan("slackswap", {**best[0].decisions, **groups[name]})
-            start = (plan, ctx.simulate(plan))
-        except SlackSwapError:  # a checkpoint the plan cannot keep
-            continue
+        plan = ctx.plan("slackswap", {**best[0].decisions, **groups[name]})
+        start = (plan, ctx.simulate(plan))
         found, _ = _local_search(ctx, start, budget, patience, swaps=True)
         found = _recompute_trades(ctx, found, budget, patience)
         if _score(found[1]) > _score(best[1]):
@@ -749,11 +755,19 @@ def _checkpoint_moves(ctx: PlanContext, plan: Plan) -> tuple[list[Change], list[
     once (as torchtune offloads every block input), and each one offloaded, kept or left
     to be rebuilt; and each checkpoint no rebuild reads any more left out."""
     checkpointable = ctx.profile.checkpointable
+    offloadable = ctx.profile.offloadable_checkpoints
     read = _read_checkpoints(ctx, plan.decisions)
-    together = [{n: d for n in read} for d in (Decision.OFFLOAD, Decision.KEEP)
-                if any(plan.decisions.get(n) != d for n in read)]
+
+    together: list[Change] = []
+    for d in (Decision.OFFLOAD, Decision.KEEP):
+        # one forward changes in place is kept, as ``PlanContext.plan`` would have it
+        change: Change = {n: Decision.KEEP if n not in offloadable else d for n in read}
+        if change not in together and any(plan.decisions.get(n) != c
+                                          for n, c in change.items()):
+            together.append(change)
     alone: list[Change] = [{n: d} for n in read for d in (Decision.OFFLOAD, Decision.KEEP, None)
-                           if d != plan.decisions.get(n)]
+                           if d != plan.decisions.get(n)
+                           and (d != Decision.OFFLOAD or n in offloadable)]
     alone += [{n: None} for n in plan.decisions if n in checkpointable and n not in read]
     return together, alone
 
