@@ -394,3 +394,47 @@ def test_an_outside_tensor_changed_through_data_is_read_as_it_was() -> None:
     planned = _step(model, x, _uniform(profile, "recompute"), profile, verify=True)
     model.shift.zero_()
     _assert_same(planned, _step(model, x))
+
+
+class _LogitsAndHidden(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(64, 64), torch.nn.Linear(64, 100)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.a(x)
+        return self.b(torch.tanh(h)), h
+
+
+def test_backward_inside_the_block_after_a_loss_whose_logsumexp_is_recomputed() -> None:
+    """The docstring lets backward run inside the block. Past the traced step's forward
+    (model and loss), ``loss.backward()`` makes its gradient seed and the loop may write
+    in place: not ops of the step, so no longer refused as a path the profile does not
+    have (NOTE [after the step's forward]); a write there to a tensor a rebuild reads
+    still counts, so the rebuild reads the value it was made with."""
+    torch.manual_seed(0)
+    model, x = _LogitsAndHidden(), torch.randn(512, 64)
+    target = torch.randint(0, 100, (512,))
+
+    def loss_fn(out):  # a loss over logsumexp, computed in the block, outside the model
+        logits = out[0]
+        return (torch.logsumexp(logits, -1) - logits.gather(1, target[:, None])[:, 0]).mean()
+
+    profile = slackswap.profile(model, x, mode="traced", loss_fn=loss_fn)
+    assert "(top):logsumexp:0" in profile.recomputable
+    plan = _uniform(profile, "recompute", [n for n in _names(profile)
+                                           if n in profile.recomputable])
+
+    def step(runtime=None):
+        model.zero_grad(set_to_none=True)
+        with runtime or contextlib.nullcontext():
+            out = model(x)
+            loss = loss_fn(out)
+            out[1].mul_(2.0)  # read by the rebuild of tanh's output: made again
+            loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, {}
+
+    reference = step()
+    runtime = slackswap.apply(model, plan, profile=profile, verify=True)
+    _assert_same(step(runtime), reference)
+    assert runtime.stats.recomputed_ops > 0 and runtime.stats.verified > 0

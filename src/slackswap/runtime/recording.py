@@ -30,6 +30,14 @@ NOTE [small unseen tensors]
     outside the step: a replay reads it as forward did, or, changed in place since,
     stops (``Replayer._outside``). A larger one is read back only while autograd or a
     plan still holds it, and a rebuild needing it after that stops.
+NOTE [after the step's forward]
+    The block may go on after the step's forward (the model and the loss the profile
+    traced): ``loss.backward()`` inside it first makes the gradient seed (``ones_like``)
+    outside autograd's graph task, and a training loop may log or step its optimizer
+    there. Once the watched step has run every forward op of its profile, an op is not
+    the step's: it is neither checked against the profile (which has no op there: such
+    a block was refused) nor recorded, but its in-place writes still count, so that a
+    rebuild never reads a value changed after it was made.
 """
 
 from __future__ import annotations
@@ -202,6 +210,11 @@ class Recorder:
         recorded, kind, random, mutable, written = op_info(func)
         if not recorded or self.quiet or torch._C._current_graph_task_id() != -1:
             return func(*args, **kwargs)
+        if self.watch is not None and self.op_index >= self.watch.ends[-1]:
+            # NOTE [after the step's forward]: not an op of the step; its writes count
+            if mutable:
+                self.before_write(func, written, args, kwargs, recorded=False)
+            return func(*args, **kwargs)
         index = self.next_op(kind) if self.watch is not None else None
         rng = generator = None
         if random:
@@ -217,10 +230,12 @@ class Recorder:
         self.record(func, kind, mutable, written, args, kwargs, out, rng, index)
         return out
 
-    def before_write(self, func: Any, written: frozenset, args: tuple, kwargs: dict) -> None:
+    def before_write(self, func: Any, written: frozenset, args: tuple, kwargs: dict,
+                     recorded: bool = True) -> None:
         """An op is about to change tensors in place. An outside tensor a recipe has read
         is snapshotted first, so a rebuild reads what forward read; an activation written
-        without being an output of the op gets a step no replay can repeat. The saved
+        without being an output of the op, or by an op not ``recorded``, gets a step no
+        replay can repeat. The saved
         tensors over what it writes are looked at once it has (autograd bumps their
         version after the kernel; see :meth:`mark_modified`)."""
         state, copies = self.state, self.values.copies
@@ -237,7 +252,7 @@ class Recorder:
                 if key in state.outside_read and (key, writes) not in state.snapshots:
                     state.snapshots[key, writes] = copy_storage(x)
                 state.outside_writes[key] = writes + 1
-            elif not _returns_alias(func, position):
+            elif not recorded or not _returns_alias(func, position):
                 node.steps.append(unseen_step())
 
     def mark_modified(self) -> None:
