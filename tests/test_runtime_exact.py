@@ -438,3 +438,69 @@ def test_backward_inside_the_block_after_a_loss_whose_logsumexp_is_recomputed() 
     runtime = slackswap.apply(model, plan, profile=profile, verify=True)
     _assert_same(step(runtime), reference)
     assert runtime.stats.recomputed_ops > 0 and runtime.stats.verified > 0
+
+
+class _LayerDrop(torch.nn.Module):
+    """BatchNorm, dropout, and a middle layer run or skipped by a random draw."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.bn1 = torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64)
+        self.l2, self.bn2 = torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64)
+        self.l3, self.drop = torch.nn.Linear(64, 64), torch.nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(torch.tanh(self.bn1(self.l1(x))))
+        if torch.rand(()) > 0.5:
+            h = h + torch.tanh(self.bn2(self.l2(h)))
+        return self.l3(h).pow(2).mean()
+
+
+def _path(model: torch.nn.Module, x: torch.Tensor, seed: int) -> bool:
+    """Whether plain PyTorch runs the middle layer under ``seed`` (state left as it was)."""
+    import copy
+
+    torch.manual_seed(seed)
+    ran = []
+    twin = copy.deepcopy(model)
+    twin.bn2.register_forward_hook(lambda *_: ran.append(True))
+    twin(x)
+    return bool(ran)
+
+
+def test_a_refusal_in_forward_puts_back_buffers_and_the_rng() -> None:
+    """A LayerDrop-style skip drawn otherwise than in the profiled step is refused half
+    way through forward, after BatchNorm updated its running statistics and dropout and
+    the skip drew from the RNG: the refusal puts both back (NOTE [refusals leave no
+    trace]), so the loop can go on as if the call had not been made."""
+    torch.manual_seed(0)
+    model, x = _LayerDrop().train(), torch.randn(256, 64)
+    torch.manual_seed(1)
+    profile = slackswap.profile(model, x, mode="traced")
+    profiled = any(op.module == "bn2" for op in profile.ops)
+    other = next(s for s in range(2, 50) if _path(model, x, s) != profiled)
+    same = next(s for s in range(2, 50) if _path(model, x, s) == profiled)
+    plan = _uniform(profile, "recompute", [n for n in _names(profile)
+                                           if n in profile.recomputable])
+    def refused() -> None:
+        with pytest.raises(InputError, match="where its profile"), \
+                slackswap.apply(model, plan, profile=profile):
+            model(x)
+
+    for outer in (False, True):  # called in an except block too
+        torch.manual_seed(other)
+        buffers = {n: b.clone() for n, b in model.named_buffers()}
+        rng = torch.get_rng_state()
+        if outer:
+            try:
+                raise ValueError("handled")
+            except ValueError:
+                refused()
+        else:
+            refused()
+        assert torch.equal(torch.get_rng_state(), rng)
+        for name, b in model.named_buffers():
+            assert torch.equal(b, buffers[name]), name
+    # the path the profile took runs, and leaves the statistics plain PyTorch does
+    _assert_same(_step(model, x, plan, profile, seed=same, verify=True),
+                 _step(model, x, seed=same))

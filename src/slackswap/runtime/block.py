@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import sys
 from typing import Any
 
 import torch
 
 from slackswap.core.plan import Decision, Plan
 from slackswap.core.profile import StepProfile
-from slackswap.errors import InputError
+from slackswap.errors import InputError, SlackSwapError
 from slackswap.profiling.sharding import fsdp_hooks_apart, rank_prefix
 from slackswap.profiling.step import (
     batch_fingerprint,
@@ -33,7 +34,7 @@ from slackswap.runtime.checks import offload_deadlines, prepare
 from slackswap.runtime.copies import copies_for
 from slackswap.runtime.recording import Recorder
 from slackswap.runtime.saved import SavedValues
-from slackswap.runtime.state import StepState
+from slackswap.runtime.state import StateBefore, StepState
 from slackswap.runtime.stats import RuntimeStats
 from slackswap.runtime.watch import can_watch, watch_for
 
@@ -72,6 +73,9 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         profile = profile if profile is not None else plan._profile
         self._fingerprint, self._profile = plan.fingerprint, profile
         self._state: dict[str, torch.Tensor] = {}  # the model's parameters and buffers
+        self._buffers: list[torch.Tensor] = []
+        self._before: StateBefore | None = None  # NOTE [refusals leave no trace]
+        self._handling: BaseException | None = None  # handled as the model was called
         if batch is not None:
             self._check_model(model)
             named = dict(batch_tensors(batch))
@@ -96,6 +100,7 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         # every forward op is watched and named by the shared rule
         params = next(iter(model.parameters()), None)
         device = params.device.type if params is not None else "cpu"
+        self._device = params.device if params is not None else None
         if profile is not None and device == "cuda":  # elsewhere copies are synchronous
             free_before = offload_deadlines(profile, plan)
         self._watch = (watch_for(profile, plan)
@@ -164,11 +169,26 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         if self._exit is not None:
             stack, self._exit = self._exit, None
             stack.__exit__(*exc)
+        # a refusal after the model returned (in the loss the profile traced), before
+        # backward began: NOTE [refusals leave no trace]
+        self._refused(exc[1])
+        self._before = None
+
+    def _refused(self, error: BaseException | None) -> None:
+        """Put back what the step changed when the runtime refuses it in forward."""
+        before = self._before
+        if before is not None and isinstance(error, SlackSwapError) and not self.values.checked:
+            self._before = None
+            recorder = self.values.recorder  # the runtime's own writes, not the model's
+            with recorder.quieted() if recorder is not None else contextlib.nullcontext():
+                before.restore()
 
     # -- what the plan was made for ----------------------------------------------------
     def _check_model(self, model: torch.nn.Module) -> None:
         modules = list(model.named_modules())  # one walk serves every check
         self._state = model_state(model, modules)
+        self._buffers = list({id(b): b for _, m in modules for b in m._buffers.values()
+                              if b is not None}.values())
         refuse_own_checkpointing(model, modules)
         if model_fingerprint(model, modules, self._state) != self._fingerprint[:32]:
             raise InputError(
@@ -179,6 +199,7 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
 
     def _check_call(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         """Before the model runs: it runs once in the block, on the plan's batch."""
+        self._before = None  # a refusal here comes before this call changed anything
         if self._calls:
             raise InputError(
                 "the model ran twice in one `with slackswap.apply(...)` block, but a plan "
@@ -191,9 +212,17 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         for t in tensors:  # the batch is from outside the step
             if t.layout == torch.strided:
                 self.state.mark_external(t)
+        recorder = self.values.recorder
+        with recorder.quieted() if recorder is not None else contextlib.nullcontext():
+            self._before = StateBefore(self._buffers, self._device)
+        self._handling = sys.exc_info()[1]  # the model may be called in an except block
 
     def _forward_done(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
         self.values.in_forward = False
+        # called as the model raises too (``always_call``): a refusal in its forward
+        error = sys.exc_info()[1]
+        if error is not self._handling:
+            self._refused(error)
 
     def _check_batch(self, tensors: list[torch.Tensor], named: dict | None = None) -> None:
         if batch_fingerprint(tensors) == self._fingerprint[32:]:

@@ -9,9 +9,16 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from slackswap.runtime.recipes import Node, Step, detached, storage_key
+from slackswap.runtime.recipes import (
+    Node,
+    Step,
+    detached,
+    rng_state,
+    set_rng_state,
+    storage_key,
+)
 
-__all__ = ["StepState", "unseen_step"]
+__all__ = ["StepState", "StateBefore", "unseen_step"]
 
 
 def unseen_step() -> Step:
@@ -85,3 +92,29 @@ class StepState:
         if kept is not None:
             node.kept.append(kept)
         return node
+
+
+class StateBefore:
+    """NOTE [refusals leave no trace]: what a step may change before the runtime refuses
+    it half way through forward (a path its profile does not have, say a LayerDrop skip
+    drawn differently): the model's buffers (BatchNorm's running statistics) and the
+    RNG (dropout, the skip's own draw). Taken as the model is called, once per step:
+    the buffers are few and small in the models planned (none in gpt2, two in llama and
+    bert), and cloning them costs a kernel each. Put back when the runtime refuses the
+    step before backward began; dropped when the block ends."""
+
+    __slots__ = ("buffers", "copies", "rng", "device")
+
+    def __init__(self, buffers: list[torch.Tensor], device: torch.device | None) -> None:
+        self.device = device if device is not None and device.type == "cuda" else None
+        self.rng = rng_state(self.device)
+        self.buffers = buffers
+        with torch.no_grad():
+            self.copies = [b.clone() for b in buffers]
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for b, copy in zip(self.buffers, self.copies, strict=True):
+                if b.shape == copy.shape and b.dtype == copy.dtype:
+                    b.copy_(copy)
+        set_rng_state(self.rng, self.device)
