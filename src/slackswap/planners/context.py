@@ -118,14 +118,17 @@ class PlanContext:
         activation no replay rebuilds exactly (NOTE [replayable ops]), or a checkpoint
         (which autograd does not save: never recomputed), is kept instead of recomputed; a
         checkpoint forward changes in place after making it is kept instead of offloaded
-        (``StepProfile.offloadable_checkpoints``); only offloads are prefetched. So no
+        (``StepProfile.offloadable_checkpoints``); a saved activation written after its
+        save is kept; only offloads are prefetched. So no
         strategy makes a plan ``Plan.check`` or the runtime refuses."""
         p = self.profile
         recomputable, checkpoints = p.recomputable, p.checkpointable
-        offloadable = p.offloadable_checkpoints
+        offloadable, saved = p.offloadable_checkpoints, p.by_name
         decisions = {n: Decision.KEEP if (
             d == Decision.RECOMPUTE and n not in recomputable
-            or d == Decision.OFFLOAD and n in checkpoints and n not in offloadable) else d
+            or d == Decision.OFFLOAD and n in checkpoints and n not in offloadable
+            # NOTE [written after it was saved]: never moved
+            or d != Decision.KEEP and n in saved and saved[n].written_after_save) else d
             for n, d in decisions.items()}
         prefetch = {n: i for n, i in (prefetch or {}).items()
                     if decisions.get(n) == Decision.OFFLOAD}

@@ -109,6 +109,7 @@ class StepRecorder(TorchDispatchMode):
         super().__init__()
         self.module_path = module_path
         self.clock = clock
+        self.node_ends = False  # NOTE [held to the node's end]
         self.phase = "forward"
         self.ops: list[OpRecord] = []
         self.tensors: list[TensorRecord] = []
@@ -212,7 +213,12 @@ class StepRecorder(TorchDispatchMode):
             Autograd holds what a backward node unpacked until the node is done, not
             until the last op that reads it: BmmBackward reads one input in each of its
             two matmuls and lets go of both after the second. A post-hook on the node
-            that unpacks marks each of its tensors released after the last op it ran."""
+            that unpacks marks each of its tensors released after the last op it ran.
+            Real steps only (measured, traced) for now: the analytic profiles of the
+            presets are what the exact model's stored optima were solved for
+            (``tests/data/exact_optima.json``), and solving them again takes hours."""
+        if not self.node_ends:
+            return
         node = torch._C._current_autograd_node()
         if node is None:  # unpacked outside backward (ctx.saved_tensors in forward)
             return

@@ -81,10 +81,15 @@ class Step:
 class Node:
     """How one storage made in forward came to be: its producer, then in-place ops."""
 
-    __slots__ = ("name", "key", "device", "steps", "ref", "kept", "storage", "__weakref__")
+    __slots__ = ("name", "key", "device", "steps", "ref", "kept", "storage", "version",
+                 "__weakref__")
 
     def __init__(self, name: str | None, step: Step, tensor: torch.Tensor) -> None:
         self.name = name
+        # the version counter of a tensor over the storage after its last step: a write
+        # after the block (by the caller, before backward) leaves the steps as they were
+        # but not the version (see ``alive``)
+        self.version = tensor._version
         storage = tensor.untyped_storage()
         self.key = storage._cdata  # storage_key(tensor)
         self.device = tensor.device
@@ -106,8 +111,16 @@ class Node:
                 return "an in-place write it cannot see" if s.func is None else str(s.func)
         return "nothing"
 
+    def wrote(self, step: Step, tensor: torch.Tensor) -> None:
+        """``step`` wrote the storage through ``tensor`` in place: autograd bumps the
+        version counter once the kernel returns."""
+        self.steps.append(step)
+        self.version = tensor._version + 1
+
     def alive(self, upto: int) -> torch.Tensor | None:
-        """A tensor over the storage as it is after ``upto`` steps, if one still lives."""
+        """A tensor over the storage as it is after ``upto`` steps, if one still lives
+        and nothing has written it since (its version counter says: a caller's in-place
+        write after the block, which no step records; then a rebuild makes it again)."""
         if len(self.steps) != upto:
             return None
         tensor = self.ref()
@@ -115,6 +128,8 @@ class Node:
             if tensor is not None:
                 break
             tensor = kept()
+        if tensor is not None and tensor._version != self.version:
+            return None
         return tensor
 
 

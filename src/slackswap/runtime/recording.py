@@ -253,7 +253,7 @@ class Recorder:
                     state.snapshots[key, writes] = copy_storage(x)
                 state.outside_writes[key] = writes + 1
             elif not recorded or not _returns_alias(func, position):
-                node.steps.append(unseen_step())
+                node.wrote(unseen_step(), x)
 
     def mark_modified(self) -> None:
         """Saved tensors the last op changed are marked, so backward fails as autograd
@@ -307,7 +307,10 @@ class Recorder:
             def mark(position: Any, x: Any) -> Any:
                 if position not in written or not isinstance(x, torch.Tensor):
                     return map_args(ref, x)
-                if x.layout == strided and storage_key(x) in nodes:
+                if x.layout == strided and (
+                        (key := storage_key(x)) in nodes or not is_external(key)):
+                    # an activation (one made where nobody watched gets its node here):
+                    # a Scratch would hold it, and its memory, as long as the recipe
                     return ref(x)
                 return Scratch(x)
             step_args = tuple(mark(i, a) for i, a in enumerate(args))
@@ -337,7 +340,7 @@ class Recorder:
                 if release is not None:  # autograd does not save it: the runtime keeps it
                     self.values.hold_checkpoint(key, release, t, name)
             elif mutable:
-                node.steps.append(Step(func, step_args, step_kwargs, i, rng, outputs, grad))
+                node.wrote(Step(func, step_args, step_kwargs, i, rng, outputs, grad), t)
 
 
 _RETURNS_ALIAS: dict[tuple[Any, Any], bool] = {}
