@@ -39,22 +39,28 @@ class ActivationMemory(MemTracker):
         self.track_external(model, *_tensors(batch))
 
     def __enter__(self) -> ActivationMemory:
-        original = self._original_offload = HostCopies.offload
+        # the runtime's copies into host memory: offloads, and the snapshot of the
+        # model's buffers a refusal puts back (on CUDA, pinned host buffers)
+        self._originals = {name: getattr(HostCopies, name) for name in ("offload", "snapshot")}
+        for name, original in self._originals.items():
+            setattr(HostCopies, name, self._on_host(original))
+        super().__enter__()
+        return self
 
-        def offload(copies: HostCopies, t: torch.Tensor, *args: Any) -> torch.Tensor:
+    def _on_host(self, original: Any) -> Any:
+        def copy(copies: HostCopies, t: torch.Tensor, *args: Any) -> torch.Tensor:
             self._host_copy = True
             try:
                 return original(copies, t, *args)
             finally:
                 self._host_copy = False
 
-        HostCopies.offload = offload  # type: ignore[method-assign]
-        super().__enter__()
-        return self
+        return copy
 
     def __exit__(self, *args: Any) -> None:
         super().__exit__(*args)
-        HostCopies.offload = self._original_offload  # type: ignore[method-assign]
+        for name, original in self._originals.items():
+            setattr(HostCopies, name, original)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self._host_copy:

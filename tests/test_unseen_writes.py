@@ -214,3 +214,37 @@ def test_profiling_leaves_the_model_the_batch_and_the_rng_as_they_were(how: str)
     after = _state(model, batch)
     for a, b in zip(before, after, strict=True):
         assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b)
+
+
+class _ReturnsHidden(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(64, 64), torch.nn.Linear(64, 100)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor):
+        h = self.a(x)
+        loss = torch.nn.functional.cross_entropy(self.b(torch.tanh(h)), y)
+        return loss, h
+
+
+def test_a_tensor_the_caller_changes_after_the_block_is_rebuilt_not_read() -> None:
+    """``h``, which autograd does not save, is what rebuilds read; the caller changes it
+    in place after the block and before backward. A rebuild makes it again (its version
+    is not the one forward left), so the gradients are plain PyTorch's."""
+    torch.manual_seed(0)
+    model = _ReturnsHidden()
+    x, y = torch.randn(512, 64), torch.randint(0, 100, (512,))
+    profile = slackswap.profile(model, (x, y), mode="traced", loss_fn=lambda o: o[0])
+    plan = _uniform(profile, "recompute", [n for n in _names(profile)
+                                           if n in profile.recomputable])
+    assert "(top):tanh:0" in plan.decisions
+
+    def step(plan):
+        model.zero_grad(set_to_none=True)
+        with slackswap.apply(model, plan, profile=profile) if plan else contextlib.nullcontext():
+            loss, h = model(x, y)
+        h.add_(1)
+        loss.backward()
+        return _grads(model)
+
+    assert _same(step(plan), step(None))

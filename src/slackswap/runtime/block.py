@@ -214,7 +214,7 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
                 self.state.mark_external(t)
         recorder = self.values.recorder
         with recorder.quieted() if recorder is not None else contextlib.nullcontext():
-            self._before = StateBefore(self._buffers, self._device)
+            self._before = StateBefore(self._buffers, self._device, self.values.copies)
         self._handling = sys.exc_info()[1]  # the model may be called in an except block
 
     def _forward_done(self, module: torch.nn.Module, args: tuple, output: Any) -> None:

@@ -82,6 +82,7 @@ class HostCopies:
         self._reading: dict[int, tuple[Any, torch.device]] = {}
         self._reloading: deque[list[Any]] = deque()
         self._reloads: dict[int, list[Any]] = {}
+        self._snapshots: dict[int, torch.Tensor] = {}  # slot -> its pinned host buffer
 
     # -- the pool ----------------------------------------------------------------------
     @property
@@ -152,6 +153,20 @@ class HostCopies:
             event = torch.cuda.Event()
             event.record(d2h)
         self._in_flight(event, t, host, free_before)
+        return host
+
+    def snapshot(self, t: torch.Tensor, slot: int) -> torch.Tensor:
+        """A copy of ``t`` in host memory (a model buffer the step may change, NOTE
+        [refusals leave no trace]): device memory is the plan's. On CUDA into a pinned
+        buffer kept per ``slot`` for the next step, copied on the compute stream, so the
+        kernels after it write ``t`` only once it is read; elsewhere a plain copy."""
+        if t.device.type != "cuda":
+            return t.detach().clone()
+        host = self._snapshots.get(slot)
+        if host is None or host.shape != t.shape or host.dtype != t.dtype:
+            host = self._snapshots[slot] = torch.empty(t.shape, dtype=t.dtype,
+                                                       pin_memory=True)
+        host.copy_(t.detach(), non_blocking=True)
         return host
 
     def _in_flight(self, event: Any, t: torch.Tensor, host: torch.Tensor,

@@ -297,11 +297,14 @@ class Recorder:
                 state.mark_external(x)
             outside_read.add(key)
             writes = outside_writes.get(key, 0)
+            version = x._version
             if key not in state_keys and key not in units and x.device.type == "cpu":
-                frozen = state.frozen.get(key)
-                if frozen is None or frozen[0] != writes:  # NOTE [inputs read by rebuilds]
-                    state.frozen[key] = (writes, value_digest(x))
-            return Outside(x, x._version, writes, state)
+                # NOTE [inputs read by rebuilds]: once per value and view (a write by an
+                # op nobody watched bumps the version, not ``writes``)
+                value = (key, writes, version, x.size(), x.stride(), x.storage_offset(), x.dtype)
+                if value not in state.frozen:
+                    state.frozen[value] = value_digest(x)
+            return Outside(x, version, writes, state)
 
         if written:  # a replay must not repeat its writes to buffers (BatchNorm's stats)
             def mark(position: Any, x: Any) -> Any:

@@ -118,7 +118,7 @@ class Replayer:
         writes = state.outside_writes.get(storage_key(t), 0) if state is not None else 0
         if t._version == x.version and writes == x.writes:
             if state is not None:
-                self._unchanged(t, state, node)  # NOTE [inputs read by rebuilds]
+                self._unchanged(t, x, state, node)  # NOTE [inputs read by rebuilds]
             if t.numel() and not t.untyped_storage().nbytes():
                 self._gather(t, state, node)
             return t.detach()
@@ -134,13 +134,14 @@ class Replayer:
         )
 
     @staticmethod
-    def _unchanged(t: torch.Tensor, state: Any, node: Node) -> None:
-        key = storage_key(t)
-        frozen = state.frozen.get(key)
-        if frozen is None or frozen[1] is None or key in state.unchanged:
+    def _unchanged(t: torch.Tensor, x: Outside, state: Any, node: Node) -> None:
+        value = (storage_key(t), x.writes, x.version, t.size(), t.stride(), t.storage_offset(),
+                 t.dtype)
+        frozen = state.frozen.get(value)
+        if frozen is None or value in state.unchanged:
             return
         now = value_digest(t)
-        if now is not None and not torch.equal(now, frozen[1]):
+        if now is not None and not torch.equal(now, frozen):
             raise InputError(
                 f"cannot rebuild '{node.name}': a batch tensor of shape {list(t.shape)} "
                 "it was made from changed after forward, by a write PyTorch does not see "
@@ -148,7 +149,7 @@ class Replayer:
                 "loader?); give the model a batch of its own (torch.tensor(array), or "
                 ".clone()) or change it only after backward"
             )
-        state.unchanged.add(key)
+        state.unchanged.add(value)
 
     @staticmethod
     def _gather(t: torch.Tensor, state: Any, node: Node) -> None:

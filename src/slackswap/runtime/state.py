@@ -52,11 +52,11 @@ class StepState:
         self.packs: dict[int, list[Any]] = {}  # storage -> its moved packed handles
         self.written: list[Any] = []  # packed handles over storages just written
         self.units: dict[int, Any] = {}  # gathered parameter's storage -> its FSDP2 unit
-        # host storages from outside the step that recipes read, a digest of each as read:
-        # storage -> (forward's writes to it then, the digest) (NOTE [inputs read by
-        # rebuilds]); those a rebuild has found unchanged since
-        self.frozen: dict[int, tuple[int, torch.Tensor | None]] = {}
-        self.unchanged: set[int] = set()
+        # host tensors from outside the step that recipes read, a digest of each as read:
+        # (storage, forward's writes to it then, its version, the view) -> the digest
+        # (NOTE [inputs read by rebuilds]); the values a rebuild has found unchanged since
+        self.frozen: dict[tuple[Any, ...], torch.Tensor | None] = {}
+        self.unchanged: set[tuple[Any, ...]] = set()
 
     def is_external(self, key: int) -> bool:
         if key in self.state_keys:
@@ -98,23 +98,26 @@ class StateBefore:
     """NOTE [refusals leave no trace]: what a step may change before the runtime refuses
     it half way through forward (a path its profile does not have, say a LayerDrop skip
     drawn differently): the model's buffers (BatchNorm's running statistics) and the
-    RNG (dropout, the skip's own draw). Taken as the model is called, once per step:
-    the buffers are few and small in the models planned (none in gpt2, two in llama and
-    bert), and cloning them costs a kernel each. Put back when the runtime refuses the
+    RNG (dropout, the skip's own draw). Taken as the model is called, once per step,
+    into host memory (the device's is the plan's budget): the buffers are few and small
+    in the models planned (none in gpt2, two in llama and bert), and copying them costs
+    a copy each. Put back when the runtime refuses the
     step before backward began; dropped when the block ends."""
 
     __slots__ = ("buffers", "copies", "rng", "device")
 
-    def __init__(self, buffers: list[torch.Tensor], device: torch.device | None) -> None:
+    def __init__(self, buffers: list[torch.Tensor], device: torch.device | None,
+                 host: Any) -> None:
         self.device = device if device is not None and device.type == "cuda" else None
         self.rng = rng_state(self.device)
         self.buffers = buffers
+        # in host memory (``HostCopies.snapshot``): the device's is the plan's
         with torch.no_grad():
-            self.copies = [b.clone() for b in buffers]
+            self.copies = [host.snapshot(b, slot) for slot, b in enumerate(buffers)]
 
     def restore(self) -> None:
         with torch.no_grad():
             for b, copy in zip(self.buffers, self.copies, strict=True):
                 if b.shape == copy.shape and b.dtype == copy.dtype:
-                    b.copy_(copy)
+                    b.copy_(copy, non_blocking=True)  # after the snapshot, in stream order
         set_rng_state(self.rng, self.device)
