@@ -23,11 +23,12 @@ from hypothesis import strategies as st
 
 from slackswap.cli import main
 from slackswap.core.costmodel import op_time
-from slackswap.core.hardware import load_hardware
+from slackswap.core.hardware import load_hardware, with_overrides
 from slackswap.core.jsonio import atomic_write, atomic_write_text, dump_model, load_model
-from slackswap.core.plan import Plan
+from slackswap.core.plan import Decision, Plan
 from slackswap.core.profile import StepProfile
-from slackswap.core.units import resolve_budget
+from slackswap.core.result import SimResult
+from slackswap.core.units import parse_bytes, resolve_budget
 from slackswap.errors import InputError, SlackSwapError
 from slackswap.planners.api import plan_with_result
 from slackswap.sim import simulate
@@ -614,6 +615,165 @@ def test_trace_and_plot_onto_one_file_and_a_plot_not_png_are_refused(tmp_path,
     code, _, stderr = run("simulate", str(profile_file), "--plot", str(tmp_path / "m.pdf"))
     assert_one_line_error(code, stderr, "the plot is a PNG image; name a .png file")
     assert not out.exists() and not (tmp_path / "m.pdf").exists()
+
+
+# -- issue 50, item 8: values accepted that mean nothing --------------------------------
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (_set("ops.3.time_s", True), "field 'ops.3.time_s': Input should be a valid number"),
+    (_set("ops.3.time_s", "0.001"), "field 'ops.3.time_s': Input should be a valid number"),
+    (_set("tensors.5.bytes", True), "field 'tensors.5.bytes': Input should be a valid integer"),
+    (_set("tensors.5.bytes", 1024.0), "field 'tensors.5.bytes': Input should be a valid int"),
+    (_set("model_state_bytes", "8"), "field 'model_state_bytes': Input should be a valid int"),
+    (_set("ops.3.random", 1), "field 'ops.3.random': Input should be a valid boolean"),
+    (_set("tensors.5.saved", "yes"), "field 'tensors.5.saved': Input should be a valid bool"),
+    (_set("saves", [[True, 0]]), "field 'saves.0.0': Input should be a valid integer"),
+    (_set("schema_version", "3"), 'schema_version "3" is not a version: a whole number from '
+                                  "1 to 3, unquoted; fix the file"),
+    (_set("schema_version", True), "schema_version true is not a version"),
+    (_set("schema_version", 2.0), "schema_version 2.0 is not a version"),
+    (_set("schema_version", 4), "schema_version 4 is newer than this SlackSwap reads (3); "
+                                "upgrade slackswap"),
+    (_set("ops.3.time_s", 1e308), "field 'ops.3.time_s': 1e+308 is not a kernel's time in "
+                                  "seconds: none is over 86400"),
+    (_set("ops.3.flops", 1e300), "field 'ops.3.flops': 1e+300 is not a kernel's FLOPs"),
+    (_set("ops", []), "ops: there are none, so there is no step to simulate or plan"),
+])
+def test_values_that_mean_nothing_are_refused_on_load(profile_file, edit, message) -> None:
+    """Issue 50, item 8: strict JSON types (NOTE [strict types]: ``true`` is not 1 s or 1
+    byte, ``"3"`` not a version), absurd op times and an empty profile, refused in one
+    line naming the field, through the library and the command line."""
+    _corrupt(profile_file, edit)
+    with pytest.raises(InputError) as info:
+        load_model(StepProfile, profile_file)
+    assert message in str(info.value) and "\n" not in str(info.value)
+    for command in (["simulate", str(profile_file)],
+                    ["plan", str(profile_file), "--budget", "0.5"]):
+        code, _, stderr = run(*command)
+        assert_one_line_error(code, stderr, message)
+
+
+def test_strict_types_in_plans_and_results(tmp_path, profile, moving_plan) -> None:
+    path = tmp_path / "plan.json"
+    for edit, message in ((_set("budget_bytes", True), "field 'budget_bytes': Input should"),
+                          (_set("prefetch", {"x": 1.0}), "field 'prefetch.x': Input should"),
+                          (_set("schema_version", "1"), 'schema_version "1" is not a version'),
+                          (_set("decisions", {"x": True}), "field 'decisions.x'")):
+        dump_model(moving_plan, path)
+        _corrupt(path, edit)
+        with pytest.raises(InputError, match=message):
+            load_model(Plan, path)
+    result = simulate(profile, moving_plan, "a100-80gb", 0.5)
+    for edit, message in ((_set("feasible", 1), "field 'feasible': Input should be a valid"),
+                          (_set("retention", True), "field 'retention': Input should be a"),
+                          (_set("peak_bytes", 1.5), "field 'peak_bytes': Input should be"),
+                          (_set("schema_version", "2"), 'schema_version "2" is not')):
+        dump_model(result, path)
+        assert SimResult.load(path).model_dump() == result.model_dump()
+        _corrupt(path, edit)
+        with pytest.raises(InputError, match=message):
+            SimResult.load(path)
+
+
+@pytest.mark.parametrize(("old", "new", "message"), [
+    ("latency_s = 1e-5", "latency_s = true", "field 'host_link.latency_s': Input should be a "
+                                             "valid number"),
+    ("schema_version = 1", 'schema_version = "1"', 'schema_version "1" is not a version'),
+    ("latency_s = 1e-5", "latency_s = 1979-05-27", "field 'host_link.latency_s'"),
+])
+def test_strict_types_in_hardware_files(tmp_path, profile_file, old, new, message) -> None:
+    path = _edited_preset(tmp_path, old, new)
+    with pytest.raises(InputError, match=message):
+        load_hardware(path)
+    code, _, stderr = run("simulate", str(profile_file), "--hardware", str(path))
+    assert_one_line_error(code, stderr, message)
+
+
+def test_strict_types_in_hardware_overrides(profile_file) -> None:
+    hw = load_hardware("a100-80gb")
+    with pytest.raises(InputError, match="host_link.latency_s=True: Input should be a valid"):
+        with_overrides(hw, {"host_link.latency_s": True})
+    assert with_overrides(hw, {"host_link.latency_s": 0}).host_link.latency_s == 0.0
+    code, _, stderr = run("simulate", str(profile_file), "--set", "node.gpus=true",
+                          "--hardware", "dgx-a100")
+    assert code == 2 and "Input should be a valid integer" in stderr, stderr
+    # a host table a file leaves out still takes the defaults and cites their sources
+    assert hw.sources["host.pack_s"].startswith("default (NOTE [host costs])")
+
+
+def test_a_profile_that_saves_nothing_is_not_planned(profile_file, profile) -> None:
+    """Issue 50, item 8: a profile with nothing saved for backward has nothing to plan:
+    refused in one line (it was a KeyError), while simulating it reports the step."""
+    data = json.loads(profile_file.read_text())
+    for t in data["tensors"]:
+        t["saved"], t["first_backward_use"] = False, None
+    profile_file.write_text(json.dumps(data))
+    empty = load_model(StepProfile, profile_file)
+    assert not empty.saved_activations
+    for budget in ("0.5", "1GiB"):
+        code, _, stderr = run("plan", str(profile_file), "--budget", budget)
+        assert_one_line_error(code, stderr, "the profile saves no activations for backward: "
+                                            "there is nothing to plan")
+    result = simulate(empty)
+    assert result.feasible and 0 < result.retention <= 1
+
+
+def test_a_step_that_takes_no_time_retains_all_of_it(profile) -> None:
+    free = profile.model_copy(update={"ops": [op.model_copy(update={"time_s": 0.0})
+                                              for op in profile.ops]})
+    hw = with_overrides(load_hardware("a100-80gb"), {f"host.{name}": 0 for name in (
+        "dispatch_s", "pack_s", "watch_s", "replay_s", "unpack_s")})
+    result = simulate(free, None, hw)
+    assert result.step_time_s == 0 and result.feasible and result.retention == 1.0
+
+
+def test_a_plan_that_prefetches_what_it_keeps_is_refused(tmp_path, profile_file, profile,
+                                                         moving_plan) -> None:
+    kept = next(n for n, d in moving_plan.decisions.items() if d == "keep")
+    offloaded = next(n for n in moving_plan.prefetch if n in profile.recomputable)
+    for name, what in ((kept, "keeps"), (offloaded, "recomputes")):
+        plan = moving_plan.model_copy(update={
+            "prefetch": {**moving_plan.prefetch, name: 3},
+            "decisions": {**moving_plan.decisions, offloaded: Decision.RECOMPUTE}
+            if what == "recomputes" else moving_plan.decisions})
+        path = tmp_path / "plan.json"
+        dump_model(plan, path)
+        code, _, stderr = run("simulate", str(profile_file), "--plan", str(path))
+        assert_one_line_error(code, stderr, f"plan prefetches '{name}', which it {what}: only "
+                                            "an offloaded activation is reloaded")
+
+
+@pytest.mark.parametrize("budget", ["1.5", 1.5, "1000.25", 2500.5, "1.5B", True])
+def test_a_budget_over_one_that_is_not_whole_bytes_is_refused(budget) -> None:
+    """Issue 50, item 8: ``1.5`` is neither a fraction (in (0, 1]) nor bytes (whole)."""
+    with pytest.raises(InputError, match="fraction|whole number of bytes|not a budget") as e:
+        resolve_budget(budget, 1000)
+    assert "\n" not in str(e.value)
+
+
+def test_budgets_that_mean_something_still_do() -> None:
+    assert resolve_budget("0.5", 1000) == resolve_budget(0.5, 1000) == 500
+    assert resolve_budget(1, 1000) == 1000 and resolve_budget("1", 1000) == 1000
+    assert resolve_budget(2, 1000) == 2 and resolve_budget(3e9, 1000) == 3 * 10**9
+    assert resolve_budget("1.5e9", 1000) == 1_500_000_000
+    assert resolve_budget("1.5GiB", 1000) == 3 * 2**29
+    assert resolve_budget("1.1KiB", 1000) == 1126  # a size with a unit: rounded down
+    assert parse_bytes("2048") == parse_bytes("2048B") == 2048
+
+
+def test_a_fraction_budget_of_a_profile_without_activation_memory() -> None:
+    with pytest.raises(InputError, match="keep-all activation peak, which is 0 bytes"):
+        resolve_budget(0.5, 0)
+
+
+def test_a_fractional_budget_on_the_command_line(profile_file) -> None:
+    code, _, stderr = run("plan", str(profile_file), "--budget", "1.5")
+    assert_one_line_error(code, stderr, "budget '1.5' is neither a fraction nor bytes: "
+                                        "fractions of the keep-all peak are in (0, 1], bytes "
+                                        "are whole numbers or sizes such as 4GiB")
+    code, _, stderr = run("simulate", str(profile_file), "--memory-limit", "1.5")
+    assert_one_line_error(code, stderr, "budget '1.5' is neither a fraction nor bytes")
 
 
 # -- property: hostile files and paths (issue 50) --------------------------------------

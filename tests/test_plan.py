@@ -593,11 +593,13 @@ def test_a_plan_simulated_again_is_answered_as_the_simulator_answers() -> None:
             continue
         rng = random.Random(seed)
         names = [c.name for c in ctx.candidates]
-        plans = [ctx.plan(rng.choice(["a", "b"]),
-                          {n: rng.choice(["keep", "offload", "recompute"]) for n in names},
-                          {n: rng.randrange(len(ctx.profile.ops))
-                           for n in rng.sample(names, rng.randint(0, len(names)))})
-                 for _ in range(4)]
+        plans = []
+        for _ in range(4):
+            decisions = {n: rng.choice(["keep", "offload", "recompute"]) for n in names}
+            moved = [n for n in names if decisions[n] == "offload"]  # (only these reload)
+            plans.append(ctx.plan(rng.choice(["a", "b"]), decisions,
+                                  {n: rng.randrange(len(ctx.profile.ops))
+                                   for n in rng.sample(moved, rng.randint(0, len(moved)))}))
         plans += [p.model_copy(update=change) for p in plans  # each differing in one
                   for change in ({"strategy": "c"}, {"prefetch": {}})]
         for plan in plans + plans[::-1]:

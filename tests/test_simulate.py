@@ -348,14 +348,21 @@ def test_tensors_under_a_kibibyte_are_never_moved() -> None:
 
 def test_a_prefetch_makes_no_reload_that_nothing_reads() -> None:
     """Reloads are made where backward needs a tensor; a prefetch point only moves one.
-    A saved tensor backward never unpacks, offloaded and prefetched, and a prefetched
-    tensor the plan keeps: neither comes back, and the step frees everything."""
+    A saved tensor backward never unpacks, offloaded and prefetched, does not come back,
+    and the step frees everything. A prefetch point for a tensor the plan keeps or
+    recomputes would say nothing: the plan is refused (issue 50)."""
     tensors = [T(2048, saved=True), T(4096, saved=True, first_backward_use=2), T(10)]
     ops = [Op("forward", 1e-3, [], [0]), Op("forward", 1e-3, [0], [1]),
            Op("backward", 1e-3, [1], [2])]
     profile = build(ops, tensors)
+    for kept in ("keep", "recompute"):
+        plan = Plan(fingerprint=profile.fingerprint, strategy="hand",
+                    decisions={"t0": "offload", "t1": kept}, prefetch={"t0": 2, "t1": 2})
+        with pytest.raises(InputError, match=f"plan prefetches 't1', which it {kept}s: only "
+                                             "an offloaded activation is reloaded"):
+            simulate(profile, plan, GPU_ONLY, memory_limit=6144)
     plan = Plan(fingerprint=profile.fingerprint, strategy="hand",
-                decisions={"t0": "offload", "t1": "keep"}, prefetch={"t0": 2, "t1": 2})
+                decisions={"t0": "offload", "t1": "keep"}, prefetch={"t0": 2})
     r = simulate(profile, plan, GPU_ONLY, memory_limit=6144)
     sched, tl = r.run.schedule, r.run.timeline
     assert r.feasible and [c.tensor for c in sched.d2h] == [0] and sched.h2d == []

@@ -6,6 +6,7 @@ in the file's ``[sources]`` table. Users pass a preset name or a path to their o
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from collections.abc import Iterable, Mapping
@@ -207,22 +208,21 @@ class Hardware(_Strict):
     ranks: Annotated[int, Field(ge=1)] = 1
     sources: dict[str, str] = {}
 
-    @pydantic.model_validator(mode="before")
-    @classmethod
-    def _host_sources(cls, data: Any) -> Any:
-        """Host costs a file leaves out take the defaults, and cite the defaults' sources."""
-        if not isinstance(data, dict):
-            return data
-        given = data.get("host") or {}
-        if not isinstance(given, dict):
-            return data
-        sources = dict(data.get("sources") or {})
+    @pydantic.model_validator(mode="after")
+    def _host_sources(self) -> Hardware:
+        """Host costs a file leaves out take the defaults, and cite the defaults' sources.
+        (After validation, from the fields each table was given: a validator before it
+        would hand the fields on as Python objects, which strict validation, NOTE [strict
+        types] in ``slackswap.core.jsonio``, reads otherwise than JSON.)"""
+        given = self.host.model_fields_set if "host" in self.model_fields_set else set()
+        sources = dict(self.sources)
         for name, source in HOST_SOURCES.items():
             if name not in given:
                 sources.setdefault(f"host.{name}", f"default (NOTE [host costs]): {source}")
-        if "stream" not in (data.get("host_link") or {}):
+        if "stream" not in self.host_link.model_fields_set:
             sources.setdefault("host_link.stream", STREAM_SOURCE)
-        return {**data, "sources": sources}
+        object.__setattr__(self, "sources", sources)  # (frozen: set once, here)
+        return self
 
     def peak(self, dtype: str) -> float:
         """Dense peak FLOP/s for ``dtype`` (fp32 matmuls run without TF32, as PyTorch's default)."""
@@ -398,8 +398,8 @@ def with_overrides(hw: Hardware, overrides: Mapping[str, Any]) -> Hardware:
     data["name"] = f"{hw.name}+{n} override{'s' if n > 1 else ''}"
     data["description"] = (f"{hw.description}; overridden: "
                            + ", ".join(f"{k}={v!r}" for k, v in overrides.items()))
-    try:
-        return Hardware.model_validate(data)
+    try:  # strictly, as a file is (NOTE [strict types] in ``slackswap.core.jsonio``)
+        return Hardware.model_validate_json(json.dumps(data, default=str), strict=True)
     except pydantic.ValidationError as e:
         err = e.errors()[0]
         field = ".".join(str(p) for p in err["loc"])

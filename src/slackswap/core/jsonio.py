@@ -204,9 +204,19 @@ def content_digest(model: pydantic.BaseModel) -> str:
 
 
 def validate_model(cls: type[M], data: Any, source: str) -> M:
-    """Build ``cls`` from parsed JSON or TOML, turning schema problems into one-line errors."""
+    """Build ``cls`` from parsed JSON or TOML, turning schema problems into one-line errors.
+
+    NOTE [strict types]: a file's values are read as JSON types, strictly: a number field
+    takes a number, never ``true`` (read as 1) or ``"3"``; a whole-number field (bytes,
+    ids, ``schema_version``) takes a whole number, never ``3.0``; a flag takes ``true`` or
+    ``false``, never 1. (Objects built in Python are converted as pydantic does.)"""
     expected = cls.model_fields["schema_version"].default
     version = data.get("schema_version") if isinstance(data, dict) else None
+    if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
+        shown = json.dumps(version, default=str)
+        shown = shown if len(shown) <= 40 else shown[:40] + "..."
+        raise InputError(f"{source}: schema_version {shown} is not a version: a whole number "
+                         f"from 1 to {expected}, unquoted; fix the file or write it again")
     if isinstance(version, int) and version > expected:
         raise InputError(
             f"{source}: schema_version {version} is newer than this SlackSwap reads "
@@ -216,14 +226,24 @@ def validate_model(cls: type[M], data: Any, source: str) -> M:
         raise InputError(f"{source}: schema_version {version} is not a version (1 to "
                          f"{expected}); fix the file or write it again")
     try:
-        return cls.model_validate(data)
+        # NOTE [strict types]: validated as JSON, in strict mode (NaN stays a token, which
+        # the schema refuses by field; TOML's dates become strings, refused as numbers)
+        return cls.model_validate_json(json.dumps(data, default=str), strict=True)
     except pydantic.ValidationError as e:
-        err = e.errors()[0]
-        field = ".".join(str(p) for p in err["loc"])
-        what = f"field '{field}': " if field else ""
-        message = err["msg"].removeprefix("Value error, ")
-        more = f" ({e.error_count()} problems in all)" if e.error_count() > 1 else ""
-        raise InputError(f"{source}: {what}{message}{more}") from None
+        raise InputError(f"{source}: {_first_problem(e)}") from None
+    except (RecursionError, ValueError) as e:
+        raise InputError(f"{source}: nested too deeply to be a SlackSwap file ({e}); is "
+                         "it the right file?") from None
+
+
+def _first_problem(e: pydantic.ValidationError) -> str:
+    """The first of ``e``'s problems, in one line, with the field it is in."""
+    err = e.errors()[0]
+    field = ".".join(str(p) for p in err["loc"])
+    what = f"field '{field}': " if field else ""
+    message = " ".join(err["msg"].removeprefix("Value error, ").split())
+    more = f" ({e.error_count()} problems in all)" if e.error_count() > 1 else ""
+    return f"{what}{message}{more}"
 
 
 def load_model(cls: type[M], path: str | os.PathLike[str]) -> M:

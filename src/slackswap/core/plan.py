@@ -89,6 +89,16 @@ class Plan(JsonFile, pydantic.BaseModel):
         if bad := [n for n in self.prefetch if n in checkpoints
                    and self.decisions.get(n) != Decision.OFFLOAD]:
             raise InputError(f"plan prefetches '{bad[0]}', a checkpoint it does not offload")
+        # a prefetch point says when a reload starts: one for a tensor the plan keeps or
+        # recomputes would be ignored, so the file does not say what the plan does
+        if bad := [n for n in self.prefetch if n in profile.by_name
+                   and self.decisions.get(n, Decision.KEEP) != Decision.OFFLOAD]:
+            what = {Decision.KEEP: "keeps", Decision.RECOMPUTE: "recomputes"}[
+                self.decisions.get(bad[0], Decision.KEEP)]
+            raise InputError(
+                f"plan prefetches '{bad[0]}', which it {what}: only an offloaded activation "
+                "is reloaded; offload it or drop its prefetch point"
+            )
         offloadable = profile.offloadable_checkpoints
         if bad := [n for n, d in self.decisions.items() if d == Decision.OFFLOAD
                    and n in checkpoints and n not in offloadable]:

@@ -32,6 +32,23 @@ TensorKind = Literal["activation", "input", "parameter", "buffer", "gradient"]
 
 
 Bytes = Annotated[int, Field(ge=0, le=MAX_BYTES)]
+# No kernel runs longer than a day or does more FLOPs than this (a year of a 3e19 FLOP/s
+# machine): larger figures are damage, and their sums overflow the simulator's clock.
+MAX_OP_SECONDS = 86_400.0
+MAX_OP_FLOPS = 1e27
+
+
+def _at_most(high: float, what: str) -> pydantic.AfterValidator:
+    def check(value: float) -> float:
+        if value > high:
+            raise ValueError(f"{value:g} is not a kernel's {what}: none is over {high:g}; "
+                             "fix the file or profile the step again")
+        return value
+    return pydantic.AfterValidator(check)
+
+
+OpSeconds = Annotated[NonNegativeFloat, _at_most(MAX_OP_SECONDS, "time in seconds")]
+OpFlops = Annotated[NonNegativeFloat, _at_most(MAX_OP_FLOPS, "FLOPs")]
 T = TypeVar("T")
 
 
@@ -49,10 +66,10 @@ class OpRecord(_Record):
     module: str  # innermost module path, "" for the top level
     category: OpCategory
     dtype: str  # compute dtype: "bf16", "fp16", "fp32", ...
-    flops: NonNegativeFloat
+    flops: OpFlops
     bytes_read: Bytes
     bytes_written: Bytes
-    time_s: NonNegativeFloat  # on the target (analytic) or as measured
+    time_s: OpSeconds  # on the target (analytic) or as measured
     inputs: list[NonNegativeInt]  # tensor ids
     outputs: list[NonNegativeInt]  # tensor ids (an in-place op lists the tensor it mutates)
     random: bool = False  # draws from the RNG (dropout): recompute must replay RNG state
@@ -117,6 +134,8 @@ def _in_range(where: str, ids: Iterable[int | None], what: str, count: int) -> N
 def _check_graph(p: StepProfile) -> None:
     """What planners and simulators rely on: each op and tensor at its own index, ids in
     range, forward ops before backward ones, and every tensor as the ops say (below)."""
+    if not p.ops:
+        _fail("ops: there are none, so there is no step to simulate or plan")
     readers: dict[tuple[str, int], set[int]] = defaultdict(set)
     for i, op in enumerate(p.ops):
         if op.index != i:

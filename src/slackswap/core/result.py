@@ -14,7 +14,7 @@ __all__ = ["SimResult"]
 class SimResult(JsonFile, pydantic.BaseModel):
     """Outcome of simulating one step; times in seconds, memory in bytes."""
 
-    model_config = pydantic.ConfigDict(extra="forbid")
+    model_config = pydantic.ConfigDict(extra="forbid", allow_inf_nan=False)
 
     # 2: adds ``gradient_bytes``; version-1 files still load.
     schema_version: int = 2

@@ -30,7 +30,10 @@ def parse_bytes(text: str | int | float) -> int:
         value, unit = Decimal(m.group(1)), m.group(2).lower()
     if not value.is_finite():
         raise InputError(f"'{text}' is not a byte count; write e.g. 24GiB, 512MB or 3e9")
-    result = int(value * _UNITS[unit])
+    if unit in ("", "b") and value != value.to_integral_value():
+        raise InputError(f"'{text}' is not a whole number of bytes; write e.g. 3000000000, "
+                         "or a size with a unit such as 1.5GiB")
+    result = int(value * _UNITS[unit])  # (a size with a unit: whole bytes, rounded down)
     if result <= 0:
         raise InputError(f"'{text}' must be a positive number of bytes")
     if result > MAX_BYTES:
@@ -50,8 +53,12 @@ def format_bytes(n: float) -> str:
 def resolve_budget(spec: str | int | float, peak: int) -> int:
     """A memory budget in bytes: a fraction of ``peak`` (``0.5``), bytes, or ``"24GiB"``.
 
-    Numbers up to 1 are fractions; larger numbers and strings with a unit are bytes.
+    Numbers in (0, 1] are fractions; larger whole numbers and strings with a unit are
+    bytes. A larger number that is not whole (``1.5``) means neither, and is refused.
     """
+    if isinstance(spec, bool):
+        raise InputError(f"budget {spec} is not a budget: a fraction such as 0.5, bytes, or "
+                         "a size such as 4GiB")
     try:
         value = float(spec)
     except (TypeError, ValueError):
@@ -64,5 +71,13 @@ def resolve_budget(spec: str | int | float, peak: int) -> int:
     if value <= 0:
         raise InputError(f"budget '{spec}' must be positive: a fraction such as 0.5, or bytes")
     if value <= 1:
+        if peak <= 0:
+            raise InputError(f"budget '{spec}' is a fraction of the keep-all activation peak, "
+                             "which is 0 bytes for this profile: it holds no activations, so "
+                             "there is nothing to plan")
         return int(value * peak)
+    if not value.is_integer():
+        raise InputError(f"budget '{spec}' is neither a fraction nor bytes: fractions of the "
+                         "keep-all peak are in (0, 1], bytes are whole numbers or sizes such "
+                         "as 4GiB")
     return parse_bytes(spec)

@@ -73,6 +73,9 @@ def plan_with_result(
     be infeasible: the strategy could not fit the budget."""
     if strategy not in STRATEGIES:
         raise InputError(f"unknown strategy '{strategy}'; strategies: {', '.join(STRATEGIES)}")
+    if not profile.saved_activations:
+        raise InputError("the profile saves no activations for backward: there is nothing "
+                         "to plan (the step runs as it is)")
     hw = load_hardware(hardware) if hardware else profile_hardware(profile.hardware)
     budget = resolve_fit(budget, profile, hw)
     ctx = PlanContext(profile, hw, resolve_budget(budget, profile.keep_all_peak))

@@ -95,7 +95,8 @@ def simulate(
             tl.blocked.used + tl.blocked.need - tl.blocked.limit),
         step_time_s=step,
         ideal_step_time_s=ideal,
-        retention=ideal / step if feasible and step > 0 else 0.0,
+        # (a step that takes no time loses none: all of it retained)
+        retention=0.0 if not feasible else ideal / step if step > 0 else 1.0,
         peak_bytes=tl.peak,
         peak_time_s=tl.peak_time,
         keep_all_peak_bytes=peak_keep_all,
