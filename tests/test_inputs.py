@@ -24,7 +24,13 @@ from hypothesis import strategies as st
 from slackswap.cli import main
 from slackswap.core.costmodel import op_time
 from slackswap.core.hardware import load_hardware, with_overrides
-from slackswap.core.jsonio import atomic_write, atomic_write_text, dump_model, load_model
+from slackswap.core.jsonio import (
+    atomic_write,
+    atomic_write_text,
+    dump_model,
+    json_text,
+    load_model,
+)
 from slackswap.core.plan import Decision, Plan
 from slackswap.core.profile import StepProfile
 from slackswap.core.result import SimResult
@@ -774,6 +780,59 @@ def test_a_fractional_budget_on_the_command_line(profile_file) -> None:
                                         "are whole numbers or sizes such as 4GiB")
     code, _, stderr = run("simulate", str(profile_file), "--memory-limit", "1.5")
     assert_one_line_error(code, stderr, "budget '1.5' is neither a fraction nor bytes")
+
+
+# -- issue 50: every JSON written is strict (NOTE [finite JSON]) -----------------------
+
+
+@pytest.mark.parametrize(("value", "place"), [
+    ({"a": [1, {"b": math.nan}]}, "a.1.b"), ([math.inf], "0"), (-math.inf, "the value")])
+def test_json_text_refuses_nan_and_infinity_naming_the_place(value, place) -> None:
+    with pytest.raises(InputError) as info:
+        json_text(value, "out.json")
+    assert str(info.value) == (f"cannot write out.json: {place} is not a finite number, "
+                               "which JSON cannot hold; nothing was written (please report it)")
+    assert json_text({"a": [1.5, None]}, "x") == '{"a": [1.5, null]}'
+
+
+def test_a_model_holding_nan_is_not_written(tmp_path, profile, moving_plan) -> None:
+    """pydantic writes a NaN as null, which then does not load: refused instead."""
+    result = simulate(profile, moving_plan, "a100-80gb", 0.5)
+    path = tmp_path / "result.json"
+    dump_model(result, path)
+    assert json.loads(path.read_text()) == result.model_dump(mode="json")
+    before = path.read_bytes()
+    for bad in (math.nan, math.inf):
+        broken = result.model_copy(update={"retention": bad})
+        with pytest.raises(InputError, match="retention is not a finite number"):
+            dump_model(broken, path)
+        assert path.read_bytes() == before
+        with pytest.raises(InputError, match="busy_fraction.h2d is not a finite number"):
+            dump_model(result.model_copy(update={"busy_fraction": {
+                **result.busy_fraction, "h2d": bad}}), path)
+
+
+def test_a_trace_and_json_output_holding_nan_are_one_line_errors(tmp_path, profile_file,
+                                                                monkeypatch) -> None:
+    import slackswap.sim.outputs as outputs
+
+    trace = tmp_path / "t.json"
+    monkeypatch.setattr(outputs, "chrome_trace", lambda result: {"traceEvents": [
+        {"ts": math.nan}]})
+    code, _, stderr = run("simulate", str(profile_file), "--trace", str(trace))
+    assert_one_line_error(code, stderr, f"cannot write {trace}: traceEvents.0.ts is not a "
+                                        "finite number")
+    assert not trace.exists()
+    original = SimResult.model_dump
+
+    def nan_dump(self: SimResult, **options: Any) -> dict[str, Any]:
+        return {**original(self, **options), "step_time_s": math.nan}
+
+    monkeypatch.setattr(SimResult, "model_dump", nan_dump)
+    code, stdout, stderr = run("simulate", str(profile_file), "--json")
+    assert_one_line_error(code, stderr, "cannot write the result: step_time_s is not a "
+                                        "finite number")
+    assert "NaN" not in stdout
 
 
 # -- property: hostile files and paths (issue 50) --------------------------------------

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import os
 import sys
 import warnings
@@ -25,7 +24,7 @@ from slackswap.core.hardware import (
     parse_overrides,
     profile_hardware,
 )
-from slackswap.core.jsonio import dump_model
+from slackswap.core.jsonio import dump_model, json_text
 from slackswap.core.profile import StepProfile
 from slackswap.core.units import format_bytes
 from slackswap.device_budget import OPTIMIZERS, PRECISIONS, device_budget, is_fit
@@ -198,7 +197,7 @@ def profile(model: str, hardware: str, batch: int | None, seq: int | None, attn:
     if output is not None:
         dump_model(result, output)
     if as_json:
-        click.echo(json.dumps(result.summary()))
+        click.echo(json_text(result.summary(), "the summary"))
     else:
         _print_profile(result, output)
 
@@ -238,7 +237,7 @@ def simulate(profile_path: str, plan_path: str | None, hardware: str | None,
         Path(plot).parent.mkdir(parents=True, exist_ok=True)  # as -o and --trace do
         write_memory_plot(result, plot, keep_all=run_simulation(prof, None, hardware))
     if as_json:
-        click.echo(result.model_dump_json())
+        click.echo(json_text(result.model_dump(mode="json"), "the result"))
     else:
         _print_result(prof, result, trace, plot)
     if not result.feasible:
@@ -398,7 +397,7 @@ def reproduce(budget: float, hardware: str, workloads: str, out: str,
         results = run(out, budget, hardware, names, budgets, progress=update, gpus=gpus,
                       overrides=parse_overrides(overrides), reference=reference)
     if json_path is not None:
-        atomic_write_text(json_path, json.dumps(results, indent=2))
+        atomic_write_text(json_path, json_text(results, json_path, indent=2))
     _print_reproduce(results, out)
 
 
@@ -438,7 +437,7 @@ def fit_command(model: str, hardware: str, optimizer: str, precision: str, seq: 
     if plot is not None:
         write_fit_plot(result, plot)
     if as_json:
-        click.echo(json.dumps(result.to_json()))
+        click.echo(json_text(result.to_json(), "the result"))
     else:
         _print_fit(result, plot)
     if result.largest["slackswap"] is None:

@@ -5,20 +5,27 @@ strategy at one budget, simulates, and writes a results folder: ``results.json``
 Markdown report and a Perfetto trace of each SlackSwap plan; with a budget sweep, a
 retention-against-budget plot per workload too. A strategy with no plan that fits has
 retention null in the JSON, "infeasible" in the report and a gap in the plot, never 0%.
+``results.json`` is strict JSON: never a NaN or an infinity (NOTE [finite JSON] in
+``slackswap.core.jsonio``).
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from slackswap.core.hardware import Hardware, load_hardware, on_node
-from slackswap.core.jsonio import atomic_write, atomic_write_text, dump_model, validate_model
+from slackswap.core.jsonio import (
+    atomic_write,
+    atomic_write_text,
+    dump_model,
+    json_text,
+    validate_model,
+)
 from slackswap.core.profile import StepProfile
 from slackswap.core.units import format_bytes
 from slackswap.errors import InputError
@@ -207,7 +214,8 @@ def reproduce(
             _plot_sweep(entry, folder / f"{name}-retention.png")
             entry["plot"] = f"{name}-retention.png"
         results["workloads"].append(entry)
-    atomic_write_text(folder / "results.json", json.dumps(results, indent=2))
+    path = folder / "results.json"
+    atomic_write_text(path, json_text(results, str(path), indent=2))  # NOTE [finite JSON]
     atomic_write_text(folder / "report.md", report(results))
     return results
 

@@ -18,6 +18,7 @@ import contextlib
 import errno
 import hashlib
 import json
+import math
 import os
 import secrets
 import stat
@@ -30,9 +31,8 @@ import pydantic
 from slackswap.errors import InputError
 
 __all__ = ["JsonFile", "MAX_FILE_BYTES", "atomic_write", "atomic_write_text",
-           "content_digest", "dump_model", "load_model", "make_private_dir", "parse_json",
-           "read_file",
-           "validate_model"]
+           "content_digest", "dump_model", "json_text", "load_model", "make_private_dir",
+           "parse_json", "read_file", "validate_model"]
 
 M = TypeVar("M", bound=pydantic.BaseModel)
 
@@ -193,9 +193,43 @@ def parse_json(text: str, source: str, strict: bool = False) -> Any:
                          "right file?") from None
 
 
+def _non_finite(value: Any, where: str = "") -> str | None:
+    """Where in ``value`` (JSON-like) the first NaN or infinity is, or None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return where or "the value"
+    items = value.items() if isinstance(value, dict) else (
+        enumerate(value) if isinstance(value, (list, tuple)) else ())
+    for key, item in items:
+        if (found := _non_finite(item, f"{where}.{key}" if where else str(key))) is not None:
+            return found
+    return None
+
+
+def json_text(value: Any, what: str, **options: Any) -> str:
+    """``value`` as strict JSON (``json.dumps`` options), for ``what`` (a file's name).
+
+    NOTE [finite JSON]: every JSON SlackSwap writes is strict: ``NaN`` and ``Infinity``
+    are not JSON, and a reader (``jq``, a browser, this package) refuses or misreads them.
+    A figure that does not exist is written as ``null`` by its writer, which says what it
+    means (results.json: a strategy's ``retention`` is null where it has no feasible plan,
+    as ``slackswap.reproduce`` says); a NaN or infinity left in a value is a bug upstream,
+    refused here in one line naming its place, and nothing is written."""
+    try:
+        return json.dumps(value, allow_nan=False, **options)
+    except ValueError:
+        place = _non_finite(value)
+        if place is None:
+            raise
+        raise InputError(f"cannot write {what}: {place} is not a finite number, which JSON "
+                         "cannot hold; nothing was written (please report it)") from None
+
+
 def dump_model(model: pydantic.BaseModel, path: str | os.PathLike[str]) -> None:
-    """Serialize a data-model object to JSON at ``path``, atomically."""
-    atomic_write_text(path, model.model_dump_json())
+    """Serialize a data-model object to JSON at ``path``, atomically (NOTE [finite JSON]:
+    never a NaN, which pydantic would write as null, or an infinity)."""
+    text = json_text(model.model_dump(mode="json"), os.fspath(path), ensure_ascii=False,
+                     separators=(",", ":"))
+    atomic_write_text(path, text)
 
 
 def content_digest(model: pydantic.BaseModel) -> str:

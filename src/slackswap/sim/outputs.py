@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
-from slackswap.core.jsonio import atomic_write, atomic_write_text
+from slackswap.core.jsonio import atomic_write, atomic_write_text, json_text
 from slackswap.core.result import SimResult
 from slackswap.errors import InputError
 
@@ -85,7 +84,7 @@ def chrome_trace(result: SimResult) -> dict[str, Any]:
 
 def write_trace(result: SimResult, path: str | os.PathLike[str]) -> None:
     """Write :func:`chrome_trace` to ``path`` (opens in Perfetto or chrome://tracing)."""
-    atomic_write_text(path, json.dumps(chrome_trace(result)))
+    atomic_write_text(path, json_text(chrome_trace(result), os.fspath(path)))
 
 
 def _curve(result: SimResult) -> tuple[list[float], list[float]]:
