@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import re
+import threading
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import torch
 import slackswap
 from slackswap.core.plan import Plan
 from slackswap.errors import InputError, VerifyError
+from slackswap.runtime import block
 
 
 def _names(profile) -> list[str]:
@@ -326,6 +328,62 @@ def test_apply_blocks_do_not_nest_and_leave_nothing_behind() -> None:
     assert not model._forward_pre_hooks
     _assert_same(_step(model, x), reference)  # plain steps run as before
     _assert_same(_step(model, x, plan), reference)
+
+
+def test_a_second_threads_block_is_refused_while_one_is_open() -> None:
+    """Issue 50, item 9 (NOTE [one thread at a time]): the runtime's module hooks,
+    checkpoint guard and replayed RNG state are process-wide, so while one thread's block
+    is open another thread's is refused in one line, leaving both models as they were;
+    blocks opened one after another, in any threads, are bit-identical to plain steps."""
+    torch.manual_seed(0)
+    models, x = [_InPlaceCNN(), _InPlaceCNN()], torch.randn(2, 3, 16, 16)
+    profile = slackswap.profile(models[0], x, kernels="native")
+    plans = [_uniform(profile, "offload"), _uniform(profile, "recompute")]
+    references = [_step(m, x) for m in models]
+    inside, tried = threading.Event(), threading.Event()
+
+    def wait_inside(*_):
+        inside.set()
+        assert tried.wait(60)
+
+    hook = models[0].register_forward_pre_hook(wait_inside)
+    results: dict[str, object] = {}
+
+    def first() -> None:
+        try:
+            results["first"] = _step(models[0], x, plans[0])
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            results["first"] = e
+        finally:
+            inside.set()
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    try:
+        assert inside.wait(60)
+        with pytest.raises(InputError) as info:
+            _step(models[1], x, plans[1])
+        assert str(info.value).startswith("slackswap.apply runs one thread's block at a "
+                                          "time: another thread's block is open")
+        assert "\n" not in str(info.value)
+        assert not models[1]._forward_pre_hooks and not models[1]._forward_hooks
+    finally:
+        tried.set()
+        thread.join(60)
+    hook.remove()
+    assert not isinstance(results["first"], BaseException), results["first"]
+    _assert_same(results["first"], references[0])
+    assert not block._ACTIVE
+
+    def later(i: int) -> None:
+        results[i] = _step(models[i], x, plans[i])
+
+    for i in (1, 0):  # a block in each thread, one after the other
+        thread = threading.Thread(target=later, args=(i,))
+        thread.start()
+        thread.join(60)
+        _assert_same(results[i], references[i])
+    _assert_same(_step(models[1], x, plans[1]), references[1])  # and in this thread
 
 
 def test_a_plan_for_all_trainable_parameters_refuses_a_frozen_model() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import sys
+import threading
 from typing import Any
 
 import torch
@@ -41,6 +42,7 @@ from slackswap.runtime.watch import can_watch, watch_for
 __all__ = ["apply", "RuntimeStats"]
 
 _ACTIVE: list[apply] = []  # the block open now, if any: blocks do not nest
+_OPENING = threading.Lock()  # NOTE [one thread at a time]
 
 
 class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
@@ -61,7 +63,9 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
     that copy until backward, so use it for a step, not for training).
 
     On CUDA the forward pass is assumed to run on one stream per device, and backward on
-    the autograd engine's one thread per device (the usual single-GPU step).
+    the autograd engine's one thread per device (the usual single-GPU step). One block
+    is open at a time in a process: another thread's is refused (NOTE [one thread at a
+    time]).
     """
 
     def __init__(self, model: torch.nn.Module, plan: Plan,
@@ -122,6 +126,7 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
 
     # -- context manager ---------------------------------------------------------------
     def __enter__(self) -> apply:
+        _refuse_other_threads()
         if _ACTIVE:
             raise InputError(
                 "slackswap.apply blocks do not nest: a block already runs "
@@ -141,7 +146,10 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         self._calls = 0
         # Every global change is undone by this stack, on every exit path.
         with contextlib.ExitStack() as stack:
-            _ACTIVE.append(self)
+            with _OPENING:  # (two threads may both have found no block open)
+                _refuse_other_threads()
+                self._thread = threading.get_ident()
+                _ACTIVE.append(self)
             stack.callback(_ACTIVE.remove, self)
             stack.callback(self.model.register_forward_pre_hook(
                 self._check_call, with_kwargs=True).remove)
@@ -239,3 +247,21 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         raise InputError(f"{rank_prefix()}plan was made for a batch of other shapes "
                          f"than {got}; "
                          "re-plan for this batch")
+
+
+# NOTE [one thread at a time]
+#     A block changes state the whole process shares: the module hooks that count the
+#     forward's module calls are global (``register_module_forward_pre_hook``: another
+#     thread's model would move this block's count), the guard against the model's own
+#     checkpointing replaces a function of ``torch.utils.checkpoint`` for every thread,
+#     and a rebuild replays the RNG state of the default generators every thread draws
+#     from. So one block is open at a time in a process: a second thread's is refused in
+#     one line, never run wrong. (Backward may still run after the block, in any thread.)
+def _refuse_other_threads() -> None:
+    if _ACTIVE and getattr(_ACTIVE[-1], "_thread", None) != threading.get_ident():
+        raise InputError(
+            "slackswap.apply runs one thread's block at a time: another thread's block is "
+            "open (its module hooks, checkpoint guard and replayed RNG state are "
+            "process-wide); run the threads' forward passes one after another, or train "
+            "in separate processes"
+        )
