@@ -119,7 +119,7 @@ class _Net(torch.nn.Module):
         torch.manual_seed(0)
         self.a, self.b = torch.nn.Linear(256, 512), torch.nn.Linear(512, 10)
         # two layers more: with backward's own temporaries, which autograd holds to the
-        # end of each node (NOTE [held to the node's end]), recompute-only reaches 80%
+        # end of each node (NOTE [held until let go]), recompute-only reaches 80%
         self.c, self.d = torch.nn.Linear(512, 512), torch.nn.Linear(512, 512)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -96,9 +96,11 @@ class TensorRecord(_Record):
     # moves it (NOTE [written after it was saved] in ``slackswap.profiling.recorder``).
     # Left out of the file when false, so profiles without such writes are as before.
     written_after_save: bool = Field(default=False, exclude_if=lambda v: not v)
-    # the backward op after which autograd lets go of it, where that is after the last op
-    # that reads it: the end of the backward node that last unpacked it (BmmBackward
-    # holds both its inputs through both its matmuls). Left out of the file when unset.
+    # the op after which the step let go of it, where that is after the last op that
+    # reads it: the end of the backward node that last unpacked it (BmmBackward holds
+    # both its inputs through both its matmuls), a zero gradient autograd made for a
+    # node (NOTE [held until let go] in ``slackswap.profiling.recorder``). Left out of
+    # the file when unset.
     released_after: NonNegativeInt | None = Field(default=None,
                                                   exclude_if=lambda v: v is None)
 
@@ -185,9 +187,10 @@ def _check_tensor(p: StepProfile, t: TensorRecord,
     released = t.released_after
     if min([made, *t.forward_consumers, *t.backward_consumers]) < made or (
             first is not None and (first < made or p.ops[first].phase != "backward")) or (
-            released is not None and (first is None or released < first)):
+            released is not None and (released < made or first is not None
+                                      and released < first)):
         _fail(f"{where} is read before it is made, or its first_backward_use is not a "
-              "backward op, or it is released before backward first reads it")
+              "backward op, or it is released before it is made or first read in backward")
     if t.saved and not t.is_parameter and t.name is None:
         _fail(f"{where}.name is missing: a plan names each saved activation")
 

@@ -8,7 +8,6 @@ to its base and each saved storage is counted once.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -109,7 +108,7 @@ class StepRecorder(TorchDispatchMode):
         super().__init__()
         self.module_path = module_path
         self.clock = clock
-        self.node_ends = False  # NOTE [held to the node's end]
+        self.lifetimes = False  # NOTE [held until let go]
         self.phase = "forward"
         self.ops: list[OpRecord] = []
         self.tensors: list[TensorRecord] = []
@@ -123,9 +122,8 @@ class StepRecorder(TorchDispatchMode):
         # NOTE [written after it was saved]: saves not yet read back, by storage
         self._live: dict[int, list[_LiveSave]] = {}
         self._digests: list[tuple[_LiveSave, torch.Tensor]] = []
-        # NOTE [held to the node's end]: backward nodes that unpacked, by id
-        self._node_reads: dict[int, list[int]] = {}
-        self._nodes: list[Any] = []
+        # NOTE [held until let go]: activations an op made that are still alive
+        self._alive: dict[int, StorageWeakRef] = {}
 
     def module_event(self, *args: Any) -> None:
         """A global module forward pre- or post-hook: how many ops ran before it."""
@@ -198,7 +196,6 @@ class StepRecorder(TorchDispatchMode):
     def unpack(self, packed: tuple[int | None, torch.Tensor, Any]) -> torch.Tensor:
         if packed[0] is not None:
             self._unpacked.append(packed[0])
-            self._held_by_node(packed[0])
             live, t = packed[2], packed[1]
             if not live.read:
                 live.read = True
@@ -208,41 +205,40 @@ class StepRecorder(TorchDispatchMode):
                     self._digests.append((live, value_digest(t)))
         return packed[1]
 
-    def _held_by_node(self, tid: int) -> None:
-        """NOTE [held to the node's end]
-            Autograd holds what a backward node unpacked until the node is done, not
-            until the last op that reads it: BmmBackward reads one input in each of its
-            two matmuls and lets go of both after the second. A post-hook on the node
-            that unpacks marks each of its tensors released after the last op it ran.
-            Real steps only (measured, traced) for now: the analytic profiles of the
-            presets are what the exact model's stored optima were solved for
-            (``tests/data/exact_optima.json``), and solving them again takes hours."""
-        if not self.node_ends:
-            return
-        node = torch._C._current_autograd_node()
-        if node is None:  # unpacked outside backward (ctx.saved_tensors in forward)
-            return
-        tids = self._node_reads.get(id(node))
-        if tids is None:
-            tids = self._node_reads[id(node)] = []
-            self._nodes.append(node)  # alive until the step ends: its id stays its own
-            node.register_hook(functools.partial(self._node_done, id(node)))
-        tids.append(tid)
+    def _let_go(self) -> None:
+        """NOTE [held until let go]
+            Memory is freed when the step lets go of a storage, not after the last op
+            that reads it: autograd holds what a backward node unpacked until the node
+            is done (BmmBackward reads one input in each of its two matmuls and lets go
+            of both after the second), and the zero gradient it makes for an output
+            that has none (a custom Function's integer output) until the node's backward
+            returns, though no op reads it. So before each op the recorder looks at
+            which activations have died since the last one, and one that outlived its
+            last read is marked ``released_after`` the op before. Real steps only
+            (measured, traced) for now: the analytic profiles of the presets are what the
+            exact model's stored optima were solved for (``tests/data/exact_optima.json``),
+            and solving them again takes hours."""
+        dead = [tid for tid, ref in self._alive.items() if ref.expired()]
+        if dead:
+            self._released(dead, len(self.ops) - 1)
 
-    def _node_done(self, key: int, *_: Any) -> None:
-        last = len(self.ops) - 1
-        for tid in self._node_reads.pop(key, ()):
-            record = self.tensors[tid]
-            read = record.last_backward_read
-            if read is not None and last > read:
-                record.released_after = last
+    def _released(self, tids: list[int], last: int) -> None:
+        for tid in tids:
+            del self._alive[tid]
+            t = self.tensors[tid]
+            read = max([t.producer or 0, *t.forward_consumers, *t.backward_consumers,
+                        *(() if t.first_backward_use is None else (t.first_backward_use,))])
+            if last > read:
+                t.released_after = last
 
     def finish(self) -> None:
         """After backward: a saved tensor whose bytes changed between its save and its
         first read back, by no op the step recorded (NumPy's writes through a shared
         buffer), is marked too (NOTE [written after it was saved]). One comparison for
         the whole step, so backward is not stopped at every read."""
-        self._nodes.clear()
+        if self.lifetimes:  # NOTE [held until let go]: held to the step's end
+            self._released([tid for tid in self._alive if self.tensors[tid].kind
+                            == "activation"], len(self.ops) - 1)
         pairs, self._digests = self._digests, []
         if not pairs:
             return
@@ -291,6 +287,8 @@ class StepRecorder(TorchDispatchMode):
             return func(*args, **kwargs)
         if self.phase == "forward" and torch._C._current_graph_task_id() != -1:
             raise InputError(NESTED_BACKWARD)
+        if self.lifetimes and self._alive:
+            self._let_go()
         inputs = strided_tensors((args, kwargs))
         in_ids = [self._id(t, "input", None) for t in inputs]
         if self._live and func._schema.is_mutable:
@@ -303,6 +301,10 @@ class StepRecorder(TorchDispatchMode):
         kind = op_kind(func)
         outputs = strided_tensors(out)
         out_ids = [self._id(t, "activation", index) for t in outputs]
+        if self.lifetimes:
+            for t, tid in zip(outputs, out_ids, strict=True):
+                if self.tensors[tid].producer == index and tid not in self._alive:
+                    self._alive[tid] = StorageWeakRef(t.untyped_storage())
         random = is_random(func) or _attention_dropout(kind, args) > 0
         floats = [t.dtype for t in inputs + outputs if t.is_floating_point()]
         read = [min(t.numel() * t.element_size(), t.untyped_storage().nbytes())

@@ -514,7 +514,7 @@ def _trace_measured(
     clock = _CudaClock() if device.type == "cuda" else _wall_clock
     tracker = ModTracker()
     recorder = StepRecorder(module_path(tracker, type(model).__name__), clock)
-    recorder.node_ends = True  # NOTE [held to the node's end]
+    recorder.lifetimes = True  # NOTE [held until let go]
     _register_state(recorder, model, model_state(model), batch_tensors(batch))
     # the guard is entered after the recorder, so it sees each op first: its copies are
     # not in the op's measured time

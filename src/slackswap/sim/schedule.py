@@ -107,8 +107,8 @@ class _Step:
     planned: dict[str, TensorRecord]  # ... those a plan's decision applies to
     kept: dict[int, Decision]  # every saved activation a plan may decide on, kept
     end: dict[int, int]  # saved tensor -> the last backward op that reads it
-    # backward op -> saved tensors autograd lets go of after it, past their last read
-    # (NOTE [held to the node's end] in ``slackswap.profiling.recorder``)
+    # backward op -> activations the step lets go of after it, past their last read
+    # (NOTE [held until let go] in ``slackswap.profiling.recorder``)
     released: dict[int, list[int]]
     mutators: dict[int, list[int]]  # tensor -> forward in-place ops on it
     resets: list[int]  # backward ops before which the rebuild group goes
@@ -167,8 +167,10 @@ def _step(profile: StepProfile) -> _Step:
         last = t.last_backward_read
         if t.producer is not None and last is not None:
             end[t.id] = last
-            if t.released_after is not None:
-                released.setdefault(t.released_after, []).append(t.id)
+    for t in tensors:  # NOTE [held until let go]
+        if t.released_after is not None and t.released_after >= first_backward \
+                and _is_activation(t):
+            released.setdefault(t.released_after, []).append(t.id)
         if t.first_backward_use is not None:
             needed_at.setdefault(t.first_backward_use, []).append(t.id)
     mutators: dict[int, list[int]] = {}
@@ -386,7 +388,7 @@ class _Builder:
             for rid in dict.fromkeys(reads):  # (``_read`` written out)
                 uses[rid].append(k)
                 item.reads.append(rid)
-            for tid in self.released.get(index, ()):  # NOTE [held to the node's end]
+            for tid in self.released.get(index, ()):  # NOTE [held until let go]
                 rid = live.get(tid)
                 if rid is not None and k not in uses[rid]:
                     uses[rid].append(k)
