@@ -481,6 +481,265 @@ def wav2vec2() -> Case:
                    "labels": torch.randint(1, 20, (2, 6), generator=gen)}, None
 
 
+def hubert() -> Case:
+    """HubertForCTC from a tiny config: Wav2Vec2's convolutional feature encoder and
+    weight-normed positional convolution, under another family's modules, and a CTC loss."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.HubertConfig(
+        vocab_size=20, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, conv_dim=(16, 16), conv_stride=(4, 2), conv_kernel=(8, 4),
+        num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=4, mask_time_prob=0.0,
+        hidden_dropout=0.1, attention_dropout=0.1, feat_proj_dropout=0.1, layerdrop=0.0,
+        pad_token_id=0, ctc_loss_reduction="mean",
+    )
+    torch.manual_seed(0)
+    model = transformers.HubertForCTC(config).train()
+    gen = torch.Generator().manual_seed(1)
+    return model, {"input_values": torch.randn(2, 200, generator=gen),
+                   "labels": torch.randint(1, 20, (2, 6), generator=gen)}, None
+
+
+def perceiver() -> Case:
+    """PerceiverForMaskedLM from a tiny config: cross-attention from a learned latent array
+    to the inputs, self-attention over the latents, and a decoder whose queries are
+    position embeddings."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.PerceiverConfig(
+        num_latents=8, d_latents=32, d_model=32, num_blocks=1, num_self_attends_per_block=2,
+        num_self_attention_heads=4, num_cross_attention_heads=4, qk_channels=32,
+        v_channels=32, cross_attention_widening_factor=1, self_attention_widening_factor=1,
+        vocab_size=100, max_position_embeddings=16, attention_probs_dropout_prob=0.1,
+    )
+    torch.manual_seed(0)
+    model = transformers.PerceiverForMaskedLM(config).train()
+    ids = torch.randint(0, 100, (2, 16))
+    return model, {"inputs": ids, "labels": ids}, None
+
+
+def funnel() -> Case:
+    """FunnelForMaskedLM from a tiny config: attention with relative positions whose
+    sequence is pooled between blocks, and a decoder that upsamples it back."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.FunnelConfig(
+        vocab_size=100, block_sizes=[1, 1], num_decoder_layers=1, d_model=32, n_head=4,
+        d_head=8, d_inner=64, hidden_dropout=0.1, attention_dropout=0.1,
+        activation_dropout=0.1, max_position_embeddings=32,
+    )
+    torch.manual_seed(0)
+    model = transformers.FunnelForMaskedLM(config).train()
+    ids = torch.randint(0, 100, (2, 16))
+    return model, {"input_ids": ids, "labels": ids}, None
+
+
+def switch() -> Case:
+    """SwitchTransformersForConditionalGeneration from a tiny config: top-1 routing with
+    expert capacity, multiplicative router jitter drawn by ``uniform_`` in forward, and a
+    router z-loss and load-balancing loss added to the loss."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.SwitchTransformersConfig(
+        vocab_size=100, d_model=32, d_kv=8, d_ff=64, expert_capacity=8, num_layers=2,
+        num_sparse_encoder_layers=1, num_decoder_layers=2, num_sparse_decoder_layers=1,
+        num_heads=4, num_experts=4, relative_attention_num_buckets=8, dropout_rate=0.1,
+        router_jitter_noise=0.01, decoder_start_token_id=0, pad_token_id=0, use_cache=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.SwitchTransformersForConditionalGeneration(config).train()
+    return model, _seq2seq_batch(pad=0), None
+
+
+def longformer() -> Case:
+    """LongformerForMaskedLM from a tiny config: sliding-window attention by chunked
+    ``as_strided`` views and diagonal padding, plus one token of global attention."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.LongformerConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, attention_window=[4, 4], max_position_embeddings=40,
+        hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1, pad_token_id=1,
+    )
+    torch.manual_seed(0)
+    model = transformers.LongformerForMaskedLM(config).train()
+    ids = torch.randint(3, 100, (2, 16))
+    global_mask = torch.zeros_like(ids)
+    global_mask[:, 0] = 1
+    return model, {"input_ids": ids, "global_attention_mask": global_mask, "labels": ids}, None
+
+
+def _bigbird(attention_type: str) -> Case:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.BigBirdConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=64, attention_type=attention_type,
+        block_size=2, num_random_blocks=1, hidden_dropout_prob=0.1,
+        attention_probs_dropout_prob=0.1,
+    )
+    torch.manual_seed(0)
+    model = transformers.BigBirdForMaskedLM(config).train()
+    ids = torch.randint(3, 100, (2, 32))
+    return model, {"input_ids": ids, "labels": ids}, None
+
+
+def bigbird_full() -> Case:
+    """BigBirdForMaskedLM from a tiny config with full attention."""
+    return _bigbird("original_full")
+
+
+def bigbird_sparse() -> Case:
+    """BigBirdForMaskedLM from a tiny config with block-sparse attention: random blocks
+    drawn by NumPy (seeded per layer in training), gathered by index tensors made from
+    NumPy arrays in forward."""
+    return _bigbird("block_sparse")
+
+
+# -- graph message passing -----------------------------------------------------------------
+class _MessagePassing(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.message = nn.Linear(2 * dim, dim)
+        self.update = nn.Linear(3 * dim, dim)
+        self.norm = nn.LayerNorm(dim)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+        m = F.relu(self.message(torch.cat([x[src], x[dst]], -1)))
+        index = dst[:, None].expand_as(m)
+        amax = x.new_zeros(x.shape).scatter_reduce(0, index, m, "amax", include_self=False)
+        total = x.new_zeros(x.shape).index_add(0, dst, m)
+        degree = x.new_zeros(x.shape[0]).index_add(0, dst, torch.ones_like(dst, dtype=x.dtype))
+        mean = total / degree.clamp(min=1)[:, None]
+        return self.norm(x + self.drop(self.update(torch.cat([x, amax, mean], -1))))
+
+
+class _GNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(16, 32)
+        self.layers = nn.ModuleList(_MessagePassing(32) for _ in range(2))
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
+                labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.embed(x)
+        for layer in self.layers:
+            h = layer(h, src, dst)
+        return {"loss": F.cross_entropy(self.head(h), labels)}
+
+
+def gnn() -> Case:
+    """Graph message passing: messages gathered by edge index, aggregated by
+    ``scatter_reduce`` (amax) and ``index_add`` (mean), node classification."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    edges = torch.randint(0, 40, (2, 160), generator=gen)
+    batch = {"x": torch.randn(40, 16, generator=gen), "src": edges[0], "dst": edges[1],
+             "labels": torch.randint(0, 4, (40,), generator=gen)}
+    return _GNN().train(), batch, None
+
+
+# -- parameter-efficient fine-tuning and parametrizations -----------------------------------
+class _LoRALinear(nn.Module):
+    """A frozen ``nn.Linear`` plus a trainable low-rank update, as peft's LoRA writes it."""
+
+    def __init__(self, base: nn.Linear, rank: int = 4, alpha: float = 8.0) -> None:
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.lora_a = nn.Linear(base.in_features, rank, bias=False)
+        self.lora_b = nn.Linear(rank, base.out_features, bias=False)
+        nn.init.normal_(self.lora_b.weight, std=0.02)  # peft starts at zero; a step moves it
+        self.drop = nn.Dropout(0.1)
+        self.scaling = alpha / rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.lora_b(self.lora_a(self.drop(x))) * self.scaling
+
+
+class _LoRANet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 32).requires_grad_(False)
+        self.up = _LoRALinear(nn.Linear(32, 64))
+        self.down = _LoRALinear(nn.Linear(64, 32))
+        self.norm = nn.LayerNorm(32).requires_grad_(False)
+        self.head = nn.Linear(32, 64)
+
+    def forward(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.embed(ids)
+        h = self.norm(h + self.down(F.gelu(self.up(h))))
+        logits = self.head(h[:, :-1])
+        return {"loss": F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())}
+
+
+def lora() -> Case:
+    """LoRA-wrapped Linears over frozen weights (a frozen embedding and norm too): most
+    saved activations serve only the adapters' gradients."""
+    torch.manual_seed(0)
+    return _LoRANet().train(), {"ids": torch.randint(0, 64, (8, 12))}, None
+
+
+class _Parametrized(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        from torch.nn.utils.parametrizations import spectral_norm, weight_norm
+
+        self.conv = spectral_norm(nn.Conv2d(3, 8, 3, padding=1))
+        self.conv2 = weight_norm(nn.Conv2d(8, 8, 3, stride=2, padding=1))
+        self.fc = weight_norm(nn.Linear(8 * 4 * 4, 32))
+        self.drop = nn.Dropout(0.1)
+        self.head = spectral_norm(nn.Linear(32, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.leaky_relu(self.conv(x), 0.2)
+        h = F.avg_pool2d(F.leaky_relu(self.conv2(h), 0.2), 2)
+        return self.head(self.drop(F.leaky_relu(self.fc(h.flatten(1)), 0.2)))
+
+
+def parametrizations() -> Case:
+    """spectral_norm and weight_norm from torch.nn.utils.parametrizations: weights made
+    in forward from parameters, spectral norm's power iteration updating its ``_u`` and
+    ``_v`` buffers in place in training mode."""
+    torch.manual_seed(0)
+    return _Parametrized().train(), torch.randn(4, 3, 16, 16), _first_class_loss
+
+
+class _DiffusersUNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        from diffusers import UNet2DModel
+
+        self.unet = UNet2DModel(
+            sample_size=8, in_channels=3, out_channels=3, layers_per_block=1,
+            block_out_channels=(8, 16), down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+            up_block_types=("AttnUpBlock2D", "UpBlock2D"), norm_num_groups=4,
+            attention_head_dim=4, dropout=0.1,
+        )
+
+    def forward(self, images: torch.Tensor, timesteps: torch.Tensor) -> dict[str, torch.Tensor]:
+        noise = torch.randn_like(images)
+        alpha = torch.cos((timesteps.float() / 1000 + 0.008) / 1.008 * math.pi / 2) ** 2
+        alpha = alpha[:, None, None, None]
+        noisy = alpha.sqrt() * images + (1 - alpha).sqrt() * noise
+        return {"loss": F.mse_loss(self.unet(noisy, timesteps).sample, noise)}
+
+
+def diffusers_unet() -> Case:
+    """diffusers' UNet2DModel from a tiny config (ResNet blocks with dropout, an attention
+    block each way), trained on noise drawn in forward."""
+    torch.manual_seed(0)
+    batch = {"images": torch.randn(2, 3, 8, 8), "timesteps": torch.randint(0, 1000, (2,))}
+    return _DiffusersUNet().train(), batch, None
+
+
 MODELS: dict[str, Callable[[], Case]] = {
     "lstm": lstm,
     "gru": gru,
@@ -494,6 +753,17 @@ MODELS: dict[str, Callable[[], Case]] = {
     "deberta": deberta,
     "mamba": mamba,
     "wav2vec2": wav2vec2,
+    "hubert": hubert,
+    "perceiver": perceiver,
+    "funnel": funnel,
+    "switch": switch,
+    "longformer": longformer,
+    "bigbird_full": bigbird_full,
+    "bigbird_sparse": bigbird_sparse,
+    "gnn": gnn,
+    "lora": lora,
+    "parametrizations": parametrizations,
+    "diffusers_unet": diffusers_unet,
     "multihead_attention": multihead_attention,
     "custom_function": custom_function,
     "targets_loss_fn": targets_loss_fn,
