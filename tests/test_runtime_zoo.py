@@ -341,10 +341,6 @@ def test_a_plan_meets_other_routing() -> None:
     check("switch", uniform("switch", "offload"), seed=SEED + 1)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 47, item 3: the checkpoint-offload baseline "
-                   "offloads a block input forward changes in place (Longformer's mask "
-                   "'longformer:where:0', BigBird's 'bert:mul:0'), and the plan check's "
-                   "InputError ends the slackswap pipeline instead of that baseline")
 @pytest.mark.parametrize("name", ["longformer", "bigbird_sparse"])
 def test_the_planner_refuses_no_plan_of_its_own(name: str) -> None:
     """A budget the model can reach is planned; one it cannot is refused as out of reach,

@@ -103,6 +103,12 @@ class TensorRecord(_Record):
     # the file when unset.
     released_after: NonNegativeInt | None = Field(default=None,
                                                   exclude_if=lambda v: v is None)
+    # a saved activation: the forward op after which the program itself let go of it
+    # (autograd still held it). A plan that moves it frees it no earlier; unset in a
+    # real step's profile, held through forward (NOTE [dropped by the program] in
+    # ``slackswap.profiling.recorder``). Left out of the file when unset.
+    dropped_after: NonNegativeInt | None = Field(default=None,
+                                                 exclude_if=lambda v: v is None)
 
     @property
     def is_parameter(self) -> bool:
@@ -169,7 +175,7 @@ def _check_tensor(p: StepProfile, t: TensorRecord,
     backward op; a saved activation has a name."""
     where = f"tensors.{t.id}"
     for field in ("producer", "forward_consumers", "backward_consumers", "first_backward_use",
-                  "released_after"):
+                  "released_after", "dropped_after"):
         ids = getattr(t, field)
         _in_range(f"{where}.{field}", ids if isinstance(ids, list) else [ids], "op", len(p.ops))
     made = -1 if t.producer is None else t.producer

@@ -8,6 +8,7 @@ to its base and each saved storage is counted once.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -124,6 +125,8 @@ class StepRecorder(TorchDispatchMode):
         self._digests: list[tuple[_LiveSave, torch.Tensor]] = []
         # NOTE [held until let go]: activations an op made that are still alive
         self._alive: dict[int, StorageWeakRef] = {}
+        # NOTE [dropped by the program]: saved storage -> (its activations, our aliases)
+        self._held: dict[int, list[Any]] = {}
 
     def module_event(self, *args: Any) -> None:
         """A global module forward pre- or post-hook: how many ops ran before it."""
@@ -191,18 +194,30 @@ class StepRecorder(TorchDispatchMode):
         storage = t.untyped_storage()
         live = _LiveSave(tid, byte_geometry(t), storage._cdata, value_digest(t))
         self._live.setdefault(storage._cdata, []).append(live)
+        if self.lifetimes and self.phase == "forward":
+            # NOTE [dropped by the program]: autograd's hold is an alias of our own, so
+            # the storage's other holders are the program's
+            with torch.utils._python_dispatch._disable_current_modes():
+                alias = t.detach()
+            held = self._held.setdefault(storage._cdata, [[], 0])
+            held[0].append(tid)
+            held[1] += 1
+            return tid, alias, live, weakref.ref(t)
         return tid, t, live
 
     def unpack(self, packed: tuple[int | None, torch.Tensor, Any]) -> torch.Tensor:
         if packed[0] is not None:
             self._unpacked.append(packed[0])
             live, t = packed[2], packed[1]
+            if len(packed) > 3 and (program := packed[3]()) is not None:
+                t = program  # as autograd holds it (``.data = ...`` changes it)
             if not live.read:
                 live.read = True
                 if t.untyped_storage()._cdata != live.storage:  # ``.data = ...``
                     self.tensors[live.tensor].written_after_save = True
                 elif live.digest is not None:
                     self._digests.append((live, value_digest(t)))
+            return t
         return packed[1]
 
     def _let_go(self) -> None:
@@ -221,6 +236,27 @@ class StepRecorder(TorchDispatchMode):
         dead = [tid for tid, ref in self._alive.items() if ref.expired()]
         if dead:
             self._released(dead, len(self.ops) - 1)
+
+    def dropped(self) -> None:
+        """NOTE [dropped by the program]
+            A plan that offloads or drops a saved activation frees its memory only once
+            the program lets go of it too: a forward that keeps a tensor in a local
+            variable (the CPU GRU keeps its initial hidden state until it returns) holds
+            it whatever autograd does. In a real step the recorder packs an alias of
+            each saved tensor, so a storage held by more than those aliases is held by
+            the program; before each forward op, and once as backward begins, a storage
+            the program has let go of marks its saved activations ``dropped_after`` the
+            op before. One still held when backward begins has no such op: a plan's
+            device memory for it lasts through forward."""
+        use_count = torch._C._storage_Use_Count
+        # our aliases, and the storage's Python object (kept while the storage lives,
+        # once ``untyped_storage()`` has made it, as ``pack`` did)
+        gone = [key for key, (_, aliases) in self._held.items()
+                if use_count(key) <= aliases + 1]
+        last = len(self.ops) - 1
+        for key in gone:
+            for tid in self._held.pop(key)[0]:
+                self.tensors[tid].dropped_after = max(last, self.tensors[tid].producer or 0)
 
     def _released(self, tids: list[int], last: int) -> None:
         for tid in tids:
@@ -287,8 +323,11 @@ class StepRecorder(TorchDispatchMode):
             return func(*args, **kwargs)
         if self.phase == "forward" and torch._C._current_graph_task_id() != -1:
             raise InputError(NESTED_BACKWARD)
-        if self.lifetimes and self._alive:
-            self._let_go()
+        if self.lifetimes:
+            if self._alive:
+                self._let_go()
+            if self._held and self.phase == "forward":
+                self.dropped()
         inputs = strided_tensors((args, kwargs))
         in_ids = [self._id(t, "input", None) for t in inputs]
         if self._live and func._schema.is_mutable:

@@ -135,6 +135,17 @@ def _lay_out_forward(profile: StepProfile, first_backward: int) -> _Forward:
     residencies: list[tuple[int, int]] = []
     uses: list[list[int]] = []
     live: dict[int, int] = {}
+    released: dict[int, list[int]] = {}  # NOTE [held until let go], within forward
+    real = profile.mode in ("measured", "traced")
+    for t in tensors:
+        if t.released_after is not None and t.released_after < first_backward:
+            released.setdefault(t.released_after, []).append(t.id)
+        # NOTE [dropped by the program]: a saved activation the program still holds is
+        # resident, moved or not, until the program lets go of it (in a real step's
+        # profile; the end of forward when that was not in forward)
+        if real and t.saved and t.producer is not None and first_backward > 0:
+            dropped = first_backward - 1 if t.dropped_after is None else t.dropped_after
+            released.setdefault(min(dropped, first_backward - 1), []).append(t.id)
     for op in profile.ops[:first_backward]:
         k, allocs, reads = op.index, [], []
         for tid in dict.fromkeys(op.inputs):
@@ -153,6 +164,10 @@ def _lay_out_forward(profile: StepProfile, first_backward: int) -> _Forward:
             if rid is not None and k not in uses[rid]:
                 uses[rid].append(k)
                 reads.append(rid)
+        for tid in released.get(k, ()):  # held, not read, until the step lets go of it
+            rid = live.get(tid)
+            if rid is not None and k not in uses[rid]:
+                uses[rid].append(k)
         items.append((op.index, op.time_s, allocs, reads))
     return _Forward(items, residencies, uses, live)
 
