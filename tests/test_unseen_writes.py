@@ -248,3 +248,28 @@ def test_a_tensor_the_caller_changes_after_the_block_is_rebuilt_not_read() -> No
         return _grads(model)
 
     assert _same(step(plan), step(None))
+
+
+class _LazyCache(torch.nn.Module):
+    """Makes a cache on its first call, a length and the tensor it covers together."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not hasattr(self, "cached_len") or self.cached_len < x.shape[0]:
+            self.cached_len = x.shape[0]
+            self.cache = torch.arange(x.shape[0], dtype=x.dtype)
+        return (self.lin(x) * self.cache[: x.shape[0], None]).tanh().sum()
+
+
+def test_a_cache_the_profiled_step_made_goes_with_it() -> None:
+    """Both halves of a cache the profiled step made are removed, never one alone, so
+    the next call makes it again as plain PyTorch's first call does."""
+    torch.manual_seed(0)
+    model, x = _LazyCache(), torch.randn(4, 8)
+    slackswap.profile(model, x, mode="traced")
+    assert not hasattr(model, "cached_len") and not hasattr(model, "cache")
+    model(x).backward()
+    assert model.cached_len == 4

@@ -16,7 +16,8 @@ NOTE [a profiled step leaves no trace]
       put back,
     - the modules' Python attributes: a call counter, a flag, a tensor rebound to a new
       one. Scalars and tensors are rebound as they were, public lists, dicts and sets
-      refilled, scalar attributes the step added removed,
+      refilled, scalar and tensor attributes the step added (a lazily made cache)
+      removed,
     - the RNG streams: the CPU's, every CUDA device's, and any ``torch.Generator`` a
       module holds.
     Not put back, and so not promised: writes by no op at all (through a NumPy array
@@ -117,7 +118,9 @@ class _Attributes:
                 elif attrs.get(name, _MISSING) is not value:
                     attrs[name] = value
             for name in [n for n in attrs if n not in names]:
-                if isinstance(attrs[name], _SCALARS):  # a counter the step started
+                # a counter or a cache the step started (a length and the tensor it
+                # covers go together): the next call makes them again
+                if isinstance(attrs[name], (*_SCALARS, tuple, torch.Tensor)):
                     del attrs[name]
 
 
