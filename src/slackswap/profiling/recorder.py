@@ -258,6 +258,13 @@ class StepRecorder(TorchDispatchMode):
             for tid in self._held.pop(key)[0]:
                 self.tensors[tid].dropped_after = max(last, self.tensors[tid].producer or 0)
 
+    def end_forward(self) -> None:
+        """Backward begins: what the program let go of by now is marked, the rest held
+        through forward (NOTE [dropped by the program])."""
+        self.dropped()
+        self._held.clear()
+        self.phase = "backward"
+
     def _released(self, tids: list[int], last: int) -> None:
         for tid in tids:
             del self._alive[tid]

@@ -349,9 +349,7 @@ def _run_step(
           refusing_own_checkpoint_calls(), module_events(recorder.module_event)):
         with torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack):
             loss = _loss(call(), loss_fn, name)
-        recorder.dropped()  # NOTE [dropped by the program]: at forward's end
-        recorder._held.clear()
-        recorder.phase = "backward"
+        recorder.end_forward()
         with _weight_gradients(recorder, params):
             loss.backward()
     recorder.finish()
