@@ -460,6 +460,16 @@ def mamba() -> Case:
     return model, {"input_ids": ids, "labels": ids}, None
 
 
+# tiny speech encoders (wav2vec2 and HuBERT): two conv layers, two transformer layers
+_SPEECH = dict(
+    vocab_size=20, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+    intermediate_size=64, conv_dim=(16, 16), conv_stride=(4, 2), conv_kernel=(8, 4),
+    num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=4, mask_time_prob=0.0,
+    hidden_dropout=0.1, attention_dropout=0.1, feat_proj_dropout=0.1, layerdrop=0.0,
+    pad_token_id=0, ctc_loss_reduction="mean",
+)
+
+
 def wav2vec2() -> Case:
     """Wav2Vec2ForCTC from a tiny config: a convolutional feature encoder with group norm,
     a grouped convolution for positions under weight norm, and a CTC loss, whose saves
@@ -467,13 +477,7 @@ def wav2vec2() -> Case:
     import transformers
 
     transformers.logging.set_verbosity_error()
-    config = transformers.Wav2Vec2Config(
-        vocab_size=20, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=64, conv_dim=(16, 16), conv_stride=(4, 2), conv_kernel=(8, 4),
-        num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=4, mask_time_prob=0.0,
-        hidden_dropout=0.1, attention_dropout=0.1, feat_proj_dropout=0.1, layerdrop=0.0,
-        pad_token_id=0, ctc_loss_reduction="mean",
-    )
+    config = transformers.Wav2Vec2Config(**_SPEECH)
     torch.manual_seed(0)
     model = transformers.Wav2Vec2ForCTC(config).train()
     gen = torch.Generator().manual_seed(1)
@@ -487,13 +491,7 @@ def hubert() -> Case:
     import transformers
 
     transformers.logging.set_verbosity_error()
-    config = transformers.HubertConfig(
-        vocab_size=20, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=64, conv_dim=(16, 16), conv_stride=(4, 2), conv_kernel=(8, 4),
-        num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=4, mask_time_prob=0.0,
-        hidden_dropout=0.1, attention_dropout=0.1, feat_proj_dropout=0.1, layerdrop=0.0,
-        pad_token_id=0, ctc_loss_reduction="mean",
-    )
+    config = transformers.HubertConfig(**_SPEECH)
     torch.manual_seed(0)
     model = transformers.HubertForCTC(config).train()
     gen = torch.Generator().manual_seed(1)
