@@ -4,6 +4,7 @@ and offload deadlines (NOTE [offloads free where simulated])."""
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import torch
 from hypothesis import given, settings
@@ -14,6 +15,7 @@ from slackswap.core.plan import Plan
 from slackswap.runtime.checks import offload_deadlines
 from slackswap.runtime.copies import HostCopies
 from slackswap.runtime.stats import RuntimeStats
+from slackswap.runtime.streams import stand_ins
 from slackswap.sim.simulate import offload_frees
 
 SIZES = [250, 500, 1000]  # fp32 elements: 1000, 2000 and 4000 bytes
@@ -58,41 +60,38 @@ class _Event:
         return self.done
 
 
-def test_offloads_go_at_their_deadline_or_when_done(monkeypatch) -> None:
+def test_offloads_go_at_their_deadline_or_when_done() -> None:
     """NOTE [offloads free where simulated]: a device tensor an offload reads is let go of
     when its copy is seen done, and at the latest at its deadline, where the compute
     stream waits for a copy still in flight (and only for that one)."""
-    waited: list = []
+    calls: Counter = Counter()
+    with stand_ins(calls):  # the compute stream's waits, counted
+        copies, stats = HostCopies(), RuntimeStats(_link_of=HostCopies().link)
+        events = [_Event() for _ in range(4)]
+        tensors = [torch.zeros(256) for _ in range(4)]
+        # deadlines: op 5, op 3, none (freed only when done), op 3
+        for event, t, due in zip(events, tensors, [5, 3, None, 3], strict=True):
+            copies._in_flight(event, t, torch.empty(1024, dtype=torch.uint8), due)
 
-    class Stream:
-        def wait_event(self, event) -> None:
-            waited.append(event)
+        def held() -> list[int]:  # the copies whose device tensor is still held, anywhere
+            entries = [*copies._offloads, *(due[2] for due in copies._due)]
+            return [i for i, e in enumerate(events)
+                    if any(x[0] is e and x[1] is not None for x in entries)]
 
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
-    copies, stats = HostCopies(), RuntimeStats()
-    events = [_Event() for _ in range(4)]
-    tensors = [torch.zeros(256) for _ in range(4)]
-    # deadlines: op 5, op 3, none (freed only when done), op 3
-    for event, t, due in zip(events, tensors, [5, 3, None, 3], strict=True):
-        copies._in_flight(event, t, torch.empty(1024, dtype=torch.uint8), due)
-
-    def held() -> list[int]:  # the copies whose device tensor is still held, anywhere
-        entries = [*copies._offloads, *(due[2] for due in copies._due)]
-        return [i for i, e in enumerate(events)
-                if any(x[0] is e and x[1] is not None for x in entries)]
-
-    events[0].done = True  # copies finish in issue order (one stream)
-    copies.free_due(1, stats)  # before op 2: nothing is due yet
-    assert held() == [0, 1, 2, 3] and not waited
-    copies.free_due(2, stats)  # before op 3: copies 1 and 3, still in flight, go
-    assert held() == [0, 2] and waited == [events[1], events[3]]
-    assert stats.offload_waits == 2
-    for event in events:
-        event.done = True
-    copies.poll()  # all done: poll lets the rest go, deadline or not
-    assert held() == [] and not copies._offloads
-    copies.free_due(10, stats)  # a deadline already met finds nothing to wait for
-    assert len(waited) == stats.offload_waits == 2
+        events[0].done = True  # copies finish in issue order (one stream)
+        copies.free_due(1, stats)  # before op 2: nothing is due yet
+        assert held() == [0, 1, 2, 3] and not calls["wait_event"]
+        copies.free_due(2, stats)  # before op 3: copies 1 and 3, still in flight, go
+        # (a stand-in stream's wait marks the event done: the stream runs after it)
+        assert held() == [0, 2] and calls["wait_event"] == 2
+        assert [e.done for e in events] == [True, True, False, True]
+        assert stats.offload_waits == 2
+        for event in events:
+            event.done = True
+        copies.poll()  # all done: poll lets the rest go, deadline or not
+        assert held() == [] and not copies._offloads
+        copies.free_due(10, stats)  # a deadline already met finds nothing to wait for
+        assert calls["wait_event"] == stats.offload_waits == 2
 
 
 def test_offload_deadlines_are_the_simulators_once_per_plan() -> None:

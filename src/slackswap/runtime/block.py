@@ -105,7 +105,9 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         params = next(iter(model.parameters()), None)
         device = params.device.type if params is not None else "cpu"
         self._device = params.device if params is not None else None
-        if profile is not None and device == "cuda":  # elsewhere copies are synchronous
+        copies = copies_for(plan, offloaded)  # NOTE [buffers held by events]
+        if (profile is not None and self._device is not None
+                and copies.asynchronous(self._device)):  # elsewhere copies are synchronous
             free_before = offload_deadlines(profile, plan)
         self._watch = (watch_for(profile, plan)
                        if profile is not None and can_watch(profile, device) else None)
@@ -114,7 +116,7 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
             profile is None or n not in profile.checkpointable or n in self._checkpoints)}
         # NOTE [buffers held by events]: host buffers are reused from step to step
         self.values = SavedValues(self.decisions, verify, self._watch, first_use, prefetch,
-                                  copies_for(plan, offloaded), produced_at, free_before)
+                                  copies, produced_at, free_before)
         self.state = self.values.state  # the last forward's record
         self._calls = 0
         self._exit: contextlib.ExitStack | None = None
@@ -142,6 +144,7 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         recorder = Recorder(self.state, self._watch, self._checkpoints, self.values,
                             self._wrappers)
         self.values.new_step(self.state, recorder)
+        self.values.copies.begin()  # NOTE [streams resolved once per block]
         self.values.in_forward = False
         self._calls = 0
         # Every global change is undone by this stack, on every exit path.

@@ -8,9 +8,12 @@ NOTE [buffers held by events]
     and what it reads or writes is held by the runtime until that event has completed:
     the device tensor an offload reads, the device buffer a reload writes (unless the
     compute stream has waited for it, which orders any reuse after the copy), and the
-    host buffer either one uses. Finished copies are let go of at the next pack or
-    unpack. An offload's device tensor is also let go of where the simulator frees it
-    (NOTE [offloads free where simulated]). A storage written in place after it was
+    host buffer either one uses. Finished copies are let go of at the next copy issued,
+    or, while an offload with no deadline is in flight, at the next pack. An offload's
+    device tensor is also let go of where the simulator frees it (NOTE [offloads free
+    where simulated]): with a profile every offload of a saved tensor has that
+    deadline, so the host asks about copies only when it issues one, never per tensor
+    (NOTE [streams resolved once per block]). A storage written in place after it was
     offloaded (a second value of it is saved later) is written only once the offload of
     the first value has read it: the runtime watches every such write (NOTE [watch only
     what the plan rebuilds]).
@@ -42,6 +45,7 @@ from typing import Any
 
 import torch
 
+from slackswap.runtime import streams
 from slackswap.runtime.recipes import storage_key
 from slackswap.runtime.stats import RuntimeStats
 
@@ -68,7 +72,8 @@ class HostCopies:
         self._free_bytes = 0
         self._out_bytes = 0  # bytes of host copies handed out and not given back
         self._most_out = 0
-        self._streams: dict[torch.device, tuple[Any, Any]] = {}
+        # device -> (the link factory it was made by, its link or None: synchronous)
+        self._links: dict[torch.device, tuple[Any, Any]] = {}
         self._busy: dict[int, Any] = {}  # id of a host buffer -> its last copy's event
         # copies in flight per stream, in issue order: [event, device tensor held, host
         # buffer] (offloads add the tensor's storage key and the profile op before which
@@ -78,6 +83,7 @@ class HostCopies:
         # offloads with a deadline, soonest first: (deadline, issue number, entry)
         self._due: list[tuple[int, int, list[Any]]] = []
         self._issued = count()
+        self.undated = 0  # offloads in flight with no deadline: only ``poll`` frees them
         # storage an offload still reads -> (its event, device)
         self._reading: dict[int, tuple[Any, torch.device]] = {}
         self._reloading: deque[list[Any]] = deque()
@@ -90,7 +96,7 @@ class HostCopies:
         """Bytes of free host buffers kept for the next offloads."""
         return self._free_bytes
 
-    def _take(self, nbytes: int, pinned: bool, stats: RuntimeStats) -> torch.Tensor:
+    def _take(self, nbytes: int, link: Any, stats: RuntimeStats) -> torch.Tensor:
         self._out_bytes += nbytes
         self._most_out = max(self._most_out, self._out_bytes)
         free = self._free.get(nbytes)
@@ -102,7 +108,9 @@ class HostCopies:
                 event.synchronize()  # a copy from it may still be in flight: rare
             return host
         stats.host_buffers_allocated += 1
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        if link is not None:
+            return link.host_buffer(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8)
 
     def give_back(self, host: torch.Tensor) -> None:
         """A host copy nobody needs any more: its buffer may serve the next offload."""
@@ -126,32 +134,47 @@ class HostCopies:
                     self._reloads.pop(id(held), None)
                 if offload and self._reading.get(offload[0], (None,))[0] is event:
                     del self._reading[offload[0]]
+                if offload and offload[1] is None:
+                    self.undated -= 1
                 if self._busy.get(id(host)) is event:
                     del self._busy[id(host)]
 
     # -- copies ------------------------------------------------------------------------
-    def _cuda_streams(self, device: torch.device) -> tuple[Any, Any]:
-        if device not in self._streams:
-            self._streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
-        return self._streams[device]
+    def link(self, device: torch.device) -> Any:
+        """The device's :class:`~slackswap.runtime.streams.Link` (None: copies there are
+        synchronous), made once (NOTE [streams resolved once per block])."""
+        made = self._links.get(device)
+        factory = streams._make[-1]
+        if made is None or made[0] is not factory:
+            made = self._links[device] = (factory, factory(device))
+        return made[1]
+
+    def asynchronous(self, device: torch.device) -> bool:
+        return self.link(device) is not None
+
+    def begin(self) -> None:
+        """A block opens: each link resolves the stream its forward runs on."""
+        for _, link in self._links.values():
+            if link is not None:
+                link.begin()
 
     def offload(self, t: torch.Tensor, stats: RuntimeStats,
                 free_before: int | None = None) -> torch.Tensor:
         """A host copy of ``t``'s storage. On CUDA the device tensor is held until the copy
         is done, and at the latest until the step reaches profile op ``free_before``."""
         storage = t.untyped_storage()
-        cuda = t.device.type == "cuda"
-        host = self._take(storage.nbytes(), cuda, stats)
-        if not cuda:
+        nbytes, link = storage.nbytes(), self.link(t.device)
+        host = self._take(nbytes, link, stats)
+        if link is None:
             host.untyped_storage().copy_(storage)
             return host
         self.poll()
-        d2h, _ = self._cuda_streams(t.device)
-        d2h.wait_stream(torch.cuda.current_stream(t.device))  # t has been computed
-        with torch.cuda.stream(d2h):
-            host.untyped_storage().copy_(storage, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(d2h)
+        d2h = link.d2h
+        link.wait_for_compute(d2h)  # t has been computed
+        with link.issuing_on(d2h):
+            link.copy_storage(host, t, nbytes)
+        event = link.event()
+        event.record(d2h)
         self._in_flight(event, t, host, free_before)
         return host
 
@@ -160,13 +183,15 @@ class HostCopies:
         [refusals leave no trace]): device memory is the plan's. On CUDA into a pinned
         buffer kept per ``slot`` for the next step, copied on the compute stream, so the
         kernels after it write ``t`` only once it is read; elsewhere a plain copy."""
-        if t.device.type != "cuda":
+        link = self.link(t.device)
+        if link is None:
             return t.detach().clone()
         host = self._snapshots.get(slot)
         if host is None or host.shape != t.shape or host.dtype != t.dtype:
-            host = self._snapshots[slot] = torch.empty(t.shape, dtype=t.dtype,
-                                                       pin_memory=True)
-        host.copy_(t.detach(), non_blocking=True)
+            nbytes = t.numel() * t.element_size()
+            host = link.host_buffer(nbytes).view(t.dtype).view(t.shape)
+            self._snapshots[slot] = host
+        link.copy(host, t.detach())
         return host
 
     def _in_flight(self, event: Any, t: torch.Tensor, host: torch.Tensor,
@@ -178,6 +203,8 @@ class HostCopies:
         self._offloads.append(entry)
         if free_before is not None:
             heapq.heappush(self._due, (free_before, next(self._issued), entry))
+        else:
+            self.undated += 1
         self._busy[id(host)] = event
         self._reading[key] = (event, t.device)
 
@@ -191,7 +218,7 @@ class HostCopies:
                 continue
             if not entry[0].query():  # later than simulated: the compute stream waits
                 stats.offload_waits += 1
-                torch.cuda.current_stream(held.device).wait_event(entry[0])
+                self.link(held.device).compute.wait_event(entry[0])
             entry[1] = None
 
     def before_write(self, key: int) -> None:
@@ -199,20 +226,23 @@ class HostCopies:
         reads it (its earlier value, saved before), the write waits for that copy."""
         reading = self._reading.pop(key, None)
         if reading is not None and not reading[0].query():
-            torch.cuda.current_stream(reading[1]).wait_event(reading[0])
+            self.link(reading[1]).compute.wait_event(reading[0])
 
     def reload(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
-        if device.type != "cuda":  # a buffer of its own, as a device copy would be
+        link = self.link(device)
+        if link is None:  # a buffer of its own, as a device copy would be
             return host.to(device, copy=True)
         self.poll()
-        d2h, h2d = self._cuda_streams(device)
-        base = torch.empty(host.shape, dtype=host.dtype, device=device)
-        h2d.wait_stream(torch.cuda.current_stream(device))  # base's memory is free
-        h2d.wait_stream(d2h)  # the offload into ``host`` has landed
-        with torch.cuda.stream(h2d):
-            base.copy_(host, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(h2d)
+        h2d = link.h2d
+        base = link.empty(host.shape, host.dtype)
+        link.wait_for_compute(h2d)  # base's memory is free
+        landed = self._busy.get(id(host))
+        if landed is not None:  # the offload into ``host`` may still be in flight
+            h2d.wait_event(landed)
+        with link.issuing_on(h2d):
+            link.copy(base, host)
+        event = link.event()
+        event.record(h2d)
         entry = [event, base, host]
         self._reloading.append(entry)
         self._reloads[id(base)] = entry
@@ -225,7 +255,7 @@ class HostCopies:
         entry = self._reloads.pop(id(base), None)
         if entry is not None:
             event = entry[0]
-            current = torch.cuda.current_stream(base.device)
+            current = self.link(base.device).compute
             if event.query():
                 current.wait_event(event)
             else:

@@ -129,7 +129,7 @@ class SavedValues:
         self.new_step(StepState({}), None)
 
     def new_step(self, state: StepState, recorder: Recorder | None) -> None:
-        self.stats = RuntimeStats()
+        self.stats = RuntimeStats(_link_of=self.copies.link)
         self.state, self.recorder = state, recorder
         self.group, self.group_position = {}, None
         # checkpoints held for rebuilds: storage -> (release position, tensor)
@@ -146,7 +146,8 @@ class SavedValues:
     # -- forward -----------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> Any:
         recorder, state = self.recorder, self.state
-        self.copies.poll()
+        if self.copies.undated:  # NOTE [buffers held by events]
+            self.copies.poll()
         name = recorder.next_pack() if recorder is not None else None
         if not plain_strided(t):  # kept as autograd saved it
             return _Saved(t)
@@ -176,6 +177,7 @@ class SavedValues:
             kept = state.kept(t, key, node)
             self.hold(vkey, nbytes)
             packed = _Packed(self, Decision.KEEP, vkey, name, node, t, kept)
+            self._count(vkey)
         else:
             assert node is not None
             if decision == Decision.RECOMPUTE and not node.replayable():
@@ -185,6 +187,7 @@ class SavedValues:
                     "never recompute it)"
                 )
             packed = _Packed(self, decision, vkey, name, node, t, None)
+            self._count(vkey)  # before anything below can raise: its ``__del__`` uncounts
             self.outstanding += 1
             if self.verify and vkey not in self.originals:
                 with self._quiet():
@@ -196,9 +199,12 @@ class SavedValues:
                 self.offloaded[name] = vkey
                 self.stats.offloaded_bytes += self.host[vkey].numel()
             state.packs.setdefault(key, []).append(weakref.ref(packed))
+        return packed
+
+    def _count(self, vkey: Value) -> None:
+        """One more packed handle autograd holds for the value, not yet unpacked."""
         self.pending[vkey] = self.pending.get(vkey, 0) + 1
         self.handles[vkey] = self.handles.get(vkey, 0) + 1
-        return packed
 
     def _quiet(self) -> Any:
         """The runtime's own ops in forward (host copies) are not the model's: no names,
@@ -269,7 +275,6 @@ class SavedValues:
             return packed.unpack()
         if self.in_forward:
             raise InputError(NESTED_BACKWARD)
-        self.copies.poll()
         if not self.checked:
             self._check_seen()
         if self.state.written and self.recorder is not None:
@@ -363,7 +368,7 @@ class SavedValues:
         host = self.host[vkey]
         self.stats.reloaded_bytes += host.numel()
         self.stats.reload_order.append(name or "")
-        if waited and device.type != "cuda":  # a synchronous copy backward waits for
+        if waited and not self.copies.asynchronous(device):  # a copy backward waits for
             self.stats.stalls += 1
             with self.stats.stall_section(device):
                 return self.copies.reload(host, device)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,20 +14,21 @@ __all__ = ["RuntimeStats", "Timer"]
 
 
 class Timer:
-    """Seconds spent in sections of backward: the CPU clock, or on CUDA a pair of events
-    on the compute stream, read only when asked so that timing never makes a step wait."""
+    """Seconds spent in sections of backward: the CPU clock, or where copies are
+    asynchronous (a ``link``, :mod:`~slackswap.runtime.streams`) a pair of events on the
+    compute stream, read only when asked so that timing never makes a step wait."""
 
     def __init__(self) -> None:
         self._cpu_s = 0.0
         self._events: list[tuple[Any, Any]] = []
 
     @contextlib.contextmanager
-    def section(self, device: torch.device) -> Iterator[None]:
-        if device.type == "cuda":
-            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-            start.record()
+    def section(self, link: Any) -> Iterator[None]:
+        if link is not None:
+            start, end = link.event(timing=True), link.event(timing=True)
+            start.record(link.compute)
             yield
-            end.record()
+            end.record(link.compute)
             self._events.append((start, end))
         else:
             begin = time.perf_counter()
@@ -64,6 +65,8 @@ class RuntimeStats:
     reload_order: list[str] = field(default_factory=list)
     _recompute: Timer = field(default_factory=Timer, repr=False)
     _stall: Timer = field(default_factory=Timer, repr=False)
+    # device -> its link, or None where copies are synchronous (``HostCopies.link``)
+    _link_of: Callable[[torch.device], Any] = field(default=lambda device: None, repr=False)
 
     @property
     def recompute_s(self) -> float:
@@ -77,11 +80,11 @@ class RuntimeStats:
 
     def recompute_section(self, device: torch.device) -> contextlib.AbstractContextManager:
         """Time a rebuild."""
-        return self._recompute.section(device)
+        return self._recompute.section(self._link_of(device))
 
     def stall_section(self, device: torch.device) -> contextlib.AbstractContextManager:
         """Time a wait for a reload."""
-        return self._stall.section(device)
+        return self._stall.section(self._link_of(device))
 
     def as_dict(self) -> dict[str, float]:
         """Every figure, times included (on CUDA this waits for the step's timing events)."""

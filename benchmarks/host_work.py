@@ -1,0 +1,254 @@
+"""Host work of the eager runtime's CUDA path per step, counted on a CPU.
+
+Run: python benchmarks/host_work.py [--model gpt2-xl] [--layers 12] [--budget 0.5]
+        [--strategy slackswap] [--policy behind|done] [--steps 5]
+        [--costs benchmarks/host_costs_h200.json] [--json OUT]
+     python benchmarks/host_work.py --measure-costs OUT   # on a CUDA GPU
+
+On an H200 the runtime's Python starved the GPU (``docs/results-gpu.md``), and a timed
+ratio on a CPU did not see it. This runs the runtime's own asynchronous (CUDA) branch on
+a CPU: the preset is built on the meta device (no memory, no arithmetic: the model's
+ops cost only their dispatch) and run under the analytic profiler's CUDA kernel
+rewrites (``TargetKernels``: the fused attention and dropout kernels the GPU runs). Its
+profile is traced there, priced for the ``h200`` preset: a traced profile, since the
+runtime is guided by the real step's ops and lifetimes (sparse watching, offload
+deadlines) as by a measured profile on the GPU. Only the stream, event, copy and
+pinned-memory calls are stand-ins that count (NOTE [stand-ins for the device calls] in
+``slackswap/runtime/streams.py``); everything else is the runtime as it runs on a GPU.
+
+Printed per step: packs, offloads, reloads, watched ops, rebuilds, each device call and
+the pool's polls, in forward and in backward; then the predicted host time the runtime
+adds to forward on the GPU: this machine's Python time (forward under the plan less
+plain forward, both on meta tensors) plus each forward device call times its cost on
+the GPU (``--costs``: per-call host costs, from the H200 evidence, refreshed by
+``--measure-costs`` on every GPU run). ``--policy behind`` (default) is the most work
+the host can be asked to do (no copy seen finished until waited for); ``done`` the
+least. Target ("A hot path the GPU never waits for"): at most 10 ms added to forward on
+gpt2-xl@12 at 50%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import slackswap
+from slackswap.models import build_model, with_layers
+from slackswap.profiling.kernels import TargetKernels
+from slackswap.runtime.copies import HostCopies
+from slackswap.runtime.streams import stand_ins
+
+COSTS = Path(__file__).with_name("host_costs_h200.json")
+
+
+@contextlib.contextmanager
+def no_packed_sequence_check() -> Any:
+    """transformers asks whether the position ids pack several sequences with a
+    data-dependent ``.all()``, which a meta tensor cannot answer (and which is skipped
+    under any dispatch mode, as in the runtime's watched segments): without it here."""
+    import transformers.masking_utils as masking
+
+    original = masking.find_packed_sequence_indices
+    masking.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = original
+
+
+def meta_workload(model: str, layers: int | None, budget: float, strategy: str,
+                  hardware: str = "h200") -> tuple[Any, dict, Any, Any]:
+    """The preset on the meta device, its profile (traced there, under the CUDA kernel
+    rewrites the analytic profiler uses, priced for ``hardware``) and its plan."""
+    name = with_layers(model, layers)
+    net, batch = build_model(name, dtype="bf16", fake=False, device="meta")
+    batch = {k: v.to("meta") for k, v in batch.items()}
+    with TargetKernels("cuda", dense_masks_are_causal=True), no_packed_sequence_check():
+        profile = slackswap.profile(net, batch, hardware, mode="traced", name=name)
+    plan = slackswap.plan(profile, budget, hardware, strategy=strategy)
+    return net, batch, plan, profile
+
+
+@contextlib.contextmanager
+def counting_calls(calls: Counter, *methods: tuple[type, str]) -> Any:
+    """Count calls of the runtime's own methods (``HostCopies.poll``, ...) into ``calls``."""
+    originals = [(cls, attr, getattr(cls, attr)) for cls, attr in methods]
+    for cls, attr, original in originals:
+        def counted(*args: Any, _original: Any = original, _key: str = attr, **kwargs: Any) -> Any:
+            calls[_key] += 1
+            return _original(*args, **kwargs)
+
+        setattr(cls, attr, counted)
+    try:
+        yield calls
+    finally:
+        for cls, attr, original in originals:
+            setattr(cls, attr, original)
+
+
+def one_step(net: Any, batch: dict, plan: Any = None, guide: Any = None,
+             policy: str = "behind") -> dict[str, Any]:
+    """One training step (planned, or plain when ``plan`` is None): forward and backward
+    host seconds (this thread's CPU time: what another process takes of the machine's
+    cores is not counted), and what the runtime did in each."""
+    calls: Counter = Counter()
+    net.zero_grad(set_to_none=True)
+    with (stand_ins(calls, policy), counting_calls(calls, (HostCopies, "poll")),
+          TargetKernels("cuda", dense_masks_are_causal=True), no_packed_sequence_check()):
+        begin = time.thread_time()
+        if plan is None:
+            loss, runtime = net(**batch).loss, None
+        else:
+            with slackswap.apply(net, plan, profile=guide) as runtime:
+                loss = net(**batch).loss
+        forward_s = time.thread_time() - begin
+        in_forward = Counter(calls)
+        begin = time.thread_time()
+        loss.backward()
+        backward_s = time.thread_time() - begin
+    step: dict[str, Any] = {"forward_s": forward_s, "backward_s": backward_s,
+                            "forward": dict(in_forward), "backward": dict(calls - in_forward)}
+    if runtime is not None:
+        stats, recorder = runtime.stats, runtime.values.recorder
+        watch = runtime.values.watch
+        step["packs"] = recorder.packs_seen if recorder is not None else None
+        step["watched_ops"] = watch.watched_ops if watch is not None else None
+        step["stats"] = {k: v for k, v in stats.as_dict().items() if not k.endswith("_s")}
+    return step
+
+
+def measure(net: Any, batch: dict, plan: Any, guide: Any, steps: int,
+            policy: str) -> dict[str, Any]:
+    """Planned and plain steps interleaved (drift hits both alike), after a warm-up each."""
+    one_step(net, batch, plan, guide, policy)
+    one_step(net, batch)
+    planned, plain = [], []
+    for _ in range(steps):
+        planned.append(one_step(net, batch, plan, guide, policy))
+        plain.append(one_step(net, batch))
+    last = planned[-1]
+    med = statistics.median
+    return {**last,
+            "forward_s": med(s["forward_s"] for s in planned),
+            "backward_s": med(s["backward_s"] for s in planned),
+            "plain_forward_s": med(s["forward_s"] for s in plain),
+            "plain_backward_s": med(s["backward_s"] for s in plain)}
+
+
+def predict(result: dict[str, Any], costs: dict[str, float]) -> dict[str, float]:
+    """Host seconds the runtime adds to forward and backward on the GPU the costs are of."""
+    out = {}
+    for phase in ("forward", "backward"):
+        python_s = result[f"{phase}_s"] - result[f"plain_{phase}_s"]
+        calls_s = sum(n * costs.get(k, 0.0) for k, n in result[phase].items()) * 1e-6
+        out[f"{phase}_python_ms"] = 1e3 * python_s
+        out[f"{phase}_calls_ms"] = 1e3 * calls_s
+        out[f"{phase}_added_ms"] = 1e3 * (python_s + calls_s)
+    return out
+
+
+def measure_costs(path: Path, repeats: int = 2000) -> None:
+    """Host cost of each device call the runtime makes, timed on this CUDA GPU (in a
+    loop, after a warm-up), written where ``--costs`` reads them."""
+    from slackswap.runtime.streams import Link
+
+    device = torch.device("cuda")
+    link = Link(device)
+    small = torch.empty(1 << 20, dtype=torch.uint8, device=device)
+    host = torch.empty(1 << 20, dtype=torch.uint8, pin_memory=True)
+    event = link.event()
+    event.record(link.compute)
+    torch.cuda.synchronize()
+
+    def switch() -> None:
+        with link.issuing_on(link.d2h):
+            pass
+
+    calls = {
+        "current_stream": lambda: torch.cuda.current_stream(device),
+        "stream_switch": switch,
+        "new_event": link.event,
+        "event_record": lambda: event.record(link.compute),
+        "event_query": event.query,
+        "wait_event": lambda: link.compute.wait_event(event),
+        "copy_d2h": lambda: link.copy_storage(host, small),
+        "copy_h2d": lambda: link.copy(small, host),
+        "device_empty": lambda: link.empty(small.shape, small.dtype),
+    }
+    costs = {}
+    for key, call in calls.items():
+        for _ in range(50):
+            call()
+        torch.cuda.synchronize()
+        begin = time.perf_counter()
+        for _ in range(repeats):
+            call()
+        costs[key] = round(1e6 * (time.perf_counter() - begin) / repeats, 2)
+        torch.cuda.synchronize()
+    record = {"machine": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "source": "benchmarks/host_work.py --measure-costs (1 MiB copies)",
+              "costs_us": costs}
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    print(json.dumps(record, indent=2))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gpt2-xl")
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--budget", type=float, default=0.5)
+    parser.add_argument("--strategy", default="slackswap")
+    parser.add_argument("--policy", default="behind", choices=["behind", "done"])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--costs", type=Path, default=COSTS)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--measure-costs", type=Path, metavar="OUT")
+    args = parser.parse_args()
+    if args.measure_costs:
+        if not torch.cuda.is_available():
+            sys.exit("--measure-costs needs a CUDA GPU")
+        measure_costs(args.measure_costs)
+        return
+    torch.set_num_threads(1)
+    net, batch, plan, guide = meta_workload(args.model, args.layers, args.budget,
+                                            args.strategy)
+    result = measure(net, batch, plan, guide, args.steps, args.policy)
+    costs = json.loads(args.costs.read_text())
+    result["predicted"] = predict(result, costs["costs_us"])
+    decisions = Counter(d.value for d in plan.decisions.values())
+    print(f"{args.model}@{args.layers} {args.strategy} at {args.budget:.0%} (h200 plan: "
+          f"{decisions.get('offload', 0)} offloaded, {decisions.get('recompute', 0)} "
+          f"recomputed), policy {args.policy}, per step:")
+    stats = result["stats"]
+    offloads = sum(result["forward"].get(k, 0) for k in ("copy", "copy_storage"))
+    reloads = sum(result["backward"].get(k, 0) for k in ("copy", "copy_storage"))
+    print(f"  packs {result['packs']}, watched ops {result['watched_ops']}, offloads "
+          f"{offloads}, reloads {reloads}, rebuilt ops {stats['recomputed_ops']}, "
+          f"stalls {stats['stalls']}, offload waits {stats['offload_waits']}")
+    keys = sorted(set(result["forward"]) | set(result["backward"]))
+    print(f"  {'call':16} {'forward':>8} {'backward':>8} {'cost us':>8}")
+    for key in keys:
+        print(f"  {key:16} {result['forward'].get(key, 0):8d} "
+              f"{result['backward'].get(key, 0):8d} {costs['costs_us'].get(key, 0):8.1f}")
+    p = result["predicted"]
+    print(f"  forward: {1e3 * result['forward_s']:.1f} ms planned, "
+          f"{1e3 * result['plain_forward_s']:.1f} ms plain on meta tensors here")
+    print(f"  predicted host time added on the GPU ({costs['machine']}): forward "
+          f"{p['forward_added_ms']:.1f} ms ({p['forward_python_ms']:.1f} Python + "
+          f"{p['forward_calls_ms']:.1f} device calls), backward {p['backward_added_ms']:.1f} ms "
+          f"({p['backward_python_ms']:.1f} + {p['backward_calls_ms']:.1f})")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    main()

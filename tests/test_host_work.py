@@ -1,0 +1,107 @@
+"""The runtime's asynchronous (CUDA) branch on a CPU, with stand-ins at the device calls
+(NOTE [stand-ins for the device calls]): exact as the synchronous branch, and the host
+work it does per saved tensor and per watched op counted, not timed
+(``benchmarks/host_work.py`` predicts the time from these counts; "A hot path the GPU
+never waits for")."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from test_runtime import assert_identical, assert_runs_as_simulated, planned_step, setup
+
+import slackswap
+from slackswap.runtime.streams import stand_ins
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+from host_work import meta_workload, one_step  # noqa: E402
+
+POLICIES = ["behind", "done"]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("strategy", ["slackswap", "offload-only", "checkpoint-offload"])
+@pytest.mark.parametrize("name", ["gpt2-xl-tiny", "llama-7b-tiny", "distilbert-mlm-tiny"])
+def test_the_asynchronous_branch_is_exact_on_a_cpu(name: str, strategy: str,
+                                                   policy: str) -> None:
+    """Copies on side streams, events, deadlines and the pool, run on real CPU tensors:
+    the same gradients, bit for bit, as the synchronous branch, and the work the
+    simulator scheduled. ``behind`` makes every reload a stall and every deadline a
+    wait; ``done`` never waits."""
+    profile, model, batch, _, _ = setup(name)
+    plan = slackswap.plan(profile, 0.6, strategy=strategy)
+    expected = planned_step(model, batch, plan, profile)[0]
+    calls: Counter = Counter()
+    with stand_ins(calls, policy):
+        got, runtime = planned_step(model, batch, plan, profile)
+    assert_identical(got, expected)
+    assert_runs_as_simulated(profile, plan, runtime.stats)
+    assert calls["copy"] + calls["copy_storage"] > 0  # it took the asynchronous branch
+    if policy == "done":
+        assert runtime.stats.stalls == runtime.stats.offload_waits == 0
+
+
+@functools.cache
+def _counted(strategy: str, budget: float, policy: str = "behind") -> dict:
+    """Two layers of gpt2-xl on the meta device, planned for the H200: one warm step,
+    then the counts of the next."""
+    net, batch, plan, profile = meta_workload("gpt2-xl", 2, budget, strategy)
+    one_step(net, batch, plan, profile, policy)
+    return one_step(net, batch, plan, profile, policy)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize(("strategy", "budget"), [("slackswap", 0.9), ("offload-only", 0.9),
+                                                  ("recompute-only", 0.9),
+                                                  ("slackswap", 1.0)])
+def test_host_work_per_saved_tensor(strategy: str, budget: float, policy: str) -> None:
+    """Per offload: one poll, one wait for the compute stream, one stream switch, one
+    copy and one event; per reload the same and a device buffer; per stall and per
+    rebuild a pair of timing events; the streams resolved once per block, and nothing
+    per pack or per watched op (NOTE [streams resolved once per block])."""
+    step = _counted(strategy, budget, policy)
+    forward, backward, stats = Counter(step["forward"]), Counter(step["backward"]), step["stats"]
+    offloads = forward["copy"] + forward["copy_storage"]
+    reloads = backward["copy"] + backward["copy_storage"]
+    assert offloads == reloads == stats["prefetched"] + stats["late_reloads"]
+    if strategy == "slackswap" and budget == 1.0:
+        # nothing moved: no device call but resolving the compute stream
+        assert set(forward) == {"current_stream"} and not backward
+        return
+    assert forward["current_stream"] <= 2 and backward["current_stream"] == 0
+    assert forward["poll"] == forward["stream_switch"] == offloads
+    assert backward["poll"] == backward["stream_switch"] == backward["device_empty"] == reloads
+    # an offload: the compute marker and its own event; a wait only at a deadline
+    assert forward["event_record"] == 2 * offloads
+    rebuilds = stats["recomputed_ops"] and backward["new_event"] - reloads - 2 * stats["stalls"]
+    assert rebuilds % 2 == 0 and rebuilds <= 2 * stats["recomputed_ops"]
+    assert backward["event_record"] == 2 * reloads + 2 * stats["stalls"] + rebuilds
+    # waits: a copy's side stream for the compute marker; a reload's for its offload's
+    # copy and the compute stream for the reload, each unless seen done already; the
+    # compute stream for an offload that reached its deadline unfinished
+    waits = forward["wait_event"] + backward["wait_event"]
+    base = offloads + reloads + stats["offload_waits"]
+    assert base <= waits <= base + 2 * reloads
+    # polling asks each queue's oldest copy: at most one question per copy and poll
+    assert forward["event_query"] <= forward["poll"] + offloads
+    if policy == "behind":
+        assert stats["stalls"] == reloads and stats["offload_waits"] == offloads
+    else:
+        assert stats["stalls"] == stats["offload_waits"] == 0
+
+
+def test_the_counts_are_of_the_step_the_gpu_runs() -> None:
+    """The benchmark's step is its profile's: the plan is applied as on the GPU, packs
+    named from the profile, the watch sparse, the whole forward seen."""
+    step = _counted("slackswap", 0.9)
+    net, batch, plan, profile = meta_workload("gpt2-xl", 2, 0.9, "slackswap")
+    assert step["packs"] == len(profile.saves)
+    assert 0 < step["watched_ops"] < sum(op.phase == "forward" for op in profile.ops)
+    assert step["stats"]["offloaded_bytes"] == slackswap.simulate(profile, plan).d2h_bytes
+    assert all(p.device.type == "meta" for p in net.parameters())
+    assert torch.is_grad_enabled()
