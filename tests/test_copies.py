@@ -74,7 +74,7 @@ def test_offloads_go_at_their_deadline_or_when_done() -> None:
             copies._in_flight(event, t, torch.empty(1024, dtype=torch.uint8), due)
 
         def held() -> list[int]:  # the copies whose device tensor is still held, anywhere
-            entries = [*copies._offloads, *(due[2] for due in copies._due)]
+            entries = [*copies._offloads, *(due[2] for due in copies.due)]
             return [i for i, e in enumerate(events)
                     if any(x[0] is e and x[1] is not None for x in entries)]
 

@@ -80,8 +80,10 @@ class HostCopies:
         # it must be let go, or None); a reload's entry is found by the id of the tensor
         # it makes until the compute stream waits for it
         self._offloads: deque[list[Any]] = deque()
-        # offloads with a deadline, soonest first: (deadline, issue number, entry)
-        self._due: list[tuple[int, int, list[Any]]] = []
+        # offloads with a deadline, soonest first: (deadline, issue number, entry); read
+        # by every pack and unpack before it calls ``free_due`` (a call per tensor costs
+        # more than the look)
+        self.due: list[tuple[int, int, list[Any]]] = []
         self._issued = count()
         self.undated = 0  # offloads in flight with no deadline: only ``poll`` frees them
         # storage an offload still reads -> (its event, device)
@@ -202,7 +204,7 @@ class HostCopies:
         entry = [event, t.detach(), host, key, free_before]
         self._offloads.append(entry)
         if free_before is not None:
-            heapq.heappush(self._due, (free_before, next(self._issued), entry))
+            heapq.heappush(self.due, (free_before, next(self._issued), entry))
         else:
             self.undated += 1
         self._busy[id(host)] = event
@@ -211,8 +213,8 @@ class HostCopies:
     def free_due(self, position: int, stats: RuntimeStats) -> None:
         """Let go of the device tensors of offloads due to be freed before the op after
         ``position``: NOTE [offloads free where simulated]."""
-        while self._due and self._due[0][0] <= position + 1:
-            entry = heapq.heappop(self._due)[2]
+        while self.due and self.due[0][0] <= position + 1:
+            entry = heapq.heappop(self.due)[2]
             held = entry[1]
             if held is None:
                 continue

@@ -169,7 +169,8 @@ class SavedValues:
             node.name = name
         else:
             name = node.name
-        if self.free_before and (at := self.produced_at.get(name)) is not None:
+        due = self.copies.due
+        if due and (at := self.produced_at.get(name)) is not None and due[0][0] <= at + 1:
             self.copies.free_due(at, self.stats)
         decision = self.decisions.get(name, Decision.KEEP)
         vkey = (key, len(node.steps) if node is not None else 0)
@@ -282,7 +283,8 @@ class SavedValues:
         packed.check_version()
         vkey = packed.vkey
         position = self.first_use.get(packed.name)
-        if position is not None and self.free_before:
+        due = self.copies.due
+        if due and position is not None and due[0][0] <= position + 1:
             self.copies.free_due(position, self.stats)
         if position is None or position != self.group_position:
             # NOTE [rebuild groups]: what rebuilds make for one backward op (the profile
