@@ -37,6 +37,9 @@ python3 -c "import torch, transformers; print('torch', torch.__version__,
 timeout 150 python3 -m pytest -q -rs -p no:cacheprovider tests/test_runtime_cuda.py 2>&1 \
     | tee "$OUT/cuda-tests.txt"
 timeout 60 python3 benchmarks/link_bandwidth.py --hardware h200 2>&1 | tee "$OUT/link.txt"
+# the runtime's per-call host costs, for benchmarks/host_costs_h200.json (host_work.py)
+timeout 60 python3 benchmarks/host_work.py --measure-costs "$OUT/host_costs.json" 2>&1 \
+    | tail -n 20
 for workload in "gpt2-xl 12" "llama-7b 8"; do
     set -- $workload
     timeout 120 python3 benchmarks/gpu_validate.py --model "$1" --layers "$2" \

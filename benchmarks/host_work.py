@@ -79,13 +79,26 @@ def meta_workload(model: str, layers: int | None, budget: float, strategy: str,
 
 
 @contextlib.contextmanager
-def counting_calls(calls: Counter, *methods: tuple[type, str]) -> Any:
-    """Count calls of the runtime's own methods (``HostCopies.poll``, ...) into ``calls``."""
+def counting_calls(calls: Counter, *methods: tuple[type, str],
+                   inside: dict[str, list] | None = None) -> Any:
+    """Count calls of the runtime's own methods (``HostCopies.poll``, ...) into ``calls``;
+    with ``inside``, each one's CPU seconds and the device calls made inside it too:
+    ``inside[name] = [calls, seconds, Counter]`` (the bookkeeping outside the seconds)."""
     originals = [(cls, attr, getattr(cls, attr)) for cls, attr in methods]
     for cls, attr, original in originals:
         def counted(*args: Any, _original: Any = original, _key: str = attr, **kwargs: Any) -> Any:
             calls[_key] += 1
-            return _original(*args, **kwargs)
+            if inside is None:
+                return _original(*args, **kwargs)
+            before = Counter(calls)
+            begin = time.thread_time()
+            out = _original(*args, **kwargs)
+            seconds = time.thread_time() - begin
+            record = inside.setdefault(_key, [0, 0.0, Counter()])
+            record[0] += 1
+            record[1] += seconds
+            record[2].update(calls - before)
+            return out
 
         setattr(cls, attr, counted)
     try:
@@ -96,13 +109,18 @@ def counting_calls(calls: Counter, *methods: tuple[type, str]) -> Any:
 
 
 def one_step(net: Any, batch: dict, plan: Any = None, guide: Any = None,
-             policy: str = "behind") -> dict[str, Any]:
+             policy: str = "behind", copies: bool = False) -> dict[str, Any]:
     """One training step (planned, or plain when ``plan`` is None): forward and backward
     host seconds (this thread's CPU time: what another process takes of the machine's
-    cores is not counted), and what the runtime did in each."""
+    cores is not counted), and what the runtime did in each; ``copies``: what each
+    offload and reload cost inside the runtime too (a step of its own: that bookkeeping
+    costs time)."""
     calls: Counter = Counter()
+    inside: dict[str, list] = {}
+    timed = ((HostCopies, "offload"), (HostCopies, "reload"), (HostCopies, "ready"))
     net.zero_grad(set_to_none=True)
     with (stand_ins(calls, policy), counting_calls(calls, (HostCopies, "poll")),
+          counting_calls(calls, *timed, inside=inside) if copies else contextlib.nullcontext(),
           TargetKernels("cuda", dense_masks_are_causal=True), no_packed_sequence_check()):
         begin = time.thread_time()
         if plan is None:
@@ -115,8 +133,12 @@ def one_step(net: Any, batch: dict, plan: Any = None, guide: Any = None,
         begin = time.thread_time()
         loss.backward()
         backward_s = time.thread_time() - begin
+    for key in ("offload", "reload", "ready"):  # the runtime's methods, not device calls
+        in_forward.pop(key, None)
+        calls.pop(key, None)
     step: dict[str, Any] = {"forward_s": forward_s, "backward_s": backward_s,
-                            "forward": dict(in_forward), "backward": dict(calls - in_forward)}
+                            "forward": dict(in_forward), "backward": dict(calls - in_forward),
+                            "inside": {k: [n, s, dict(c)] for k, (n, s, c) in inside.items()}}
     if runtime is not None:
         stats, recorder = runtime.stats, runtime.values.recorder
         watch = runtime.values.watch
@@ -136,12 +158,32 @@ def measure(net: Any, batch: dict, plan: Any, guide: Any, steps: int,
         planned.append(one_step(net, batch, plan, guide, policy))
         plain.append(one_step(net, batch))
     last = planned[-1]
+    last["inside"] = one_step(net, batch, plan, guide, policy, copies=True)["inside"]
     med = statistics.median
     return {**last,
             "forward_s": med(s["forward_s"] for s in planned),
             "backward_s": med(s["backward_s"] for s in planned),
             "plain_forward_s": med(s["forward_s"] for s in plain),
             "plain_backward_s": med(s["backward_s"] for s in plain)}
+
+
+def copy_costs(result: dict[str, Any], costs: dict[str, float]) -> dict[str, float]:
+    """The hardware file's ``offload_s`` and ``reload_s`` (NOTE [copy costs] in
+    ``slackswap/core/hardware.py``): the runtime's Python per offload (``HostCopies.
+    offload``) and per reload (``reload`` and the compute stream's ``ready``), this
+    machine's, plus the device calls made inside them priced with ``costs``."""
+    inside = result["inside"]
+
+    def per_call(*keys: str) -> float:
+        n = inside.get(keys[0], [0])[0]
+        if not n:
+            return 0.0
+        seconds = sum(inside[k][1] for k in keys if k in inside)
+        priced = sum(c * costs.get(call, 0.0) * 1e-6 for k in keys if k in inside
+                     for call, c in inside[k][2].items())
+        return (seconds + priced) / n
+
+    return {"offload_s": per_call("offload"), "reload_s": per_call("reload", "ready")}
 
 
 def predict(result: dict[str, Any], costs: dict[str, float]) -> dict[str, float]:
@@ -180,8 +222,9 @@ def measure_costs(path: Path, repeats: int = 2000) -> None:
         "event_record": lambda: event.record(link.compute),
         "event_query": event.query,
         "wait_event": lambda: link.compute.wait_event(event),
-        "copy_d2h": lambda: link.copy_storage(host, small),
-        "copy_h2d": lambda: link.copy(small, host),
+        "copy": lambda: link.copy_storage(host, small, small.numel()),  # a tensor's copy
+        "copy_storage": lambda: host.untyped_storage().copy_(small.untyped_storage(),
+                                                             non_blocking=True),
         "device_empty": lambda: link.empty(small.shape, small.dtype),
     }
     costs = {}
@@ -246,6 +289,10 @@ def main() -> None:
           f"{p['forward_added_ms']:.1f} ms ({p['forward_python_ms']:.1f} Python + "
           f"{p['forward_calls_ms']:.1f} device calls), backward {p['backward_added_ms']:.1f} ms "
           f"({p['backward_python_ms']:.1f} + {p['backward_calls_ms']:.1f})")
+    copies = copy_costs(result, costs["costs_us"])
+    result["host"] = copies
+    print(f"  [host] offload_s = {copies['offload_s']:.1e}, reload_s = "
+          f"{copies['reload_s']:.1e} (this machine's Python, {costs['machine']}'s calls)")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
 

@@ -100,6 +100,30 @@ def test_runtime_costs_land_on_the_items_that_pay_them() -> None:
     assert watch_for(profile, plan).watched_ops == 0
 
 
+def test_copies_cost_the_host_where_they_are_issued() -> None:
+    """NOTE [copy costs]: the case above with offload 20 us and reload 40 us: A's pack
+    issues its offload after 70 us of host work in f1 (the copy starts at 170), and b3,
+    where the host reaches A's prefetch point, pays the reload with the unpack: issued at
+    540, A lands at 541, the step ends at 542. Left out, they cost nothing, and the
+    hardware's JSON does not name them."""
+    profile = _offload_case()
+    host = {**NO_HOST, "dispatch_s": 100 * US, "pack_s": 50 * US, "unpack_s": 30 * US,
+            "watch_s": 1.0, "replay_s": 1.0}
+    hw = link_hardware(2048e6, 2048e6, 2048e6, 2048e6, 0.0,
+                       host={**host, "offload_s": 20 * US, "reload_s": 40 * US})
+    plan = Plan(fingerprint=profile.fingerprint, strategy="hand", decisions={"t0": "offload"})
+    r = simulate(profile, plan, hw)
+    assert r.run.host.cost == pytest.approx([100 * US, 170 * US, 100 * US, 170 * US],
+                                            rel=1e-12)
+    spans = {(s.stream, s.index): (s.start, s.end) for s in r.run.timeline.spans}
+    assert spans["d2h", 0] == pytest.approx((170 * US, 171 * US), rel=1e-12)
+    assert spans["h2d", 0] == pytest.approx((540 * US, 541 * US), rel=1e-12)
+    assert r.step_time_s == pytest.approx(542 * US, rel=1e-12)
+    free = link_hardware(2048e6, 2048e6, 2048e6, 2048e6, 0.0, host=host)
+    assert simulate(profile, plan, free).step_time_s == pytest.approx(482 * US, rel=1e-12)
+    assert "offload_s" not in free.model_dump_json() and "reload_s" in hw.model_dump_json()
+
+
 def test_watched_ops_are_the_runtimes() -> None:
     """Recomputing A watches its producer's segment (what runtime/watch.py decides);
     a profile without module events is watched whole."""
@@ -253,8 +277,11 @@ def test_a_file_without_host_loads_with_the_presets_host(tmp_path) -> None:
     path.write_text(_without_host(_preset_text()))
     hw = load_hardware(path)
     assert hw.host == Host() == load_hardware("a100-80gb").host
-    for name in Host.model_fields:  # the defaults cite their sources
+    for name in HOST_SOURCES:  # the defaults cite their sources
         assert HOST_SOURCES[name] in hw.sources[f"host.{name}"]
+    # the copies' costs are a GPU host's, no default's: left out, nothing is counted
+    assert set(Host.model_fields) - set(HOST_SOURCES) == {"offload_s", "reload_s"}
+    assert hw.host.offload_s == hw.host.reload_s == 0
     partial = tmp_path / "partial.toml"
     partial.write_text(_without_host(_preset_text()).replace(
         "[sources]", "[host]\ndispatch_s = 2e-6\n\n[sources]"))

@@ -112,6 +112,14 @@ class HostLink(_Strict):
 #     leaves out (a file without [host] gets them all; ``dispatch_s`` defaults to the
 #     presets' value). Set a field to 0 to leave that cost out.
 _DISPATCH_S = 7e-6
+# NOTE [copy costs]
+#     Issuing a copy costs the host the runtime's Python and the device calls it makes
+#     (a stream switch, events, the copy; a reload also a device buffer): ``offload_s``
+#     per offload, paid by the pack that issues it, and ``reload_s`` per reload, paid
+#     where the host reaches its prefetch point. Those calls' costs are the GPU host's
+#     and its driver's, so they are a preset's figures, not defaults: a table that
+#     leaves them out counts nothing for them (the presets but ``h200``, whose figures
+#     are ``benchmarks/host_work.py``'s counts priced with the H200's per-call costs).
 # The runtime's own costs, measured (sources below): change them here only. Each is the
 # mean of two runs of the benchmark's "[host] figures" line, which says how it splits them.
 _PACK_S, _UNPACK_S, _WATCH_S, _REPLAY_S = 34e-6, 7e-6, 83e-6, 31e-6
@@ -162,6 +170,9 @@ class Host(_Strict):
     watch_s: Seconds = _WATCH_S  # per forward op the runtime watches
     replay_s: Seconds = _REPLAY_S  # per op replayed to recompute, on top of dispatch_s
     unpack_s: Seconds = _UNPACK_S  # per moved saved tensor unpacked in backward
+    # NOTE [copy costs]: per offload issued in forward, per reload issued in backward
+    offload_s: Seconds = Field(default=0.0, exclude_if=lambda v: v == 0)
+    reload_s: Seconds = Field(default=0.0, exclude_if=lambda v: v == 0)
 
 
 class Node(_Strict):

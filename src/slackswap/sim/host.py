@@ -21,8 +21,11 @@ NOTE [what the host pays]
     ``pack_s`` per tensor autograd saves in forward (its pack hook sees every one),
     ``watch_s`` per forward op the runtime watches (as ``runtime/watch.py`` decides,
     assuming the runtime has a profile of the step on the target; a profile without
-    module events is watched whole), ``replay_s`` per recompute item, and ``unpack_s``
-    per moved saved tensor a backward op reads (approximating its unpacks).
+    module events is watched whole), ``replay_s`` per recompute item, ``unpack_s``
+    per moved saved tensor a backward op reads (approximating its unpacks), and, where
+    the hardware gives them (NOTE [copy costs] in ``slackswap.core.hardware``),
+    ``offload_s`` per offload, paid with the pack that issues it, and ``reload_s`` per
+    reload, at the item where the host reaches its prefetch point.
 """
 
 from __future__ import annotations
@@ -146,11 +149,21 @@ def host_times(profile: StepProfile, plan: Plan, sched: Schedule, host: Host
     pack_end: dict[int, tuple[int, float]] = {}  # tensor -> (item, host s into it) of 1st pack
     if runtime:
         packed = [0.0] * len(items)
+        offloaded = {copy.tensor for copy in sched.d2h} if host.offload_s else set()
         for tid, before in profile.derived("packs", lambda: _packs(profile)):
             k = reached(before)
             packed[k] += host.pack_s
             if tid >= 0 and tid not in pack_end:
+                if tid in offloaded:  # its first pack issues the copy
+                    packed[k] += host.offload_s
+                    offloaded.discard(tid)
                 pack_end[tid] = (k, packed[k])
+        for copy in sched.d2h:  # a checkpoint, offloaded as the op after its producer runs
+            if copy.tensor in offloaded:
+                packed[min(copy.after_item + 1, last)] += host.offload_s
+        if host.reload_s:
+            for copy in sched.h2d:
+                packed[reached(copy.issue_position)] += host.reload_s
         moved = _moved(profile, plan)
         watched = _watched(profile, plan)
         res = sched.residencies
