@@ -43,7 +43,7 @@ NOTE [after the step's forward]
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch._C._dynamo.eval_frame import set_eval_frame as _set_eval_frame
@@ -73,10 +73,8 @@ from slackswap.runtime.recipes import (
     storage_key,
 )
 from slackswap.runtime.state import StepState, unseen_step
+from slackswap.runtime.values import Recorded
 from slackswap.runtime.watch import Watch
-
-if TYPE_CHECKING:
-    from slackswap.runtime.saved import SavedValues
 
 __all__ = ["Recorder"]
 
@@ -121,7 +119,7 @@ class Recorder:
     in-place writes that matter to what the plan saved."""
 
     def __init__(self, state: StepState, watch: Watch | None, checkpoints: dict[str, int],
-                 values: SavedValues, wrappers: frozenset[int] = frozenset()) -> None:
+                 values: Recorded, wrappers: frozenset[int] = frozenset()) -> None:
         self.state, self.watch, self.values = state, watch, values
         self.wrappers = wrappers  # ids of the modules wrapping the model (DDP's)
         self.checkpoints = checkpoints  # unsaved tensors kept -> release position

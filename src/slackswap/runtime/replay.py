@@ -9,7 +9,7 @@ need no grad, so no graph is built and nothing is packed.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -34,9 +34,7 @@ from slackswap.runtime.recipes import (
     view_of,
     view_or_base,
 )
-
-if TYPE_CHECKING:
-    from slackswap.runtime.saved import SavedValues
+from slackswap.runtime.values import Rebuilt
 
 __all__ = ["Replayer"]
 
@@ -44,7 +42,7 @@ __all__ = ["Replayer"]
 class Replayer:
     """Rebuilds the values a plan recomputes, and the inputs they need, for ``values``."""
 
-    def __init__(self, values: SavedValues) -> None:
+    def __init__(self, values: Rebuilt) -> None:
         self.values = values
         self.active = False  # a rebuild is running (its inputs' rebuilds are part of it)
 

@@ -28,11 +28,11 @@ from slackswap.runtime.recording import Recorder, copy_storage
 from slackswap.runtime.replay import Replayer
 from slackswap.runtime.state import StepState
 from slackswap.runtime.stats import RuntimeStats
+from slackswap.runtime.values import Value
 from slackswap.runtime.watch import Watch
 
 __all__ = ["SavedValues"]
 
-Value = tuple[int, int]  # (storage key, its version): NOTE [values, not storages]
 
 
 class _Saved:
