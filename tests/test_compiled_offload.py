@@ -18,14 +18,11 @@ from slackswap.core.plan import Decision
 from slackswap.errors import InputError
 from slackswap.models.presets import build_model
 from slackswap.planners import plan as plan_profile
-from tests.test_compiled import _LOSS_TYPE, _MLP, _assert_steps_as_torch_compile
+from tests.test_compiled import _MLP, _assert_steps_as_torch_compile
 
 
 def _preset(name: str) -> tuple[nn.Module, Any]:
-    model, batch = build_model(name, fake=False, dtype="fp32")
-    if name in _LOSS_TYPE:
-        model.loss_type = _LOSS_TYPE[name]
-    return model, batch
+    return build_model(name, fake=False, dtype="fp32")
 
 
 def _offloads(plan: slackswap.Plan) -> set[str]:

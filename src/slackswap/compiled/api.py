@@ -344,6 +344,7 @@ def compile(  # noqa: A001 - slackswap.compile mirrors torch.compile
     fingerprint = model_fingerprint(model) + batch_fingerprint(
         t for _, t in batch_tensors(batch))
     state = CompiledPlan(budget, hw, strategy, model, fingerprint)
+    _resolve_loss_functions(model)
     compiler, options = _backend(backend, state, compile_kwargs.pop("options", None) or {})
     compile_kwargs.setdefault("dynamic", False)
     compiled = torch.compile(model, backend=compiler, fullgraph=True, options=options,
@@ -357,6 +358,30 @@ def compile(  # noqa: A001 - slackswap.compile mirrors torch.compile
         except Exception as e:
             raise _compile_error(e) from e
     return compiled
+
+
+# NOTE [a loss resolved before the graph]
+#     transformers' models pick their loss function on each call from ``loss_type``
+#     (``PreTrainedModel.loss_function``), and where that is unset or unknown, as on
+#     ``GPT2LMHeadModel``, log a warning before falling back to the causal-LM loss: a
+#     logging call Dynamo cannot trace, so a batch with labels broke the one graph
+#     ``slackswap.compile`` plans. The fallback is resolved once, eagerly, and kept on
+#     the module (the property's own setter): the same loss, and no logging in the graph.
+def _resolve_loss_functions(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        attribute = getattr(type(module), "loss_function", None)
+        if (not isinstance(attribute, property) or attribute.fset is None
+                or "_loss_function" in vars(module) or _known_loss(module)):
+            continue
+        module.loss_function = module.loss_function  # falls back, and warns, here
+
+
+def _known_loss(module: torch.nn.Module) -> bool:
+    try:
+        from transformers.loss.loss_utils import LOSS_MAPPING
+    except ImportError:  # another transformers: leave the model as it is
+        return True
+    return getattr(module, "loss_type", None) in LOSS_MAPPING
 
 
 def _call(model: Any, batch: Batch) -> Any:
