@@ -258,7 +258,8 @@ def _offloader() -> tuple[str, Callable[[torch.nn.Module], Any]]:
 @contextlib.contextmanager
 def offload(model: torch.nn.Module, batch: dict,
             make: Callable[[torch.nn.Module], Any]) -> Iterator[Callable[[], None]]:
-    yield _in_forward(lambda: make(model), model, batch)
+    hooks = make(model)  # one for every step, as torchtune's recipes hold it
+    yield _in_forward(lambda: hooks, model, batch)
 
 
 @contextlib.contextmanager
@@ -298,7 +299,10 @@ def slackswap_compiled(model: torch.nn.Module, batch: dict, budget: float, hardw
     start = time.perf_counter()
     c = slackswap.compile(model, batch, budget=budget, hardware=hardware)
     row["compile_s"] = round(time.perf_counter() - start, 1)
-    row["note"] = f"applied: {c.slackswap.applied()}"
+    applied = c.slackswap.applied()
+    row["applied"] = applied
+    row["note"] = (f"kept {applied.get('kept')}, recomputed {applied.get('recomputed')}, "
+                   f"offloaded {applied.get('offloaded')} tensors")
     try:
         yield _plain_step(c, model, batch)
     finally:
@@ -429,7 +433,8 @@ def pareto(rows: list[dict]) -> list[dict]:
             misses.append((max(peak_over, 0.0), max(s["step_ms"] / bound - 1, 0.0), s["key"]))
         beaten = [k for p, t, k in misses if p == 0 and t == 0]
         v: dict[str, Any] = {"peer": peer["key"], "peak_gb": peer["peak_gb"],
-                             "step_ms": peer["step_ms"], "bound_ms": bound, "beaten_by": beaten}
+                             "step_ms": peer["step_ms"], "bound_ms": bound, "beaten_by": beaten,
+                             "closest": None}
         if not beaten and misses:
             p, t, k = min(misses, key=lambda m: (max(m[0], m[1]), m[0] + m[1]))
             v["closest"] = {"key": k, "peak_over": p, "step_over": t}
@@ -446,7 +451,7 @@ def pareto_lines(verdicts: list[dict], have_keep_all: bool) -> list[str]:
                 f"bound {v['bound_ms']:.1f} ms)")
         if v["beaten_by"]:
             lines.append(f"beaten:  {head} by {', '.join(v['beaten_by'])}")
-        elif "closest" in v:
+        elif v["closest"]:
             c = v["closest"]
             lines.append(f"missed:  {head}; closest {c['key']}: peak +{c['peak_over']:.1%}, "
                          f"step +{c['step_over']:.1%} over the bound")
@@ -473,7 +478,9 @@ def markdown(result: dict) -> str:
              "|---|---|---|---|"]
     for r in result["rows"]:
         notes = r.get("error") or r.get("skipped") or "; ".join(filter(None, [
-            r.get("note"), f"compiled in {r['compile_s']} s" if "compile_s" in r else ""]))
+            r.get("note"), f"compiled in {r['compile_s']} s" if "compile_s" in r else "",
+            f"warm-up (compiling) {r['warmup_s']} s"
+            if r["family"] in COMPILED and "warmup_s" in r else ""]))
         lines.append(f"| {r['label']} | {_fmt(r.get('step_ms'), 'ms', 1)} | "
                      f"{_size(r.get('peak_gb'))} | {notes} |")
     lines += ["", "Pareto check (eager peers against SlackSwap eager plans):", ""]
@@ -491,6 +498,7 @@ def plot(result: dict, path: Path) -> str | None:
     except ImportError as e:
         return f"no plot: {e} (redraw here with --plot JSON)"
     fig, ax = plt.subplots(figsize=(8, 5.5))
+    drawn = False
     for family, (marker, colour) in FAMILIES.items():
         rows = [r for r in result["rows"] if r["family"] == family
                 and r.get("step_ms") is not None and r.get("peak_gb") is not None]
@@ -498,6 +506,7 @@ def plot(result: dict, path: Path) -> str | None:
             continue
         ax.scatter([r["peak_gb"] for r in rows], [r["step_ms"] for r in rows], marker=marker,
                    color=colour, s=110 if marker == "*" else 60, label=family)
+        drawn = True
         for r in rows:
             ax.annotate(r["key"], (r["peak_gb"], r["step_ms"]), fontsize=7,
                         xytext=(4, 3), textcoords="offset points")
@@ -505,7 +514,8 @@ def plot(result: dict, path: Path) -> str | None:
     ax.set_ylabel("median step time (ms)")
     ax.set_title(f"{result['model']} on {result['device']}: step time against peak")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if drawn:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
