@@ -3,6 +3,9 @@
 On one GPU (the reference is one H200, torch 2.11, transformers 5.17):
     python benchmarks/peers.py --model gpt2-xl --layers 12 --hardware h200 --out OUT
     python benchmarks/peers.py --model llama-7b --layers 8 --hardware h200 --out OUT
+Neither run has been timed on the GPU yet: the eager points take seconds, the seven compile
+points most of the run (each row's ``seconds``, printed at the end); ``--time-limit 85``
+skips the points left once the run is past 85 s, ``--points`` splits a run.
 As a smoke test on a CPU (a tiny preset in fp32; compile points are skipped):
     python benchmarks/peers.py --model gpt2-xl --layers 4 --device cpu --steps 2 --out OUT
 
@@ -499,18 +502,20 @@ def plot(result: dict, path: Path) -> str | None:
         return f"no plot: {e} (redraw here with --plot JSON)"
     fig, ax = plt.subplots(figsize=(8, 5.5))
     drawn = False
+    peaks = [r["peak_gb"] for r in result["rows"] if r.get("peak_gb") is not None]
+    scale, unit = (1, "GB") if max(peaks, default=1) >= 1 else (1e3, "MB")
     for family, (marker, colour) in FAMILIES.items():
         rows = [r for r in result["rows"] if r["family"] == family
                 and r.get("step_ms") is not None and r.get("peak_gb") is not None]
         if not rows:
             continue
-        ax.scatter([r["peak_gb"] for r in rows], [r["step_ms"] for r in rows], marker=marker,
-                   color=colour, s=110 if marker == "*" else 60, label=family)
+        ax.scatter([r["peak_gb"] * scale for r in rows], [r["step_ms"] for r in rows],
+                   marker=marker, color=colour, s=110 if marker == "*" else 60, label=family)
         drawn = True
         for r in rows:
-            ax.annotate(r["key"], (r["peak_gb"], r["step_ms"]), fontsize=7,
+            ax.annotate(r["key"], (r["peak_gb"] * scale, r["step_ms"]), fontsize=7,
                         xytext=(4, 3), textcoords="offset points")
-    ax.set_xlabel("activation peak above the step's start (GB)")
+    ax.set_xlabel(f"activation peak above the step's start ({unit})")
     ax.set_ylabel("median step time (ms)")
     ax.set_title(f"{result['model']} on {result['device']}: step time against peak")
     ax.grid(alpha=0.3)
@@ -569,22 +574,30 @@ def main(argv: list[str] | None = None) -> dict:
         model.loss_type = "ForCausalLM"
     print(f"{name} on {args.device}: built in {time.perf_counter() - start:.1f} s", flush=True)
 
-    profiled: list[Any] = []
+    profiled: list[Any] = []  # the profile, or why it failed: taken once, by the first plan
 
     def profile() -> Any:
         if not profiled:
             t = time.perf_counter()
-            profiled.append(slackswap.profile(model, batch, args.hardware, mode="measured",
-                                              name=name))
+            try:
+                profiled.append(slackswap.profile(model, batch, args.hardware,
+                                                  mode="measured", name=name))
+            except Exception as e:  # noqa: BLE001 - each SlackSwap point reports it
+                profiled.append(e)
             print(f"  profiled in {time.perf_counter() - t:.1f} s", flush=True)
+        if isinstance(profiled[0], Exception):
+            raise profiled[0]
         return profiled[0]
 
     patterns = [p.strip() for p in args.points.split(",") if p.strip()]
     tracker = None if cuda else _cpu_peak_tracker()
+    chosen = [(point, row) for point, row in points(model, batch, args.hardware, profile)
+              if any(fnmatch.fnmatchcase(point.key, p) for p in patterns)]
+    if not chosen:
+        keys = ", ".join(p.key for p, _ in points(model, batch, args.hardware, profile))
+        raise SystemExit(f"--points {args.points!r} matches none of: {keys}")
     rows = []
-    for point, row in points(model, batch, args.hardware, profile):
-        if not any(fnmatch.fnmatchcase(point.key, p) for p in patterns):
-            continue
+    for point, row in chosen:
         rows.append(row)
         elapsed = time.perf_counter() - start
         if not cuda and point.family in COMPILED and not args.cpu_compile:
