@@ -569,8 +569,9 @@ def main(argv: list[str] | None = None) -> dict:
     model, batch = build_model(name, dtype="bf16" if cuda else "fp32", fake=False,
                                device=args.device)
     if getattr(model, "loss_type", None) is None:
-        # transformers' loss_function logs a warning when loss_type is None: a graph break
-        # that slackswap.compile (fullgraph) refuses and torch.compile splits the step at
+        # transformers' loss_function logs a warning when loss_type is None, a graph break
+        # torch.compile would split the step at (slackswap.compile resolves the loss
+        # first: NOTE [a loss resolved before the graph]); the same loss for every point
         model.loss_type = "ForCausalLM"
     print(f"{name} on {args.device}: built in {time.perf_counter() - start:.1f} s", flush=True)
 
