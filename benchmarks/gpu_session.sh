@@ -1,18 +1,32 @@
 #!/usr/bin/env bash
-# Every GPU check in one call, since device time is short (minutes a session).
+# Every GPU measurement of the project in one run of at most five minutes, packed into
+# one archive.
 #
-#   bash benchmarks/gpu_session.sh prepare   # here, once: wheels the GPU image lacks -> .whl/
-#   bash benchmarks/gpu_session.sh           # on the GPU machine (carry .whl; ~6 minutes)
+# The machine: one CUDA GPU with 40 GB free or more (written for an NVIDIA H200, 141 GB,
+# bf16), 8 CPU cores or more, 16 GB of host memory for pinned buffers, Python 3.12 with
+# CUDA PyTorch (2.11 or newer), transformers 5.x, numpy, scipy, click, rich, hypothesis
+# and pytest. pydantic and its dependencies may be missing there: `prepare` downloads
+# their wheels into .whl/, and a run installs them when pydantic does not import. No
+# network is needed during the run; .git is optional (pass COMMIT instead).
 #
-# The GPU image has CUDA PyTorch, transformers, scipy, click, rich and pytest but not
-# pydantic, so its wheels travel in .whl (ignored by git). Results land in $OUT: the CUDA
-# runtime tests' log, the host link's measured rates and one gpu_validate JSON per
-# workload, for docs/results-gpu.md.
+#   bash benchmarks/gpu_session.sh prepare        # wheels for pydantic etc. -> .whl/
+#   COMMIT=<sha> OUT=<dir> bash benchmarks/gpu_session.sh
+#   bash benchmarks/gpu_session.sh --cpu-smoke    # the same steps on a CPU, tiny models
+#
+# A run writes two files to $OUT: gpu-session.tar.gz (folder gpu-session/, laid out as
+# docs/results-gpu/README.md describes) and gpu-session-summary.txt (the summary printed
+# at the end). Parts, in order, each under a timeout and the clock: the CUDA tests;
+# the runtime's host per-call costs; benchmarks/gpu_diag.py on gpt2-xl@12 and llama-7b@8
+# (every strategy at 50%, traces, the memory checks); then, while time is left,
+# bert-large@8 (keep-all and SlackSwap, traces), the host link's rates
+# (benchmarks/link_bandwidth.py) and benchmarks/peers.py on gpt2-xl@12 and llama-7b@8.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+ROOT=$PWD
 
 if [ "${1:-}" = "prepare" ]; then
-    grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+    exclude=$(git rev-parse --git-path info/exclude 2>/dev/null || echo .git/info/exclude)
+    grep -qx '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >> "$exclude"
     mkdir -p .whl
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
         --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
@@ -22,30 +36,175 @@ if [ "${1:-}" = "prepare" ]; then
     exit
 fi
 
+SMOKE=0
+[ "${1:-}" = "--cpu-smoke" ] && SMOKE=1
+PYTHON=${PYTHON:-python3}
 OUT=${OUT:-/tmp/slackswap-gpu}
+SESSION_S=${SESSION_S:-300}  # the whole run, packing included
+OPTIONAL_UNTIL_S=${OPTIONAL_UNTIL_S:-270}  # no optional part starts after this
+PACK_S=10  # kept back for the summary and the archive
+START=$SECONDS
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=src
-if compgen -G ".whl/*.whl" > /dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site:src
+WORK=$(mktemp -d)/gpu-session
+mkdir -p "$WORK"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$ROOT/src:$ROOT/benchmarks
+if [ "$SMOKE" = 1 ]; then
+    DEVICE=cpu STEPS=1
+    DIAGS=("gpt2-xl-tiny - slackswap,offload-only,recompute-only")
+    OPTIONAL_DIAGS=()
+    PEERS=()
+else
+    DEVICE=cuda STEPS=5
+    DIAGS=("gpt2-xl 12 all" "llama-7b 8 all")
+    OPTIONAL_DIAGS=("bert-large 8 slackswap")
+    PEERS=("gpt2-xl 12" "llama-7b 8")
 fi
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
-python3 -c "import torch, transformers; print('torch', torch.__version__,
-'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
 
-timeout 150 python3 -m pytest -q -rs -p no:cacheprovider tests/test_runtime_cuda.py 2>&1 \
-    | tee "$OUT/cuda-tests.txt"
-timeout 60 python3 benchmarks/link_bandwidth.py --hardware h200 2>&1 | tee "$OUT/link.txt"
-# the runtime's per-call host costs, for benchmarks/host_costs_h200.json (host_work.py)
-timeout 60 python3 benchmarks/host_work.py --measure-costs "$OUT/host_costs.json" 2>&1 \
-    | tail -n 20
-for workload in "gpt2-xl 12" "llama-7b 8"; do
-    set -- $workload
-    timeout 120 python3 benchmarks/gpu_validate.py --model "$1" --layers "$2" \
-        --hardware h200 --steps 5 --out "$OUT/$1.json" 2>&1 | tee "$OUT/$1.txt"
-done
-for model in llama-7b gpt2-xl bert-large; do
-    timeout 60 python3 benchmarks/runtime_overhead.py --model "$model" --layers 4 \
-        --device cuda --steps 5 2>&1 | tee -a "$OUT/overhead.txt"
-done
+elapsed() { echo $((SECONDS - START)); }
+
+# part NAME CAP_S MIN_S optional|required COMMAND...: run COMMAND under a timeout of
+# CAP_S or what the clock leaves, whichever is less; skip it when less than MIN_S is
+# left, or when it is optional and the optional parts' time is over. Output goes to
+# the screen and $WORK/NAME.log; one line per part to $WORK/parts.txt.
+part() {
+    local name=$1 cap=$2 least=$3 kind=$4
+    shift 4
+    local now left limit rc
+    now=$(elapsed)
+    left=$((SESSION_S - PACK_S - now))
+    if { [ "$kind" = optional ] && [ "$now" -ge "$OPTIONAL_UNTIL_S" ]; } || [ "$left" -lt "$least" ]; then
+        echo "[${now}s] $name: skipped (${left}s left)" | tee -a "$WORK/parts.txt"
+        return 0
+    fi
+    limit=$((cap < left ? cap : left))
+    echo "[${now}s] $name: start (timeout ${limit}s)"
+    timeout -k 5 "$limit" "$@" 2>&1 | tee "$WORK/$name.log"
+    rc=${PIPESTATUS[0]}
+    [ "$rc" = 124 ] && rc="124 (timed out after ${limit}s)"
+    echo "[$(elapsed)s] $name: rc $rc, $(( $(elapsed) - now ))s" | tee -a "$WORK/parts.txt"
+}
+
+record_session() {
+    local given=${COMMIT:-} head="" dirty=""
+    if git rev-parse --git-dir > /dev/null 2>&1; then
+        head=$(git rev-parse HEAD)
+        dirty=$(git status --porcelain --untracked-files=no | wc -l)
+    fi
+    {
+        echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+        echo "mode: $([ "$SMOKE" = 1 ] && echo cpu-smoke || echo gpu)"
+        echo "commit (given): ${given:-none}"
+        echo "commit (.git): ${head:-no .git}${dirty:+, $dirty changed tracked files}"
+        echo "host: $(uname -srm), $(nproc) cores"
+        nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader \
+            2>/dev/null | sed 's/^/gpu: /'
+        "$PYTHON" - <<'EOF'
+import json, sys
+sys.argv = ["gpu_diag"]
+from gpu_diag import versions
+for k, v in versions().items():
+    print(f"{k}: {v}")
+EOF
+    } > "$WORK/session.txt" 2>&1
+    cat "$WORK/session.txt"
+}
+
+install_wheels() {
+    if "$PYTHON" -c "import pydantic" 2> /dev/null; then
+        return
+    fi
+    if ! compgen -G ".whl/*.whl" > /dev/null; then
+        echo "pydantic does not import and .whl/ has no wheels: run 'prepare' and carry .whl"
+        return
+    fi
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site:$PYTHONPATH
+}
+
+diag() {  # diag optional|required MODEL LAYERS|- STRATEGIES|all
+    local kind=$1 model=$2 layers=$3 strategies=$4 tag=$2
+    local args=(--model "$model" --device "$DEVICE" --steps "$STEPS" --budget 0.5)
+    if [ "$layers" != - ]; then
+        tag=$model-$layers
+        args+=(--layers "$layers")
+    fi
+    [ "$strategies" != all ] && args+=(--strategies "$strategies")
+    part "diag-$tag" 90 30 "$kind" "$PYTHON" benchmarks/gpu_diag.py "${args[@]}" \
+        --out "$WORK/$tag"
+    if [ -d "$WORK/$tag" ]; then
+        mv "$WORK/diag-$tag.log" "$WORK/$tag/diag.log"
+    fi
+}
+
+main() {
+    install_wheels
+    record_session
+    echo "[$(elapsed)s] set up"
+    local cuda_tests=(tests/test_runtime_cuda.py
+        "tests/test_compiled_offload.py::test_offloads_to_the_host_on_a_gpu_are_bit_identical")
+    if [ "$SMOKE" = 1 ]; then  # the tests skip on a CPU: collect them (imports, names)
+        part cuda-tests 60 10 required "$PYTHON" -m pytest -q --collect-only \
+            -p no:cacheprovider "${cuda_tests[@]}"
+        part host-costs 30 10 required "$PYTHON" benchmarks/host_work.py --help
+    else
+        part cuda-tests 100 30 required "$PYTHON" -m pytest -q -rs -p no:cacheprovider \
+            "${cuda_tests[@]}"
+        part host-costs 40 15 required "$PYTHON" benchmarks/host_work.py \
+            --measure-costs "$WORK/host_costs.json"
+    fi
+    local spec
+    for spec in "${DIAGS[@]}"; do
+        # shellcheck disable=SC2086
+        diag required $spec
+    done
+    for spec in "${OPTIONAL_DIAGS[@]}"; do
+        # shellcheck disable=SC2086
+        diag optional $spec
+    done
+    if [ "$SMOKE" = 1 ]; then
+        part link 30 10 optional "$PYTHON" benchmarks/link_bandwidth.py --help
+    else  # the link alone and both ways at once, for the hardware preset
+        part link 30 15 optional "$PYTHON" benchmarks/link_bandwidth.py --hardware h200
+    fi
+    if [ ! -f benchmarks/peers.py ]; then
+        echo "[$(elapsed)s] peers: skipped (benchmarks/peers.py is not in this checkout)" \
+            | tee -a "$WORK/parts.txt"
+    elif [ "$SMOKE" = 1 ]; then
+        part peers 30 10 optional "$PYTHON" benchmarks/peers.py --help
+    else
+        mkdir -p "$WORK/peers"
+        for spec in "${PEERS[@]}"; do
+            set -- $spec
+            part "peers-$1-$2" 150 60 optional "$PYTHON" benchmarks/peers.py --model "$1" \
+                --layers "$2" --hardware h200 --steps 3 --device cuda --out "$WORK/peers"
+        done
+    fi
+}
+
+summary() {
+    echo "== SlackSwap GPU session"
+    grep -E '^(date|mode|commit|gpu|torch|transformers|cuda):' "$WORK/session.txt"
+    echo
+    "$PYTHON" benchmarks/gpu_diag.py --summary "$WORK" 2>&1
+    echo
+    echo "cuda tests: $(grep -E '(passed|failed|error|skipped|collected|no tests)' \
+        "$WORK/cuda-tests.log" 2> /dev/null | tail -n 1)"
+    if [ -f "$WORK/host_costs.json" ]; then
+        echo "host costs (us): $("$PYTHON" -c "import json, sys
+print(json.load(open(sys.argv[1]))['costs_us'])" "$WORK/host_costs.json" 2>&1)"
+    fi
+    if [ -d "$WORK/peers" ]; then
+        echo "peers: $(cd "$WORK/peers" && ls | tr '\n' ' ')"
+    fi
+    echo "parts:"
+    sed 's/^/  /' "$WORK/parts.txt"
+}
+
+main 2>&1 | tee "$WORK/session.log"
+summary 2>&1 | tee "$WORK/summary.txt"
+cat "$WORK/summary.txt" >> "$WORK/session.log"
+cp "$WORK/summary.txt" "$OUT/gpu-session-summary.txt"
+tar -czf "$OUT/gpu-session.tar.gz" -C "$(dirname "$WORK")" gpu-session
+echo "[$(elapsed)s] $OUT/gpu-session.tar.gz: $(du -h "$OUT/gpu-session.tar.gz" | cut -f1)," \
+    "$(tar -tzf "$OUT/gpu-session.tar.gz" | wc -l) entries"
