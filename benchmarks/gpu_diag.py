@@ -13,8 +13,9 @@ warm-up, and records per plan: the median step and forward time, the step's peak
 allocated memory above what was allocated at its start (CUDA; weight gradients are kept
 between steps, so activations and temporaries, as the simulator counts them) against the
 budget, the simulated step, peak and retention, and the runtime's stats; the plans go to
-``DIR/plans/``. Then it takes a ``torch.profiler`` trace of one keep-all and one
-SlackSwap step (``DIR/trace-*.json.gz``) and summarises each per stream: compute busy,
+``DIR/plans/``. It takes a ``torch.profiler`` trace of one keep-all and one SlackSwap
+step (``DIR/trace-*.json.gz``; first, after SlackSwap's plan is measured, so a run cut
+short keeps them) and summarises each per stream: compute busy,
 compute idle waiting for the host and waiting for copies, copy rates each way, and the
 forward's host time. Everything goes to ``DIR/diag.json``, written after each part, so a
 run stopped early keeps what it measured.
@@ -366,11 +367,12 @@ class Diag:
               f"{self.profile.keep_all_peak / 1e6:.1f} MB", flush=True)
         self.save()
 
-    def strategies(self) -> dict[str, Plan]:
-        """Plan, simulate and run each strategy at the budget; the plans made."""
+    def strategies(self, strategies: list[str]) -> dict[str, Plan]:
+        """Plan, simulate and run each strategy at the budget, and check its peak against
+        the budget; the plans made."""
         plans = {}
         keep_ms = self.results["keep_all"]["step_ms"]
-        for strategy in self.args.strategies:
+        for strategy in strategies:
             start = time.perf_counter()
             try:
                 plan = slackswap.plan(self.profile, self.args.budget, HARDWARE,
@@ -378,7 +380,7 @@ class Diag:
             except Exception as err:  # noqa: BLE001 - a strategy that cannot plan is a row
                 self.results["plans"][strategy] = {"error": str(err)[:300]}
                 print(f"{strategy}: no plan ({str(err)[:120]})", flush=True)
-                self.save()
+                self.check_memory(strategy)
                 continue
             plan_s = time.perf_counter() - start
             plans[strategy] = plan
@@ -396,20 +398,19 @@ class Diag:
                   f"{row['sim_retention']:.3f} | peak {peak} MB, simulated "
                   f"{row['sim_peak_bytes'] / 1e6:.1f}, budget {plan.budget_bytes / 1e6:.1f} "
                   f"| planned in {plan_s:.2f} s | stats {row['stats']}", flush=True)
-            self.save()
+            self.check_memory(strategy)
         return plans
 
-    def check_memory(self) -> None:
-        """The budget claim, one line per plan."""
-        for strategy, row in self.results["plans"].items():
-            verdict, line = memory_check(f"{self.name} {strategy}", row)
-            self.results["memory_checks"].append({"strategy": strategy, "verdict": verdict,
-                                                  "line": line})
-            print(line, flush=True)
+    def check_memory(self, strategy: str) -> None:
+        """The budget claim for one plan: a line, kept with the results."""
+        verdict, line = memory_check(f"{self.name} {strategy}", self.results["plans"][strategy])
+        self.results["memory_checks"].append({"strategy": strategy, "verdict": verdict,
+                                              "line": line})
+        print(line, flush=True)
         self.save()
 
     def traces(self, plans: dict[str, Plan]) -> None:
-        """Trace keep-all and the SlackSwap plan."""
+        """Trace one step of each plan --trace names (keep-all and SlackSwap by default)."""
         for label in self.args.trace:
             if label != "keep-all" and label not in plans:
                 continue
@@ -434,9 +435,11 @@ class Diag:
         start = time.perf_counter()
         self.build()
         self.keep_all()
-        plans = self.strategies()
-        self.check_memory()
+        # the traced plans first, then their traces, so a run cut short has them
+        traced = [s for s in self.args.strategies if s in self.args.trace]
+        plans = self.strategies(traced)
         self.traces(plans)
+        plans |= self.strategies([s for s in self.args.strategies if s not in traced])
         self.results["timings_s"]["total"] = round(time.perf_counter() - start, 2)
         self.save()
         print(f"done in {time.perf_counter() - start:.1f} s: {self.out / 'diag.json'}",

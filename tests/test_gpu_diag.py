@@ -6,6 +6,7 @@ the simulator."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -120,3 +121,12 @@ COMMITTED = sorted((ROOT / "docs" / "results-gpu").glob("**/profile.json"))
 @pytest.mark.parametrize("path", COMMITTED, ids=lambda p: str(p.parent.relative_to(ROOT)))
 def test_a_committed_measured_profile_replays_on_a_cpu(path: Path) -> None:
     _replays(path)
+
+
+def test_the_session_script_parses() -> None:
+    """``bash -n``: the GPU session does not fail on a shell typo (``--cpu-smoke`` runs it
+    whole on a CPU, in about a minute)."""
+    script = ROOT / "benchmarks" / "gpu_session.sh"
+    done = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True,
+                          check=False)
+    assert done.returncode == 0, done.stderr
