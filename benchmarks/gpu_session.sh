@@ -47,7 +47,7 @@ START=$SECONDS
 mkdir -p "$OUT"
 WORK=$(mktemp -d)/gpu-session
 mkdir -p "$WORK"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$ROOT/src:$ROOT/benchmarks
+export PYTHONUNBUFFERED=1 PYTHONPATH=$ROOT/src
 if [ "$SMOKE" = 1 ]; then
     DEVICE=cpu STEPS=1
     DIAGS=("gpt2-xl-tiny - slackswap,offload-only,recompute-only")
@@ -98,9 +98,7 @@ record_session() {
         echo "host: $(uname -srm), $(nproc) cores"
         nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader \
             2>/dev/null | sed 's/^/gpu: /'
-        "$PYTHON" - <<'EOF'
-import json, sys
-sys.argv = ["gpu_diag"]
+        PYTHONPATH=$PYTHONPATH:$ROOT/benchmarks "$PYTHON" - <<'EOF'
 from gpu_diag import versions
 for k, v in versions().items():
     print(f"{k}: {v}")
