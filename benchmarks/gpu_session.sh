@@ -18,8 +18,9 @@
 # at the end). Parts, in order, each under a timeout and the clock: the CUDA tests;
 # the runtime's host per-call costs; benchmarks/gpu_diag.py on gpt2-xl@12 and llama-7b@8
 # (every strategy at 50%, traces, the memory checks); then, while time is left,
-# bert-large@8 (keep-all and SlackSwap, traces), the host link's rates
-# (benchmarks/link_bandwidth.py) and benchmarks/peers.py on gpt2-xl@12 and llama-7b@8.
+# bert-large@8 (keep-all and SlackSwap, traces), benchmarks/peers.py on gpt2-xl@12 and
+# llama-7b@8 (the eager points; the compiled ones too when three minutes are left) and
+# the host link's rates (benchmarks/link_bandwidth.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -59,6 +60,9 @@ else
     OPTIONAL_DIAGS=("bert-large 8 slackswap")
     PEERS=("gpt2-xl 12" "llama-7b 8")
 fi
+
+PEERS_MIN_S=35  # a peers.py run's eager points: build, profile, ten points
+PEERS_EAGER="keep-all,hf-*,sac-*,save-on-cpu,offload,slackswap-0.*"
 
 elapsed() { echo $((SECONDS - START)); }
 
@@ -160,23 +164,37 @@ main() {
         # shellcheck disable=SC2086
         diag optional $spec
     done
-    if [ "$SMOKE" = 1 ]; then
-        part link 30 10 optional "$PYTHON" benchmarks/link_bandwidth.py --help
-    else  # the link alone and both ways at once, for the hardware preset
-        part link 30 15 optional "$PYTHON" benchmarks/link_bandwidth.py --hardware h200
-    fi
     if [ ! -f benchmarks/peers.py ]; then
         echo "[$(elapsed)s] peers: skipped (benchmarks/peers.py is not in this checkout)" \
             | tee -a "$WORK/parts.txt"
     elif [ "$SMOKE" = 1 ]; then
-        part peers 30 10 optional "$PYTHON" benchmarks/peers.py --help
+        part peers 60 10 optional "$PYTHON" benchmarks/peers.py --model gpt2-xl --layers 2 \
+            --hardware h200 --steps 1 --device cpu --points keep-all,hf-every-1,slackswap-0.5 \
+            --time-limit 30 --out "$WORK/peers"
     else
-        mkdir -p "$WORK/peers"
+        local i=0 n=${#PEERS[@]} left share points limit
         for spec in "${PEERS[@]}"; do
             set -- $spec
-            part "peers-$1-$2" 150 60 optional "$PYTHON" benchmarks/peers.py --model "$1" \
-                --layers "$2" --hardware h200 --steps 3 --device cuda --out "$WORK/peers"
+            # the time left, shared by the runs left; the eager points alone (about half a
+            # minute a run) unless there is time for the compiled ones too (minutes)
+            left=$((SESSION_S - PACK_S - $(elapsed)))
+            share=$((left / (n - i)))
+            [ "$share" -lt "$PEERS_MIN_S" ] && share=$left
+            [ "$share" -gt 240 ] && share=240
+            i=$((i + 1))
+            points=$PEERS_EAGER limit=$((share - 15))
+            if [ "$share" -ge 180 ]; then  # no compiled point starts in the last 90 s
+                points="*" limit=$((share - 90))
+            fi
+            part "peers-$1-$2" "$share" "$PEERS_MIN_S" optional "$PYTHON" benchmarks/peers.py \
+                --model "$1" --layers "$2" --hardware h200 --steps 3 --device cuda \
+                --points "$points" --time-limit "$limit" --out "$WORK/peers"
         done
+    fi
+    if [ "$SMOKE" = 1 ]; then
+        part link 30 10 optional "$PYTHON" benchmarks/link_bandwidth.py --help
+    else  # the link alone and both ways at once, for the hardware preset
+        part link 30 15 optional "$PYTHON" benchmarks/link_bandwidth.py --hardware h200
     fi
 }
 
@@ -192,9 +210,14 @@ summary() {
         echo "host costs (us): $("$PYTHON" -c "import json, sys
 print(json.load(open(sys.argv[1]))['costs_us'])" "$WORK/host_costs.json" 2>&1)"
     fi
-    if [ -d "$WORK/peers" ]; then
-        echo "peers: $(cd "$WORK/peers" && ls | tr '\n' ' ')"
-    fi
+    local pareto
+    for pareto in "$WORK"/peers/peers-*.json; do
+        [ -f "$pareto" ] || continue
+        echo "$(basename "$pareto" .json):"
+        "$PYTHON" -c "import json, sys
+print('\n'.join('  ' + line for line in json.load(open(sys.argv[1]))['pareto_lines']))" \
+            "$pareto" 2>&1
+    done
     echo "parts:"
     sed 's/^/  /' "$WORK/parts.txt"
 }
