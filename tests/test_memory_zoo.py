@@ -31,8 +31,6 @@ STRATEGIES = ["slackswap", "offload-only", "recompute-only", "checkpoint-blocks"
 SMALLEST = "smallest"
 # measured on this suite's CPU (2026-12-04): (model, strategy or "keep-all", budget) -> why
 KNOWN: dict[tuple[str, str, object], str] = {
-    ("perceiver", "slackswap", 0.5): "measured 112.7% of the budget, simulated under it: "
-                                     "not yet found what it holds that the profile does not",
     ("switch", "slackswap", 0.5): "tokens reach experts in other numbers on another step "
                                   "(dropout, router jitter): refused part way through "
                                   "forward, as test_runtime_zoo's routing case",
@@ -41,12 +39,7 @@ _OVER = "measured over the budget, simulated under it: not yet found what it hol
 _ROUTING = KNOWN["switch", "slackswap", 0.5]
 # -m full (2026-12-04): measured share of the budget where it is over
 KNOWN.update({
-    ("perceiver", "offload-only", 0.5): f"{_OVER} (106.3%)",
-    ("perceiver", "recompute-only", 0.7): f"{_OVER} (103.6%)",
-    ("longformer", "recompute-only", 0.5): f"{_OVER} (103.9%)",
     ("longformer", "checkpoint-blocks", 0.5): f"{_OVER} (101.1%)",
-    ("multihead_attention", "slackswap", SMALLEST): f"{_OVER} (109.4%)",
-    ("multihead_attention", "offload-only", SMALLEST): f"{_OVER} (109.4%)",
     ("switch", "slackswap", 0.7): f"{_OVER} (107.6%)",
     ("switch", "offload-only", 0.7): f"{_OVER} (107.6%)",
     **{("switch", strategy, budget): _ROUTING for strategy, budget in (

@@ -316,6 +316,40 @@ def test_a_rebuild_group_lasts_until_backward_unpacks_for_another_op() -> None:
     assert freed[first_p] == 5
 
 
+def test_a_tensor_joins_the_group_where_it_is_last_unpacked() -> None:
+    """A batched matmul's backward unpacks Q and K (op 7), reads Q in its first matmul
+    and K in its second (op 8); autograd lets go of Q after op 8 (``released_after``,
+    NOTE [held until let go]). Reloaded, both join the runtime's group when unpacked and
+    stay until op 10 unpacks Y, a tensor first needed by another op: Q too, though
+    autograd let go of it two ops before (NOTE [rebuild groups])."""
+    kib = 1024
+    tensors = [T(4 * kib, kind="input"), T(8 * kib, saved=True, first_backward_use=7),
+               T(8 * kib, saved=True, first_backward_use=7), T(4 * kib),
+               T(8 * kib, saved=True, first_backward_use=6),
+               T(8 * kib, saved=True, first_backward_use=10), T(10), T(4 * kib),
+               T(8 * kib), T(8 * kib), T(4 * kib), T(4 * kib)]
+    ops = [Op("forward", 1e-3, [0], [1]),  # Q
+           Op("forward", 1e-3, [0], [2]),  # K
+           Op("forward", 1e-3, [1, 2], [3]),  # bmm(Q, K)
+           Op("forward", 1e-3, [3], [4]),  # X
+           Op("forward", 1e-3, [0], [5]),  # Y
+           Op("backward", 1e-3, [], [6]),
+           Op("backward", 1e-3, [6, 4], [7]),  # X
+           Op("backward", 1e-3, [7, 1], [8]),  # the bmm's backward, first matmul: Q
+           Op("backward", 1e-3, [7, 2], [9]),  # ... second matmul: K
+           Op("backward", 1e-3, [9], [10]),
+           Op("backward", 1e-3, [10, 5], [11])]  # Y: another op's tensor
+    profile = build(ops, tensors)
+    profile.tensors[1].released_after = 8
+    plan = Plan(fingerprint=profile.fingerprint, strategy="hand",
+                decisions={"t1": "offload", "t2": "offload"})
+    sched = simulate(profile, plan, GPU_ONLY).run.schedule
+    assert [i.op for i in sched.items] == list(range(11))
+    freed = {sched.residencies[r].tensor: k for k, item in enumerate(sched.items)
+             for r in item.frees if sched.residencies[r].source == "reload"}
+    assert freed == {1: 9, 2: 9}  # after op 9, before op 10's unpack
+
+
 def test_a_kept_tensor_backward_is_done_with_is_rebuilt_for_a_later_rebuild() -> None:
     """K (kept) is last unpacked at op 4; the rebuild of R (op 5) reads it: the runtime
     holds no copy by then, so K is rebuilt too, rather than kept on from op 4."""
