@@ -39,7 +39,6 @@ _OVER = "measured over the budget, simulated under it: not yet found what it hol
 _ROUTING = KNOWN["switch", "slackswap", 0.5]
 # -m full (2026-12-04): measured share of the budget where it is over
 KNOWN.update({
-    ("longformer", "checkpoint-blocks", 0.5): f"{_OVER} (101.1%)",
     ("switch", "slackswap", 0.7): f"{_OVER} (107.6%)",
     ("switch", "offload-only", 0.7): f"{_OVER} (107.6%)",
     **{("switch", strategy, budget): _ROUTING for strategy, budget in (

@@ -25,6 +25,7 @@ from stepgraphs import (
 from slackswap.core.hardware import load_hardware, with_overrides
 from slackswap.core.plan import Plan
 from slackswap.errors import InputError
+from slackswap.runtime.checks import checkpoint_releases
 from slackswap.sim import simulate
 from slackswap.sim.outputs import chrome_trace, write_memory_plot, write_trace
 from slackswap.sim.schedule import build_schedule
@@ -348,6 +349,39 @@ def test_a_tensor_joins_the_group_where_it_is_last_unpacked() -> None:
     freed = {sched.residencies[r].tensor: k for k, item in enumerate(sched.items)
              for r in item.frees if sched.residencies[r].source == "reload"}
     assert freed == {1: 9, 2: 9}  # after op 9, before op 10's unpack
+
+
+def test_a_checkpoint_a_rebuild_reads_is_held_with_the_group() -> None:
+    """C, kept as a checkpoint, is read by the rebuild of R for op 6; A, first needed at
+    op 6 too, is read again at op 7, so the group lasts until op 8 unpacks Y. The runtime
+    lets go of a checkpoint when a group after its last rebuild begins
+    (``checkpoint_releases``): C stays through op 7, not only through its rebuild."""
+    kib = 1024
+    tensors = [T(4 * kib, kind="input"), T(8 * kib), T(4 * kib, saved=True,
+               first_backward_use=6), T(4 * kib, saved=True, first_backward_use=6),
+               T(4 * kib), T(4 * kib, saved=True, first_backward_use=8), T(10),
+               T(4 * kib), T(4 * kib), T(4 * kib)]
+    ops = [Op("forward", 1e-3, [0], [1]),  # C
+           Op("forward", 1e-3, [1], [2]),  # R = f(C)
+           Op("forward", 1e-3, [1], [3]),  # A = g(C)
+           Op("forward", 1e-3, [2, 3], [4]),
+           Op("forward", 1e-3, [0], [5]),  # Y
+           Op("backward", 1e-3, [], [6]),
+           Op("backward", 1e-3, [6, 2, 3], [7]),
+           Op("backward", 1e-3, [7, 3], [8]),  # A again: the same group
+           Op("backward", 1e-3, [8, 5], [9])]  # Y: another op's tensor
+    profile = build(ops, tensors)
+    profile.tensors[1].name = "c1"
+    plan = Plan(fingerprint=profile.fingerprint, strategy="hand",
+                decisions={"c1": "keep", "t2": "recompute"})
+    sched = simulate(profile, plan, GPU_ONLY).run.schedule
+    assert [(i.op, i.recompute) for i in sched.items] == [
+        (0, False), (1, False), (2, False), (3, False), (4, False), (5, False), (1, True),
+        (6, False), (7, False), (8, False)]
+    freed = {sched.residencies[r].tensor: k for k, item in enumerate(sched.items)
+             for r in item.frees}
+    assert freed[1] == 8  # after op 7, before op 8's unpack
+    assert checkpoint_releases(profile, plan) == {"c1": 7}
 
 
 def test_a_kept_tensor_backward_is_done_with_is_rebuilt_for_a_later_rebuild() -> None:

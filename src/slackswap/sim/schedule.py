@@ -32,6 +32,11 @@ NOTE [rebuild groups] (as in the runtime, ``slackswap.runtime.saved``)
     group then holds it until the next group begins even when autograd let go before
     (Perceiver's cross-attention query, unpacked by ``BmmBackward`` for its first matmul
     and let go after its second, was held by the runtime four ops more than simulated).
+    A checkpoint a rebuild reads (kept since forward, or reloaded) is held the same way:
+    the runtime lets go of it when a group after the last rebuild that reads it begins
+    (``checkpoint_releases`` in ``slackswap.runtime.checks``, from this schedule), not
+    after that rebuild (Longformer's layer input, read by the rebuild of a key for the
+    first matmul of a batched matmul's backward, stayed through the second).
 """
 
 from __future__ import annotations
@@ -257,6 +262,9 @@ class _Builder:
             if t is not None:
                 self.decision[t.id] = d if t.bytes >= MIN_PLANNED_BYTES else Decision.KEEP
         self.prefetch = {step.named[n].id: i for n, i in plan.prefetch.items()}
+        # checkpoints the runtime holds for rebuilds, kept or reloaded (NOTE [rebuild groups])
+        self.checkpoints = {profile.checkpointable[n].id for n, d in plan.decisions.items()
+                            if d != Decision.RECOMPUTE and n in profile.checkpointable}
         self.first_backward = step.first_backward
         self.items: list[Item] = []
         self.res: list[Residency] = []
@@ -336,8 +344,12 @@ class _Builder:
         # Re-run the producer, then the forward in-place ops that mutated the tensor.
         for index in (t.producer, *self.mutators.get(tid, ())):
             op = self.ops[index]
-            reads = [r for x in dict.fromkeys(op.inputs)
-                     if (r := self._ensure(x, pos, made)) is not None]
+            reads = []
+            for x in dict.fromkeys(op.inputs):
+                if (r := self._ensure(x, pos, made)) is not None:
+                    reads.append(r)
+                    if x in self.checkpoints:  # the group after this one lets go of it
+                        self.members.append((r, pos))
             k = len(self.items)
             self.items.append(Item(op.index, pos, op.time_s, True, [], [], [], []))
             for rid in reads:
