@@ -31,24 +31,21 @@ STRATEGIES = ["slackswap", "offload-only", "recompute-only", "checkpoint-blocks"
 SMALLEST = "smallest"
 # measured on this suite's CPU (2026-12-04): (model, strategy or "keep-all", budget) -> why
 KNOWN: dict[tuple[str, str, object], str] = {
-    ("perceiver", "slackswap", 0.5): "measured 112.7% of the budget, simulated under it: "
-                                     "not yet found what it holds that the profile does not",
     ("switch", "slackswap", 0.5): "tokens reach experts in other numbers on another step "
                                   "(dropout, router jitter): refused part way through "
                                   "forward, as test_runtime_zoo's routing case",
 }
-_OVER = "measured over the budget, simulated under it: not yet found what it holds"
 _ROUTING = KNOWN["switch", "slackswap", 0.5]
+# not refused, yet another step: 2 tokens reach an expert the profiled step sent 7, so the
+# step saves 293 tensors to the profile's 306; the runtime names saves by their order, and
+# a misnamed unpack at the loss's backward (named first needed 21 ops later) issues six
+# reloads early (107.6% of the budget; with the profiled step's draws, measured = simulated)
+_RENAMED = ("another step than the profiled one (router jitter, dropout) names saves "
+            "after the first expert by others' names: reloads issued early")
 # -m full (2026-12-04): measured share of the budget where it is over
 KNOWN.update({
-    ("perceiver", "offload-only", 0.5): f"{_OVER} (106.3%)",
-    ("perceiver", "recompute-only", 0.7): f"{_OVER} (103.6%)",
-    ("longformer", "recompute-only", 0.5): f"{_OVER} (103.9%)",
-    ("longformer", "checkpoint-blocks", 0.5): f"{_OVER} (101.1%)",
-    ("multihead_attention", "slackswap", SMALLEST): f"{_OVER} (109.4%)",
-    ("multihead_attention", "offload-only", SMALLEST): f"{_OVER} (109.4%)",
-    ("switch", "slackswap", 0.7): f"{_OVER} (107.6%)",
-    ("switch", "offload-only", 0.7): f"{_OVER} (107.6%)",
+    ("switch", "slackswap", 0.7): _RENAMED,
+    ("switch", "offload-only", 0.7): _RENAMED,
     **{("switch", strategy, budget): _ROUTING for strategy, budget in (
         ("slackswap", SMALLEST), ("offload-only", 0.5), ("offload-only", SMALLEST),
         ("recompute-only", 0.5))},

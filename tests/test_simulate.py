@@ -25,6 +25,7 @@ from stepgraphs import (
 from slackswap.core.hardware import load_hardware, with_overrides
 from slackswap.core.plan import Plan
 from slackswap.errors import InputError
+from slackswap.runtime.checks import checkpoint_releases
 from slackswap.sim import simulate
 from slackswap.sim.outputs import chrome_trace, write_memory_plot, write_trace
 from slackswap.sim.schedule import build_schedule
@@ -314,6 +315,73 @@ def test_a_rebuild_group_lasts_until_backward_unpacks_for_another_op() -> None:
     assert freed[made[2]] == freed[made[3]] == 8  # after op 7, before op 8's unpack
     first_p = next(r for r in sched.items[1].allocs if sched.residencies[r].tensor == 2)
     assert freed[first_p] == 5
+
+
+def test_a_tensor_joins_the_group_where_it_is_last_unpacked() -> None:
+    """A batched matmul's backward unpacks Q and K (op 7), reads Q in its first matmul
+    and K in its second (op 8); autograd lets go of Q after op 8 (``released_after``,
+    NOTE [held until let go]). Reloaded, both join the runtime's group when unpacked and
+    stay until op 10 unpacks Y, a tensor first needed by another op: Q too, though
+    autograd let go of it two ops before (NOTE [rebuild groups])."""
+    kib = 1024
+    tensors = [T(4 * kib, kind="input"), T(8 * kib, saved=True, first_backward_use=7),
+               T(8 * kib, saved=True, first_backward_use=7), T(4 * kib),
+               T(8 * kib, saved=True, first_backward_use=6),
+               T(8 * kib, saved=True, first_backward_use=10), T(10), T(4 * kib),
+               T(8 * kib), T(8 * kib), T(4 * kib), T(4 * kib)]
+    ops = [Op("forward", 1e-3, [0], [1]),  # Q
+           Op("forward", 1e-3, [0], [2]),  # K
+           Op("forward", 1e-3, [1, 2], [3]),  # bmm(Q, K)
+           Op("forward", 1e-3, [3], [4]),  # X
+           Op("forward", 1e-3, [0], [5]),  # Y
+           Op("backward", 1e-3, [], [6]),
+           Op("backward", 1e-3, [6, 4], [7]),  # X
+           Op("backward", 1e-3, [7, 1], [8]),  # the bmm's backward, first matmul: Q
+           Op("backward", 1e-3, [7, 2], [9]),  # ... second matmul: K
+           Op("backward", 1e-3, [9], [10]),
+           Op("backward", 1e-3, [10, 5], [11])]  # Y: another op's tensor
+    profile = build(ops, tensors)
+    profile.tensors[1].released_after = 8
+    plan = Plan(fingerprint=profile.fingerprint, strategy="hand",
+                decisions={"t1": "offload", "t2": "offload"})
+    sched = simulate(profile, plan, GPU_ONLY).run.schedule
+    assert [i.op for i in sched.items] == list(range(11))
+    freed = {sched.residencies[r].tensor: k for k, item in enumerate(sched.items)
+             for r in item.frees if sched.residencies[r].source == "reload"}
+    assert freed == {1: 9, 2: 9}  # after op 9, before op 10's unpack
+
+
+def test_a_checkpoint_a_rebuild_reads_is_held_with_the_group() -> None:
+    """C, kept as a checkpoint, is read by the rebuild of R for op 6; A, first needed at
+    op 6 too, is read again at op 7, so the group lasts until op 8 unpacks Y. The runtime
+    lets go of a checkpoint when a group after its last rebuild begins
+    (``checkpoint_releases``): C stays through op 7, not only through its rebuild."""
+    kib = 1024
+    tensors = [T(4 * kib, kind="input"), T(8 * kib), T(4 * kib, saved=True,
+               first_backward_use=6), T(4 * kib, saved=True, first_backward_use=6),
+               T(4 * kib), T(4 * kib, saved=True, first_backward_use=8), T(10),
+               T(4 * kib), T(4 * kib), T(4 * kib)]
+    ops = [Op("forward", 1e-3, [0], [1]),  # C
+           Op("forward", 1e-3, [1], [2]),  # R = f(C)
+           Op("forward", 1e-3, [1], [3]),  # A = g(C)
+           Op("forward", 1e-3, [2, 3], [4]),
+           Op("forward", 1e-3, [0], [5]),  # Y
+           Op("backward", 1e-3, [], [6]),
+           Op("backward", 1e-3, [6, 2, 3], [7]),
+           Op("backward", 1e-3, [7, 3], [8]),  # A again: the same group
+           Op("backward", 1e-3, [8, 5], [9])]  # Y: another op's tensor
+    profile = build(ops, tensors)
+    profile.tensors[1].name = "c1"
+    plan = Plan(fingerprint=profile.fingerprint, strategy="hand",
+                decisions={"c1": "keep", "t2": "recompute"})
+    sched = simulate(profile, plan, GPU_ONLY).run.schedule
+    assert [(i.op, i.recompute) for i in sched.items] == [
+        (0, False), (1, False), (2, False), (3, False), (4, False), (5, False), (1, True),
+        (6, False), (7, False), (8, False)]
+    freed = {sched.residencies[r].tensor: k for k, item in enumerate(sched.items)
+             for r in item.frees}
+    assert freed[1] == 8  # after op 7, before op 8's unpack
+    assert checkpoint_releases(profile, plan) == {"c1": 7}
 
 
 def test_a_kept_tensor_backward_is_done_with_is_rebuilt_for_a_later_rebuild() -> None:

@@ -26,7 +26,17 @@ NOTE [rebuild groups] (as in the runtime, ``slackswap.runtime.saved``)
     saved tensors backward unpacks for the last time, until backward unpacks a tensor
     whose first backward use is another op. The schedule holds them as long
     (:meth:`_Builder._group_resets`), past their last use when a later op reads a
-    tensor first needed by the same op.
+    tensor first needed by the same op. A tensor joins the group at the op where backward
+    unpacks it for the last time (its last read, or the op that first needs it), not
+    where autograd lets go of it (``released_after``, NOTE [held until let go]): the
+    group then holds it until the next group begins even when autograd let go before
+    (Perceiver's cross-attention query, unpacked by ``BmmBackward`` for its first matmul
+    and let go after its second, was held by the runtime four ops more than simulated).
+    A checkpoint a rebuild reads (kept since forward, or reloaded) is held the same way:
+    the runtime lets go of it when a group after the last rebuild that reads it begins
+    (``checkpoint_releases`` in ``slackswap.runtime.checks``, from this schedule), not
+    after that rebuild (Longformer's layer input, read by the rebuild of a key for the
+    first matmul of a batched matmul's backward, stayed through the second).
 """
 
 from __future__ import annotations
@@ -107,6 +117,10 @@ class _Step:
     planned: dict[str, TensorRecord]  # ... those a plan's decision applies to
     kept: dict[int, Decision]  # every saved activation a plan may decide on, kept
     end: dict[int, int]  # saved tensor -> the last backward op that reads it
+    # saved tensor -> the last backward op that reads or first needs it: backward has
+    # unpacked it for the last time by then, though autograd may hold it longer
+    # (``released_after``: NOTE [rebuild groups])
+    unpacked: dict[int, int]
     # backward op -> activations the step lets go of after it, past their last read
     # (NOTE [held until let go] in ``slackswap.profiling.recorder``)
     released: dict[int, list[int]]
@@ -176,12 +190,16 @@ def _step(profile: StepProfile) -> _Step:
     ops, tensors = profile.ops, profile.tensors
     first_backward = next((op.index for op in ops if op.phase == "backward"), len(ops))
     end: dict[int, int] = {}  # NOTE [gone tensors]
+    unpacked: dict[int, int] = {}
     released: dict[int, list[int]] = {}
     needed_at: dict[int, list[int]] = {}
     for t in profile.saved_activations:
         last = t.last_backward_read
         if t.producer is not None and last is not None:
             end[t.id] = last
+            unpacked[t.id] = max([*t.backward_consumers, *(
+                () if t.first_backward_use is None else (t.first_backward_use,))],
+                default=last)
     for t in tensors:  # NOTE [held until let go]
         if t.released_after is not None and t.released_after >= first_backward \
                 and _is_activation(t):
@@ -205,7 +223,7 @@ def _step(profile: StepProfile) -> _Step:
         makes = [tid for tid in op.outputs
                  if tensors[tid].producer == op.index and _is_activation(tensors[tid])]
         backward.append((op.index, op.time_s, wanted, makes))
-    return _Step(first_backward, named, planned, kept, end, released, mutators,
+    return _Step(first_backward, named, planned, kept, end, unpacked, released, mutators,
                  _group_resets(profile),
                  _lay_out_forward(profile, first_backward), backward,
                  sum(op.time_s for op in ops))
@@ -244,6 +262,9 @@ class _Builder:
             if t is not None:
                 self.decision[t.id] = d if t.bytes >= MIN_PLANNED_BYTES else Decision.KEEP
         self.prefetch = {step.named[n].id: i for n, i in plan.prefetch.items()}
+        # checkpoints the runtime holds for rebuilds, kept or reloaded (NOTE [rebuild groups])
+        self.checkpoints = {profile.checkpointable[n].id for n, d in plan.decisions.items()
+                            if d != Decision.RECOMPUTE and n in profile.checkpointable}
         self.first_backward = step.first_backward
         self.items: list[Item] = []
         self.res: list[Residency] = []
@@ -255,6 +276,7 @@ class _Builder:
         self.d2h_of: dict[int, int] | None = None  # tensor -> d2h index
         self.mutators = step.mutators
         self.end = step.end
+        self.unpacked = step.unpacked
         self.released = step.released
         self.resets = step.resets
         self.forward, self.backward = step.forward, step.backward
@@ -322,8 +344,12 @@ class _Builder:
         # Re-run the producer, then the forward in-place ops that mutated the tensor.
         for index in (t.producer, *self.mutators.get(tid, ())):
             op = self.ops[index]
-            reads = [r for x in dict.fromkeys(op.inputs)
-                     if (r := self._ensure(x, pos, made)) is not None]
+            reads = []
+            for x in dict.fromkeys(op.inputs):
+                if (r := self._ensure(x, pos, made)) is not None:
+                    reads.append(r)
+                    if x in self.checkpoints:  # the group after this one lets go of it
+                        self.members.append((r, pos))
             k = len(self.items)
             self.items.append(Item(op.index, pos, op.time_s, True, [], [], [], []))
             for rid in reads:
@@ -381,6 +407,7 @@ class _Builder:
 
     def _backward(self) -> None:
         live, end, decision, tensors = self.live, self.end, self.decision, self.tensors
+        unpacked = self.unpacked
         uses = self.uses
         moved = (Decision.OFFLOAD, Decision.RECOMPUTE)
         for index, seconds, wanted, makes in self.backward:
@@ -395,7 +422,7 @@ class _Builder:
                 if rid is not None:
                     reads.append(rid)
             for tid in wanted:  # unpacked for the last time: the group holds it
-                if end.get(tid) == index and tid in live and decision.get(tid) in moved:
+                if unpacked.get(tid) == index and tid in live and decision.get(tid) in moved:
                     self.members.append((live[tid], index))
             k = len(self.items)
             item = Item(index, index, seconds, False, [], [], [], [])  # (no factory calls)
