@@ -44,7 +44,8 @@ class Watch:
     pack_names: list[str | None]  # per pack of forward: the id of the tensor it saves
     op_names: dict[int, list[str | None]]  # watched op index -> ids of its outputs
     op_kinds: dict[int, str]  # watched op index -> its kind, checked as it runs
-    bytes: dict[str, int]  # id -> storage bytes, checked when a planned tensor is saved
+    bytes: dict[str, int]  # id -> storage bytes, checked as it is saved (NOTE [saves named
+    # by their order] in ``runtime/saved.py``)
 
     @property
     def watched_ops(self) -> int:
@@ -201,6 +202,6 @@ def _watch_for(profile: StepProfile, plan: Plan) -> Watch:
         pack_names=[tensors[t].name if t >= 0 else None for t, _ in profile.saves],
         op_names=op_names,
         op_kinds={i: ops[i].kind for i in op_names},
-        bytes={n: tensors[t].bytes for n, t in ids.items()
-               if n in plan.decisions and plan.decisions[n] != Decision.KEEP},
+        # activations a forward op made (a batch view's record has the view's bytes)
+        bytes={n: tensors[t].bytes for n, t in ids.items() if tensors[t].producer is not None},
     )
