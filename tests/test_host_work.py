@@ -46,6 +46,27 @@ def test_the_asynchronous_branch_is_exact_on_a_cpu(name: str, strategy: str,
         assert runtime.stats.stalls == runtime.stats.offload_waits == 0
 
 
+@pytest.mark.parametrize("policy", POLICIES)
+def test_an_offload_copies_the_storage_bytes_whatever_the_view(policy: str) -> None:
+    """NOTE [a tensor's copy, not its storage's]: the host copy is the storage's bytes,
+    whether copied as a tensor (a whole contiguous storage) or as a storage (a slice, a
+    conjugate or negative view, whose copy as a tensor would resolve the bit)."""
+    from slackswap.runtime.copies import HostCopies
+    from slackswap.runtime.stats import RuntimeStats
+
+    z = torch.randn(64, 32, dtype=torch.complex64, generator=torch.Generator().manual_seed(0))
+    views = {"whole": z, "conj": z.conj(), "neg": z.conj().imag, "slice": z[3:40],
+             "transposed": z.t()}
+    calls: Counter = Counter()
+    with stand_ins(calls, policy):
+        copies = HostCopies()
+        for label, t in views.items():
+            host = copies.offload(t, RuntimeStats())
+            raw = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+            assert torch.equal(host, raw), label
+    assert calls["copy"] == 1 and calls["copy_storage"] == len(views) - 1
+
+
 @functools.cache
 def _counted(strategy: str, budget: float, policy: str = "behind") -> dict:
     """Two layers of gpt2-xl on the meta device, planned for the H200: one warm step,

@@ -193,9 +193,11 @@ class StandIn:
 #     those are copied as tensors, over a view of the host buffer in their dtype and shape
 #     (the same bytes); only the others pay for the storage's copy.
 def whole(t: torch.Tensor, nbytes: int) -> bool:
-    """``t`` covers its whole storage of ``nbytes``, contiguously from its start."""
+    """``t`` covers its whole storage of ``nbytes``, contiguously from its start, and
+    reads as its bytes (a conjugate or negative view's copy would resolve the bit its
+    geometry puts back on reload)."""
     return (t.storage_offset() == 0 and t.numel() * t.element_size() == nbytes
-            and t.is_contiguous())
+            and t.is_contiguous() and not t.is_conj() and not t.is_neg())
 
 
 def _cuda_links(device: torch.device) -> Link | None:
