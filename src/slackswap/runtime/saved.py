@@ -44,7 +44,6 @@ from slackswap.runtime.watch import Watch
 __all__ = ["SavedValues"]
 
 
-
 class _Saved:
     """A saved tensor the runtime leaves as autograd saved it (a parameter, the batch, a
     small or unnamed activation): held with its version, since autograd's own check that
