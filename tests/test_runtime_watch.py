@@ -118,3 +118,69 @@ def test_without_a_guiding_profile_every_op_is_watched_and_named_by_the_shared_r
     assert seen >= forward
     want = reference(model, batch)
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def module_hooks_in_forward(model, batch, plan, profile) -> tuple[int, int, dict]:
+    """One step: the global module hooks and the modules with hooks of their own while the
+    model ran, and the loss and gradients."""
+    from torch.nn.modules import module as nn_module
+
+    seen: list[tuple[int, int]] = []
+
+    def look(module, args):
+        if module is model:  # the model's call starts: every hook of the block is in place
+            hooked = sum(bool(m._forward_pre_hooks or m._forward_hooks)
+                         for m in model.modules() if m is not model)
+            seen.append((len(nn_module._global_forward_pre_hooks), hooked))
+
+    handle = nn_module.register_module_forward_pre_hook(look)
+    try:
+        torch.manual_seed(0)
+        with slackswap.apply(model, plan, profile=profile):
+            loss = model(**batch).loss
+        loss.backward()
+    finally:
+        handle.remove()
+    out = {"loss": loss.detach(), **{n: p.grad.clone() for n, p in model.named_parameters()}}
+    model.zero_grad(set_to_none=True)
+    (global_hooks, hooked), = seen
+    return global_hooks - 1, hooked, out  # less the look's own
+
+
+def test_later_steps_hook_only_the_modules_where_watching_changes() -> None:
+    """NOTE [hooks only where watching changes]: the first step of a plan counts every
+    module event with global hooks; the next ones hook a few modules, with gradients bit
+    for bit those of plain PyTorch."""
+    model, batch, profile = traced()
+    plan = uniform(profile, "recompute")
+    plan = Plan.model_validate(plan.model_dump())  # a plan of its own: nothing learned yet
+    want = reference(model, batch)
+    first = module_hooks_in_forward(model, batch, plan, profile)
+    assert first[:2] == (1, 0)  # a global pre-hook (and a post-hook), no module's own
+    modules = sum(1 for _ in model.modules())
+    for _ in range(2):
+        global_hooks, hooked, got = module_hooks_in_forward(model, batch, plan, profile)
+        assert global_hooks == 0 and 0 < hooked < modules / 2
+        assert all(torch.equal(got[k], want[k]) for k in want)
+    assert all(torch.equal(first[2][k], want[k]) for k in want)
+
+
+def test_a_hooked_module_called_more_often_than_learned_is_refused() -> None:
+    model, batch, profile = traced()
+    plan = Plan.model_validate(uniform(profile, "recompute").model_dump())
+    module_hooks_in_forward(model, batch, plan, profile)  # learns the events
+    events = next(e for e in recording._EVENTS.values() if e.model() is model)
+    hooked = events.modules[0]()
+    original = hooked.forward
+
+    def twice(*args, **kwargs):
+        original(*args, **kwargs)
+        return original(*args, **kwargs)
+
+    hooked.forward = twice
+    try:
+        with (pytest.raises(InputError, match="more often than its profile|where its profile"),
+              slackswap.apply(model, plan, profile=profile)):
+            model(**batch)
+    finally:
+        del hooked.forward

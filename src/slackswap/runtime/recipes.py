@@ -163,12 +163,17 @@ def storage_key(t: torch.Tensor) -> int:
 
 
 _UNSEEN = torch._C._DisableTorchDispatch
+_dispatch_modes = torch._C._len_torch_dispatch_stack
 
 
 def detached(t: torch.Tensor) -> torch.Tensor:
     """``t.detach()`` for the runtime's own use (it shares ``t``'s version counter), out
     of sight of dispatch modes: the recorder's own mode would pay a whole watched call
-    for an alias it has no use for. Plain tensors only (no subclass dispatches)."""
+    for an alias it has no use for. Plain tensors only (no subclass dispatches). Outside
+    a watched segment no mode is on, and the guard (a context of its own, per saved
+    tensor) is not entered."""
+    if not _dispatch_modes():
+        return t.detach()
     with _UNSEEN():
         return t.detach()
 

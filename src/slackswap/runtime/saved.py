@@ -31,7 +31,6 @@ from slackswap.runtime.recipes import (
     Node,
     detached,
     geometry,
-    plain_strided,
     view_of,
 )
 from slackswap.runtime.recording import Recorder, copy_storage
@@ -42,6 +41,10 @@ from slackswap.runtime.values import Value
 from slackswap.runtime.watch import Watch
 
 __all__ = ["SavedValues"]
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # as ``recipes.plain_strided`` reads them
+_STRIDED = torch.strided
+_KEEP = Decision.KEEP
 
 
 class _Saved:
@@ -154,11 +157,16 @@ class SavedValues:
 
     # -- forward -----------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> Any:
-        recorder, state = self.recorder, self.state
-        if self.copies.undated:  # NOTE [buffers held by events]
-            self.copies.poll()
+        # the hottest path of forward (a call per saved tensor, about 340 a step of
+        # gpt2-xl@12): attribute lookups hoisted, the common cases first, no helper calls
+        # where an expression does (``benchmarks/host_work.py`` times it)
+        recorder, state, copies = self.recorder, self.state, self.copies
+        if copies.undated:  # NOTE [buffers held by events]
+            copies.poll()
         name = recorder.next_pack() if recorder is not None else None
-        if not plain_strided(t):  # kept as autograd saved it
+        # plain_strided(t), inlined
+        if (type(t) not in _PLAIN or t.layout != _STRIDED or t.is_quantized
+                or t.is_nested):  # kept as autograd saved it
             return _Saved(t)
         storage = t.untyped_storage()
         key, nbytes = storage._cdata, storage.nbytes()  # storage_key(t), its bytes
@@ -167,76 +175,66 @@ class SavedValues:
         # that outlives a dropped step (the detached tensor shares the version counter)
         if nbytes < MIN_PLANNED_BYTES:
             return _Saved(state.kept(t, key, node))
+        decisions = self.decisions
         if node is None:
             if state.is_external(key):
                 return _Saved(detached(t))
             if name is None:
                 return _Saved(state.kept(t, key, None))
-        if name is not None and self.decisions:  # an activation
-            self._check_bytes(name, nbytes)
+        if name is not None and decisions:  # an activation: NOTE [saves named by their order]
+            assert self.watch is not None
+            planned = self.watch.bytes.get(name)
+            if planned is not None and planned != nbytes:
+                raise InputError(_other_step(nbytes, name, planned))
         if node is None:
-            if name in self.decisions:
+            if name in decisions:
                 node = self._saved_node(t, key, name, nbytes)
         elif name is not None and node.name is None:
             node.name = name
         else:
             name = node.name
-        due = self.copies.due
+        due = copies.due
         if due and (at := self.produced_at.get(name)) is not None and due[0][0] <= at + 1:
-            self.copies.free_due(at, self.stats)
-        decision = self.decisions.get(name, Decision.KEEP)
+            copies.free_due(at, self.stats)
+        decision = decisions.get(name, _KEEP)
         vkey = (key, len(node.steps) if node is not None else 0)
-        if decision == Decision.KEEP:
+        pending, handles = self.pending, self.handles
+        if decision == _KEEP:
             kept = state.kept(t, key, node)
             self.hold(vkey, nbytes)
-            packed = _Packed(self, Decision.KEEP, vkey, name, node, t, kept)
-            self._count(vkey)
-        else:
-            assert node is not None
-            if decision == Decision.RECOMPUTE and not node.replayable():
-                raise InputError(
-                    f"cannot recompute '{name}': {node.unreplayable()} is not known to "
-                    "replay bit for bit; keep or offload it (plans from slackswap.plan "
-                    "never recompute it)"
-                )
-            packed = _Packed(self, decision, vkey, name, node, t, None)
-            self._count(vkey)  # before anything below can raise: its ``__del__`` uncounts
-            self.outstanding += 1
-            if self.verify and vkey not in self.originals:
-                with self._quiet():
-                    self.originals[vkey] = copy_storage(t)
-            if decision == Decision.OFFLOAD and vkey not in self.host:
-                with self._quiet():
-                    self.host[vkey] = self.copies.offload(t, self.stats,
-                                                          self.free_before.get(name))
-                self.offloaded[name] = vkey
-                self.stats.offloaded_bytes += self.host[vkey].numel()
-            state.packs.setdefault(key, []).append(weakref.ref(packed))
+            packed = _Packed(self, _KEEP, vkey, name, node, t, kept)
+            pending[vkey] = pending.get(vkey, 0) + 1  # self._count(vkey), inlined
+            handles[vkey] = handles.get(vkey, 0) + 1
+            return packed
+        assert node is not None
+        if decision == Decision.RECOMPUTE and not node.replayable():
+            raise InputError(
+                f"cannot recompute '{name}': {node.unreplayable()} is not known to "
+                "replay bit for bit; keep or offload it (plans from slackswap.plan "
+                "never recompute it)"
+            )
+        packed = _Packed(self, decision, vkey, name, node, t, None)
+        # counted before anything below can raise: its ``__del__`` uncounts
+        pending[vkey] = pending.get(vkey, 0) + 1
+        handles[vkey] = handles.get(vkey, 0) + 1
+        self.outstanding += 1
+        if self.verify and vkey not in self.originals:
+            with self._quiet():
+                self.originals[vkey] = copy_storage(t)
+        if decision == Decision.OFFLOAD and vkey not in self.host:
+            with self._quiet():
+                host = self.host[vkey] = copies.offload(t, self.stats,
+                                                        self.free_before.get(name))
+            self.offloaded[name] = vkey
+            self.stats.offloaded_bytes += host.numel()
+        state.packs.setdefault(key, []).append(weakref.ref(packed))
         return packed
-
-    def _count(self, vkey: Value) -> None:
-        """One more packed handle autograd holds for the value, not yet unpacked."""
-        self.pending[vkey] = self.pending.get(vkey, 0) + 1
-        self.handles[vkey] = self.handles.get(vkey, 0) + 1
 
     def _quiet(self) -> Any:
         """The runtime's own ops in forward (host copies) are not the model's: no names,
         no recipes (a recipe holding a storage would keep it alive)."""
         assert self.recorder is not None
         return self.recorder.quieted()
-
-    def _check_bytes(self, name: str, nbytes: int) -> None:
-        """NOTE [saves named by their order]: the j-th save of the step is the profile's
-        j-th, as big, or the step is another than the profiled one."""
-        assert self.watch is not None
-        planned = self.watch.bytes.get(name)
-        if planned is not None and planned != nbytes:
-            raise InputError(
-                f"the step saved {nbytes} bytes where its profile saved '{name}' "
-                f"({planned} bytes): the plan's profile is not of this step (another "
-                "batch, code path, routing or kernels); profile it again with "
-                "mode='traced' (slackswap.plan(model, batch) does) or on this device"
-            )
 
     def _saved_node(self, t: torch.Tensor, key: int, name: str, nbytes: int) -> Node:
         """Autograd saves, unwatched, the tensor the profile names ``name``, and the plan
@@ -419,6 +417,15 @@ class SavedValues:
             if position is None or last < position:
                 del self.host_checkpoints[vkey]
                 self._drop_host_checkpoint(vkey)
+
+
+def _other_step(nbytes: int, name: str, planned: int) -> str:
+    """NOTE [saves named by their order]: the j-th save of the step is the profile's j-th,
+    as big, or the step is another than the profiled one."""
+    return (f"the step saved {nbytes} bytes where its profile saved '{name}' "
+            f"({planned} bytes): the plan's profile is not of this step (another "
+            "batch, code path, routing or kernels); profile it again with "
+            "mode='traced' (slackswap.plan(model, batch) does) or on this device")
 
 
 _SAME_SIZE_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -154,16 +154,18 @@ class StandIn:
         yield
 
     def copy_storage(self, host: torch.Tensor, t: torch.Tensor, nbytes: int) -> None:
-        if whole(t, nbytes):
-            self.calls["copy"] += 1
-            with _UNSEEN():
+        # the Link's Python, with its copy counted (a meta tensor has no bytes to copy)
+        with _UNSEEN():
+            if whole(t, nbytes):
+                self.calls["copy"] += 1
                 target = host.view(t.dtype).view(t.shape)
                 if t.device.type != "meta":
                     target.copy_(t)
-        else:
-            self.calls["copy_storage"] += 1
-            if t.device.type != "meta":
-                host.untyped_storage().copy_(t.untyped_storage())
+            else:
+                self.calls["copy_storage"] += 1
+                storage = host.untyped_storage()
+                if t.device.type != "meta":
+                    storage.copy_(t.untyped_storage())
 
     def wait_for_compute(self, stream: _StandInStream) -> None:
         self.calls["event_record"] += 1
@@ -171,7 +173,7 @@ class StandIn:
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         self.calls["copy"] += 1
-        if src.device.type != "meta":
+        if "meta" not in (src.device.type, dst.device.type):
             with _UNSEEN():
                 dst.copy_(src)
 
@@ -180,9 +182,12 @@ class StandIn:
         return torch.empty(shape, dtype=dtype, device=self.device)
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
+        """A host buffer in CPU memory, as the :class:`Link`'s pinned one, whatever the
+        device: the views the runtime takes of it then cost what they cost on a GPU's
+        host (on the meta device only the saved tensors are meta; the buffer's pages are
+        never touched, so it takes no memory)."""
         self.calls["host_buffer"] += 1
-        return torch.empty(nbytes, dtype=torch.uint8,
-                           device="meta" if self.device.type == "meta" else "cpu")
+        return torch.empty(nbytes, dtype=torch.uint8)
 
 
 # NOTE [a tensor's copy, not its storage's]
