@@ -107,6 +107,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
 from slackswap.core.plan import MIN_PLANNED_BYTES, Decision
+from slackswap.core.watched import forward_segments
 from slackswap.planners.context import PlanContext
 from slackswap.planners.memory import Pressure, pressure_points
 from slackswap.planners.quiet import solver_output_off
@@ -1012,7 +1013,7 @@ class _BoundLP:
     def watch_terms(self) -> list[tuple[int, int, int]]:
         """(column, first op, one past the last) of the forward ops the runtime watches:
         each producer a plan re-runs or keeps a checkpoint of (v_P); in the exact model
-        every op of the segments that hold those producers, as ``runtime/watch.py``
+        every op of the segments that hold those producers, as ``core/watched.py``
         watches them (a column per segment, at least each of its producers' v_P)."""
         if hasattr(self, "_watch"):
             return self._watch
@@ -1020,8 +1021,6 @@ class _BoundLP:
             self._watch = [(self.V + k, op, op + 1) for k, op in enumerate(self.made_by)
                            if op < self.ctx.first_backward]
             return self._watch
-        # imported here: runtime.watch imports the schedule through runtime.checks
-        from slackswap.runtime.watch import forward_segments
 
         out = []
         for start, end in forward_segments(self.p):

@@ -28,6 +28,7 @@ from scipy.sparse import coo_matrix
 
 from slackswap.core.plan import MIN_PLANNED_BYTES, Decision
 from slackswap.core.profile import StepProfile
+from slackswap.core.watched import forward_segments
 from slackswap.planners.context import Candidate, PlanContext
 from slackswap.planners.memory import Pressure
 from slackswap.planners.quiet import solver_output_off
@@ -202,7 +203,7 @@ def with_watches(ctx: PlanContext, candidates: list[Candidate], program: CoverPr
 
     NOTE [watch columns]
         The runtime watches each forward module segment that holds an op a rebuild
-        re-runs (``runtime/watch.py``), at ``watch_s`` of host time per op: a column per
+        re-runs (``core/watched.py``), at ``watch_s`` of host time per op: a column per
         such segment, at least every column of a recompute whose rebuild re-runs an op
         in it, paid once however many rebuilds it serves. Where the GPU is well ahead of
         the host, watching hides; where the host is behind, a watch is the step's time.
@@ -228,8 +229,6 @@ def with_watches(ctx: PlanContext, candidates: list[Candidate], program: CoverPr
     p, host = ctx.profile, ctx.hw.host
     if not p.module_events or host.watch_s == 0:
         return program
-    # imported here: runtime.watch imports the schedule through runtime.checks
-    from slackswap.runtime.watch import forward_segments
 
     fb = ctx.first_backward
     issue = np.full(len(p.ops), host.dispatch_s)
