@@ -1,4 +1,4 @@
-"""plan.as_checkpoint_policy: torch.utils.checkpoint's selective checkpointing saving and
+"""slackswap.checkpoint_policy: torch.utils.checkpoint's selective checkpointing saving and
 recomputing as a plan says, on CPU."""
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def test_policy_trains_exactly_and_follows_the_plan(name: str) -> None:
     plan = slackswap.plan(model, batch, budget=0.7, strategy="recompute-only")
     planned = {n for n, d in plan.decisions.items() if d == Decision.RECOMPUTE}
     assert planned
-    policy = plan.as_checkpoint_policy(model)
+    policy = slackswap.checkpoint_policy(plan, model)
     _checkpoint_blocks(model, policy)
     ref_loss, ref_held = _step(reference, batch)
     loss, held = _step(model, batch)
@@ -138,20 +138,20 @@ def test_policy_trains_exactly_and_follows_the_plan(name: str) -> None:
 def test_policy_refuses_another_batch_and_model() -> None:
     model, x = _build("custom")
     plan = slackswap.plan(model, x, budget=0.7, strategy="recompute-only")
-    policy = plan.as_checkpoint_policy(model)
+    policy = slackswap.checkpoint_policy(plan, model)
     model.context_fn = policy.context_fn
     with pytest.raises(InputError, match="not the step the plan was made for") as error:
         model(torch.randn(32, 32))
     assert "\n" not in str(error.value)
     model(x).backward()  # the planned batch still runs
     with pytest.raises(InputError, match="different model") as error:
-        plan.as_checkpoint_policy(_Net(width=16))
+        slackswap.checkpoint_policy(plan, _Net(width=16))
     assert "\n" not in str(error.value)
     policy.remove()
     # a region another policy's plan was not made for: named ops differ from its profile
     other, y = _Net(depth=2), torch.randn(64, 32)
     other_plan = slackswap.plan(other, y, budget=0.7, strategy="recompute-only")
-    with other_plan.as_checkpoint_policy(other) as stale:
+    with slackswap.checkpoint_policy(other_plan, other) as stale:
         model.context_fn = stale.context_fn
         with pytest.raises(InputError, match="outside a forward of the model"):
             model(x)
@@ -160,7 +160,7 @@ def test_policy_refuses_another_batch_and_model() -> None:
 def test_policy_refuses_a_region_that_begins_between_ops() -> None:
     model, x = _build("custom")
     plan = slackswap.plan(model, x, budget=0.7, strategy="recompute-only")
-    with plan.as_checkpoint_policy(model) as policy:
+    with slackswap.checkpoint_policy(plan, model) as policy:
         model.forward = lambda x: checkpoint(  # type: ignore[method-assign]
             lambda y: _Net.forward(model, y * 1.0), x, use_reentrant=False,
             context_fn=policy.context_fn)
@@ -172,7 +172,7 @@ def test_policy_refuses_a_region_that_begins_between_ops() -> None:
 def test_policy_refuses_ops_other_than_the_profiles() -> None:
     model, x = _build("custom")
     plan = slackswap.plan(model, x, budget=0.7, strategy="recompute-only")
-    with plan.as_checkpoint_policy(model) as policy:
+    with slackswap.checkpoint_policy(plan, model) as policy:
         model.context_fn = policy.context_fn
         with torch.no_grad():  # no region asks the policy: evaluation runs as it did
             model(x)
@@ -188,12 +188,12 @@ def test_policy_refuses_offload_and_analytic_profiles() -> None:
     plan = slackswap.plan(model, x, budget=0.7, strategy="offload-only")
     assert Decision.OFFLOAD in plan.decisions.values()
     with pytest.raises(InputError, match="cannot offload in eager mode") as error:
-        plan.as_checkpoint_policy(model)
+        slackswap.checkpoint_policy(plan, model)
     assert "\n" not in str(error.value)
     analytic = slackswap.profile(model, x, mode="analytic", loss_fn=lambda out: out)
     with pytest.raises(InputError, match="cannot name the ops"):
-        slackswap.plan(analytic, 0.7, strategy="recompute-only").as_checkpoint_policy(
-            model, profile=analytic)
+        slackswap.checkpoint_policy(slackswap.plan(analytic, 0.7, strategy="recompute-only"),
+                                    model, profile=analytic)
 
 
 def test_cached_random_op_shifts_later_draws_in_torch() -> None:

@@ -12,11 +12,11 @@ import pytest
 from stepgraphs import block_step
 
 import slackswap
-import slackswap.plan_cache as plan_cache
+import slackswap.planners.cache as plan_cache
 from slackswap.core.hardware import with_overrides
-from slackswap.plan_cache import CacheWarning
 from slackswap.planners import STRATEGIES, plan_in_context
 from slackswap.planners.bound import retention_bound
+from slackswap.planners.cache import CacheWarning
 from slackswap.planners.context import PlanContext
 
 

@@ -13,8 +13,8 @@ from slackswap.sim import simulate
 __all__ = [
     "Hardware", "OpRecord", "Plan", "SimResult", "StepProfile", "TensorRecord",
     "InputError", "ProfileError", "SlackSwapError",
-    "STRATEGIES", "apply", "attach", "auto", "compile", "hardware_presets", "load_hardware",
-    "plan", "profile", "simulate",
+    "STRATEGIES", "apply", "attach", "auto", "checkpoint_policy", "compile", "hardware_presets",
+    "load_hardware", "plan", "profile", "simulate",
 ]
 
 
@@ -43,6 +43,10 @@ def __getattr__(name: str):
         from slackswap.runtime.attach import attach
 
         return attach
+    if name == "checkpoint_policy":
+        from slackswap.runtime.checkpoint_policy import checkpoint_policy
+
+        return checkpoint_policy
     if name == "compile":
         from slackswap.compiled import compile
 

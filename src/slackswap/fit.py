@@ -44,8 +44,8 @@ from slackswap.core.profile import StepProfile
 from slackswap.core.units import format_bytes
 from slackswap.device_budget import DeviceBudget, device_budget
 from slackswap.errors import InputError
-from slackswap.plan_cache import cached_attempt
 from slackswap.planners import plan_in_context
+from slackswap.planners.cache import cached_attempt
 from slackswap.planners.context import PlanContext
 
 __all__ = ["FIT_STRATEGIES", "SEQ_STEP", "MAX_DOUBLINGS", "Outcome", "Point", "FitResult",
@@ -285,7 +285,7 @@ def fit(
     if ":" in model:
         raise InputError(f"fit builds preset models at every shape it tries; '{model}' is "
                          "a factory, which builds one batch: profile and plan it instead")
-    cached = profile_at is None  # (NOTE [plan cache] in :mod:`slackswap.plan_cache`)
+    cached = profile_at is None  # (NOTE [plan cache] in :mod:`slackswap.planners.cache`)
     if profile_at is None:
         profile_at = _preset_profiles(model, hardware)
     if batch is None:

@@ -29,14 +29,14 @@ from slackswap.core.jsonio import (
 from slackswap.core.profile import StepProfile
 from slackswap.core.units import format_bytes
 from slackswap.errors import InputError
-from slackswap.plan_cache import (
+from slackswap.planners import STRATEGIES, smallest_feasible_budget
+from slackswap.planners.cache import (
     cache_root,
     cached_attempt,
     cached_bound,
     read_entry,
     write_entry,
 )
-from slackswap.planners import STRATEGIES, smallest_feasible_budget
 from slackswap.planners.context import PlanContext
 from slackswap.planners.summary import checkpoint_bytes, decision_bytes
 from slackswap.sim.outputs import write_trace

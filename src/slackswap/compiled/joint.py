@@ -137,10 +137,48 @@ def read_joint(gm: fx.GraphModule, num_fwd_outputs: int, static_inputs: list[int
     counts as forward), then the rest; a tensor per non-view value, named as the
     profiler names activations; saved = read by a backward op."""
     info = classify_nodes(gm, static_inputs, num_fwd_outputs)
+    primals = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    tensors, tensor_of, state_bytes, tangents = _read_inputs(primals, static_inputs)
+    producer_node: dict[int, fx.Node] = {}
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    forward = [n for n in calls if info.is_required_fw(n)]
+    ordered = forward + [n for n in calls if not info.is_required_fw(n)]
+    ops, details, op_of = _read_ops(ordered, info, tensors, tensor_of, producer_node)
+    _mark_uses(ops, tensors, tangents)
+    joint_outputs = next(iter(gm.graph.find_nodes(op="output"))).args[0]
+    for i, node in enumerate(joint_outputs[num_fwd_outputs:]):
+        tid = tensor_of.get(node.name) if isinstance(node, fx.Node) else None
+        if i in static_inputs and tid is not None and tensors[tid].producer is not None \
+                and ops[tensors[tid].producer].phase == "backward":
+            tensors[tid].kind = "gradient"
+    times = step_times(ops, tensors, hw, details)
+    for op, seconds in zip(ops, times, strict=True):
+        op.time_s = seconds
+    code = hashlib.sha256(gm.code.encode()).hexdigest()[:16]
+    profile = StepProfile(
+        model=model, fingerprint=f"{fingerprint}:joint:{code}", hardware=hw.name,
+        mode="analytic", kernels="native", device=_device(primals), layers=layers,
+        model_state_bytes=state_bytes, ops=ops, tensors=tensors)
+    names = {n.name for n in forward}
+    bases = _bases(calls, tensor_of, profile)
+    outputs = OrderedSet(n for n in joint_outputs[:num_fwd_outputs] if isinstance(n, fx.Node))
+    not_offloadable = {}
+    for t in profile.saved_activations:
+        if t.name is not None and t.producer is not None:
+            why = _offload_refusal(bases.get(t.id, []), outputs)
+            if why is not None:
+                not_offloadable[t.name] = why
+    return JointGraph(profile, tensor_of, producer_node, names, bases, not_offloadable,
+                      op_of)
+
+
+def _read_inputs(primals: list[fx.Node], static_inputs: list[int]
+                 ) -> tuple[list[TensorRecord], dict[str, int], int, set[int]]:
+    """A tensor per placeholder of the joint graph: the model's state (a static input's
+    primal), the batch, the tangents backward starts from (unnamed); with the bytes of
+    state, and the tangents' ids."""
     tensors: list[TensorRecord] = []
     tensor_of: dict[str, int] = {}
-    producer_node: dict[int, fx.Node] = {}
-    primals = [n for n in gm.graph.nodes if n.op == "placeholder"]
     state_bytes = 0
     tangents: set[int] = set()
     for i, node in enumerate(primals):
@@ -158,9 +196,15 @@ def read_joint(gm: fx.GraphModule, num_fwd_outputs: int, static_inputs: list[int
                                     dtype=dtype_name(val.dtype), shape=list(val.shape),
                                     name=None if is_state or "tangents" in node.name
                                     else f"input:{node.name}"))
-    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
-    forward = [n for n in calls if info.is_required_fw(n)]
-    ordered = forward + [n for n in calls if not info.is_required_fw(n)]
+    return tensors, tensor_of, state_bytes, tangents
+
+
+def _read_ops(ordered: list[fx.Node], info: Any, tensors: list[TensorRecord],
+              tensor_of: dict[str, int], producer_node: dict[int, fx.Node],
+              ) -> tuple[list[OpRecord], list[OpDetail], dict[str, int]]:
+    """An op per ATen call of ``ordered`` (getitems and aliases name the tensors they
+    read), a tensor per output it makes, added to ``tensors``, ``tensor_of`` and
+    ``producer_node``: the ops, what each reads and writes, and each node's op."""
     ops: list[OpRecord] = []
     details: list[OpDetail] = []
     op_of: dict[str, int] = {}
@@ -216,6 +260,12 @@ def read_joint(gm: fx.GraphModule, num_fwd_outputs: int, static_inputs: list[int
             and torch.Tag.nondeterministic_seeded not in func.tags,
         ))
         details.append(OpDetail(reads=read, writes={t: tensors[t].bytes for t in out_ids}))
+    return ops, details, op_of
+
+
+def _mark_uses(ops: list[OpRecord], tensors: list[TensorRecord], tangents: set[int]) -> None:
+    """Each tensor's forward and backward readers; saved: made in forward (or an input,
+    not a tangent) and read in backward, first at its first backward reader."""
     made_in_forward = {t.id for t in tensors if t.producer is None
                        or ops[t.producer].phase == "forward"} - tangents
     for op in ops:
@@ -227,31 +277,6 @@ def read_joint(gm: fx.GraphModule, num_fwd_outputs: int, static_inputs: list[int
             record.backward_consumers.append(op.index)
             if t in made_in_forward and record.first_backward_use is None:
                 record.saved, record.first_backward_use = True, op.index
-    joint_outputs = next(iter(gm.graph.find_nodes(op="output"))).args[0]
-    for i, node in enumerate(joint_outputs[num_fwd_outputs:]):
-        tid = tensor_of.get(node.name) if isinstance(node, fx.Node) else None
-        if i in static_inputs and tid is not None and tensors[tid].producer is not None \
-                and ops[tensors[tid].producer].phase == "backward":
-            tensors[tid].kind = "gradient"
-    times = step_times(ops, tensors, hw, details)
-    for op, seconds in zip(ops, times, strict=True):
-        op.time_s = seconds
-    code = hashlib.sha256(gm.code.encode()).hexdigest()[:16]
-    profile = StepProfile(
-        model=model, fingerprint=f"{fingerprint}:joint:{code}", hardware=hw.name,
-        mode="analytic", kernels="native", device=_device(primals), layers=layers,
-        model_state_bytes=state_bytes, ops=ops, tensors=tensors)
-    names = {n.name for n in forward}
-    bases = _bases(calls, tensor_of, profile)
-    outputs = OrderedSet(n for n in joint_outputs[:num_fwd_outputs] if isinstance(n, fx.Node))
-    not_offloadable = {}
-    for t in profile.saved_activations:
-        if t.name is not None and t.producer is not None:
-            why = _offload_refusal(bases.get(t.id, []), outputs)
-            if why is not None:
-                not_offloadable[t.name] = why
-    return JointGraph(profile, tensor_of, producer_node, names, bases, not_offloadable,
-                      op_of)
 
 
 def _bases(calls: list[fx.Node], tensor_of: dict[str, int], profile: StepProfile,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from enum import Enum
-from typing import Any
 
 import pydantic
 from pydantic import NonNegativeInt
@@ -50,15 +49,6 @@ class Plan(JsonFile, pydantic.BaseModel):
             strategy="keep-all",
             decisions={name: Decision.KEEP for name in profile.by_name},
         )
-
-    def as_checkpoint_policy(self, model: Any, profile: StepProfile | None = None) -> Any:
-        """A selective-checkpoint ``policy_fn`` for ``torch.utils.checkpoint`` that saves and
-        recomputes as this plan does, for ``model`` (its ``context_fn`` goes to
-        ``checkpoint(..., use_reentrant=False, context_fn=...)``); see
-        :class:`slackswap.runtime.checkpoint_policy.PlanPolicy`. Imports torch."""
-        from slackswap.runtime.checkpoint_policy import PlanPolicy
-
-        return PlanPolicy(model, self, profile)
 
     def check(self, profile: StepProfile) -> None:
         """Raise :class:`InputError` unless this plan was made for ``profile``."""

@@ -1,8 +1,9 @@
-"""``plan``: one entry point for every strategy, with budgets as users write them."""
+"""``plan``: one entry point for every strategy, with budgets as users write them (the
+strategies themselves, and planning in a context built once, are in
+:mod:`slackswap.planners.strategies`, below the plan cache)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 from slackswap.core.hardware import Hardware, load_hardware, profile_hardware
@@ -12,27 +13,14 @@ from slackswap.core.result import SimResult
 from slackswap.core.units import format_bytes, resolve_budget
 from slackswap.device_budget import resolve_fit
 from slackswap.errors import InputError
-from slackswap.planners import baselines
+from slackswap.planners.cache import cached_attempt
 from slackswap.planners.context import PlanContext
-from slackswap.planners.prefetch import with_prefetch_points
-from slackswap.planners.search import Attempt
-from slackswap.planners.slackswap import slackswap
+from slackswap.planners.strategies import STRATEGIES, plan_in_context
 from slackswap.sim.schedule import min_working_set
 from slackswap.sim.simulate import simulate
 
 __all__ = ["STRATEGIES", "plan", "plan_with_result", "plan_in_context",
            "smallest_feasible_budget"]
-
-STRATEGIES: dict[str, Callable[[PlanContext], Attempt | None]] = {
-    "slackswap": slackswap,
-    "recompute-only": baselines.recompute_only,
-    "checkpoint-blocks": baselines.checkpoint_blocks,
-    "checkpoint-offload": baselines.checkpoint_offload,
-    "offload-only": baselines.offload_only,
-    "capuchin": baselines.capuchin,
-    "module-policy": baselines.module_policy,
-}
-
 
 def smallest_feasible_budget(profile: StepProfile, hardware: Hardware | None = None) -> int:
     """A budget a plan is known to fit: the smallest memory limit under which the
@@ -80,29 +68,8 @@ def plan_with_result(
     budget = resolve_fit(budget, profile, hw)
     ctx = PlanContext(profile, hw, resolve_budget(budget, profile.keep_all_peak))
     if cached:
-        from slackswap.plan_cache import cached_attempt  # (the cache is built on this module)
-
         return cached_attempt(ctx, strategy)[0]
     return plan_in_context(ctx, strategy)
-
-
-def plan_in_context(ctx: PlanContext, strategy: str = "slackswap") -> Attempt | None:
-    """``strategy``'s plan and simulated result for a context built once (``reproduce``
-    plans every strategy in one): keep-all when it fits, None when the budget is below
-    one op's working set or the strategy has no plan, with the reload starts written
-    into an offloading plan."""
-    if not ctx.reachable:
-        return None
-    if ctx.budget >= ctx.keep_all_peak:
-        keep = Plan.keep_all(ctx.profile).model_copy(
-            update={"strategy": strategy, "budget_bytes": ctx.budget})
-        return keep, ctx.simulate(keep)
-    attempt = ctx.attempt(STRATEGIES[strategy])
-    if (attempt is not None and attempt[1].feasible and not attempt[0].prefetch
-            and Decision.OFFLOAD in attempt[0].decisions.values()):
-        # the simulator's default reload starts, written down so the runtime follows them
-        attempt = with_prefetch_points(ctx, attempt)
-    return attempt if attempt is None else ctx.with_run(attempt)
 
 
 def plan(
@@ -119,7 +86,7 @@ def plan(
     and the CUDA context are taken out (:mod:`slackswap.device_budget`).
 
     ``cached``: the plan is read from the plan cache on disk when an earlier run made it,
-    and stored there when not (NOTE [plan cache] in :mod:`slackswap.plan_cache`): for a
+    and stored there when not (NOTE [plan cache] in :mod:`slackswap.planners.cache`): for a
     profile made the same on every run (analytic, or traced), not one measured on a GPU.
     """
     hw = load_hardware(hardware) if hardware else profile_hardware(profile.hardware)

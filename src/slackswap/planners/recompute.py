@@ -28,6 +28,7 @@ from scipy.sparse import coo_matrix
 
 from slackswap.core.plan import MIN_PLANNED_BYTES, Decision
 from slackswap.core.profile import StepProfile
+from slackswap.core.watched import forward_segments
 from slackswap.planners.context import Candidate, PlanContext
 from slackswap.planners.memory import Pressure
 from slackswap.planners.quiet import solver_output_off
@@ -202,7 +203,7 @@ def with_watches(ctx: PlanContext, candidates: list[Candidate], program: CoverPr
 
     NOTE [watch columns]
         The runtime watches each forward module segment that holds an op a rebuild
-        re-runs (``runtime/watch.py``), at ``watch_s`` of host time per op: a column per
+        re-runs (``core/watched.py``), at ``watch_s`` of host time per op: a column per
         such segment, at least every column of a recompute whose rebuild re-runs an op
         in it, paid once however many rebuilds it serves. Where the GPU is well ahead of
         the host, watching hides; where the host is behind, a watch is the step's time.
@@ -228,25 +229,9 @@ def with_watches(ctx: PlanContext, candidates: list[Candidate], program: CoverPr
     p, host = ctx.profile, ctx.hw.host
     if not p.module_events or host.watch_s == 0:
         return program
-    # imported here: runtime.watch imports the schedule through runtime.checks
-    from slackswap.runtime.watch import forward_segments
 
     fb = ctx.first_backward
-    issue = np.full(len(p.ops), host.dispatch_s)
-    for _, before in packs(p):
-        issue[min(before, len(p.ops) - 1)] += host.pack_s
-    # per op, the GPU's lead over the host, in ms (negative: the host is behind)
-    lead = (np.array(ctx.op_start) - np.cumsum(issue)) * 1e3
-    segments = forward_segments(p)
-    starts = [start for start, _ in segments]
-    readers: dict[int, list[int]] = defaultdict(list)  # segment -> candidates re-running in it
-    for i, c in enumerate(candidates):
-        held = {k for q in rebuild_ops(p, c.producer)
-                if (k := bisect_right(starts, q) - 1) >= 0 and q < segments[k][1]}
-        for k in held:
-            readers[k].append(i)
-    watchable = [(start, end, host.watch_s * 1e3 * (end - start), readers[k])
-                 for k, (start, end) in enumerate(segments) if readers.get(k) and end > start]
+    lead, watchable = _watchable(ctx, candidates)
     cost, rows = list(program.cost), list(program.rows)
     upper = list(np.ones(len(cost)) if program.upper is None else program.upper)
 
@@ -282,6 +267,30 @@ def with_watches(ctx: PlanContext, candidates: list[Candidate], program: CoverPr
         rows.append(({phi: 1.0, total: -1.0}, -float(lead[last:max(upto, last + 1)].min()),
                      np.inf))
     return dataclasses.replace(program, cost=np.array(cost), upper=np.array(upper), rows=rows)
+
+
+def _watchable(ctx: PlanContext, candidates: list[Candidate]
+               ) -> tuple[np.ndarray, list[tuple[int, int, float, list[int]]]]:
+    """Per op, the GPU's lead over the host in keep-all, in ms (negative: the host is
+    behind), its dispatches and packs paid; and per forward segment a recompute would
+    make the runtime watch: (first op, one past the last, its watch in ms, the
+    candidates whose rebuild re-runs an op in it)."""
+    p, host = ctx.profile, ctx.hw.host
+    issue = np.full(len(p.ops), host.dispatch_s)
+    for _, before in packs(p):
+        issue[min(before, len(p.ops) - 1)] += host.pack_s
+    lead = (np.array(ctx.op_start) - np.cumsum(issue)) * 1e3
+    segments = forward_segments(p)
+    starts = [start for start, _ in segments]
+    readers: dict[int, list[int]] = defaultdict(list)  # segment -> candidates re-running in it
+    for i, c in enumerate(candidates):
+        held = {k for q in rebuild_ops(p, c.producer)
+                if (k := bisect_right(starts, q) - 1) >= 0 and q < segments[k][1]}
+        for k in held:
+            readers[k].append(i)
+    watchable = [(start, end, host.watch_s * 1e3 * (end - start), readers[k])
+                 for k, (start, end) in enumerate(segments) if readers.get(k) and end > start]
+    return lead, watchable
 
 
 def row_tie(ctx: PlanContext, candidates: list[Candidate]) -> np.ndarray:

@@ -1,8 +1,9 @@
 """The runtime: executes a plan in eager PyTorch training (torch-facing).
 
 ``apply`` and ``RuntimeStats`` are imported on first use (PEP 562), so the plain-Python
-parts (``runtime.watch``, ``runtime.checks``) load without torch: the simulator asks
-``runtime.watch`` what the runtime watches.
+parts (``runtime.watch``, ``runtime.checks``) load without torch. What the simulator and
+the planners need to know of the runtime (which ops it watches) is in
+:mod:`slackswap.core.watched`, below both.
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ from slackswap.profiling.step import batch_fingerprint, eager_module, model_fing
 from slackswap.runtime.checks import check_recomputable
 from slackswap.runtime.watch import can_watch
 
-__all__ = ["PlanPolicy"]
+__all__ = ["PlanPolicy", "checkpoint_policy"]
 
 _SAVE, _RECOMPUTE = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.MUST_RECOMPUTE
 
@@ -363,3 +363,12 @@ def _tags(profile: StepProfile, plan: Plan, forward: list) -> tuple[list[Checkpo
                           "plan does not keep")
             why[tensors[tid].name] = f"rebuilt: {reason}"
     return tags, why
+
+
+def checkpoint_policy(plan: Plan, model: torch.nn.Module,
+                      profile: StepProfile | None = None) -> PlanPolicy:
+    """A selective-checkpoint ``policy_fn`` for ``torch.utils.checkpoint`` that saves and
+    recomputes as ``plan`` does, for ``model`` (its ``context_fn`` goes to
+    ``checkpoint(..., use_reentrant=False, context_fn=...)``); ``slackswap.checkpoint_policy``.
+    See :class:`PlanPolicy`."""
+    return PlanPolicy(model, plan, profile)

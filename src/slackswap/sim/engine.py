@@ -124,8 +124,9 @@ def run_schedule(sched: Schedule, link: HostLink, limit: float = math.inf,
                  host: HostTimes | None = None) -> Timeline:
     """Time ``sched`` on ``link`` under a memory ``limit`` (bytes of activation memory);
     with ``host``, no item or copy starts before the host has issued it."""
-    # The loop below is the planner's hot path (tens of simulations of thousands of items
-    # per plan): per-item sums are taken once and the helpers are written out inline.
+    # Long because the loop below is the planner's hot path (tens of simulations of
+    # thousands of items per plan): per-item sums are taken once and the helpers are
+    # written out inline, one event loop with its state in locals.
     items, res = sched.items, sched.residencies
     issued = host.issued if host is not None else None
     d2h_ready = host.d2h_ready if host is not None else None

@@ -19,7 +19,7 @@ NOTE [what the host pays]
     Every item pays ``dispatch_s``. The runtime's costs are paid only when a plan that
     moves something is applied (a keep-all step runs without ``slackswap.apply``):
     ``pack_s`` per tensor autograd saves in forward (its pack hook sees every one),
-    ``watch_s`` per forward op the runtime watches (as ``runtime/watch.py`` decides,
+    ``watch_s`` per forward op the runtime watches (as ``core/watched.py`` decides,
     assuming the runtime has a profile of the step on the target; a profile without
     module events is watched whole), ``replay_s`` per recompute item, ``unpack_s``
     per moved saved tensor a backward op reads (approximating its unpacks), and, where
@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from slackswap.core.hardware import Host
 from slackswap.core.plan import MIN_PLANNED_BYTES, Decision, Plan
 from slackswap.core.profile import StepProfile
+from slackswap.core.watched import watched_ops
 from slackswap.sim.schedule import Schedule
 
 __all__ = ["HostTimes", "host_times", "issue_times", "chain_end", "eager_step_time", "packs"]
@@ -120,12 +121,9 @@ def _moved(profile: StepProfile, plan: Plan) -> set[int]:
 
 
 def _watched(profile: StepProfile, plan: Plan) -> set[int]:
-    """Forward ops the runtime watches for ``plan`` (``runtime/watch.py`` decides)."""
+    """Forward ops the runtime watches for ``plan`` (``core/watched.py`` decides)."""
     if not profile.module_events:
         return set(range(sum(op.phase == "forward" for op in profile.ops)))
-    # imported here: runtime.watch imports the schedule through runtime.checks
-    from slackswap.runtime.watch import watched_ops
-
     return watched_ops(profile, plan)
 
 

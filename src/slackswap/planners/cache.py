@@ -58,10 +58,10 @@ from slackswap.core.jsonio import (
 )
 from slackswap.core.plan import Plan
 from slackswap.errors import SlackSwapError
-from slackswap.planners import plan_in_context
 from slackswap.planners.bound import retention_bound
 from slackswap.planners.context import PlanContext
 from slackswap.planners.search import Attempt
+from slackswap.planners.strategies import plan_in_context
 from slackswap.sim.simulate import simulate
 
 __all__ = ["CacheWarning", "cache_root", "cached_attempt", "cached_bound", "read_entry",
@@ -80,7 +80,7 @@ def cache_root() -> Path:
 @functools.cache
 def _code_digest() -> str:
     """SlackSwap's source, and the versions of the libraries a plan's numbers come from."""
-    root = Path(__file__).parent
+    root = Path(__file__).parents[1]  # the package's
     digest = hashlib.sha256(f"{version('scipy')}|{version('numpy')}".encode())
     for path in sorted(root.rglob("*.py")):
         digest.update(path.relative_to(root).as_posix().encode())
