@@ -89,6 +89,7 @@ class KernelTrace:
     a replay is judged by (seconds)."""
 
     launches: list[Launch]
+    device: str  # the GPU's name, as the trace gives it ("" if it does not)
     compute_stream: int
     busy_s: float  # the union of the step's events on the compute stream
     kernel_s: float  # the sum of their durations
@@ -218,8 +219,9 @@ def read_trace(source: str | Path | Mapping[str, Any]) -> KernelTrace:
     if not launches:
         raise InputError("the trace holds no kernels inside its step's STEP_FORWARD and "
                          "STEP_BACKWARD annotations; trace one forward and backward")
+    devices = trace.get("deviceProperties") or [{}]
     return KernelTrace(
-        launches=launches, compute_stream=compute,
+        launches=launches, device=str(devices[0].get("name", "")), compute_stream=compute,
         busy_s=_union_s((k.start_us, k.start_us + k.dur_us) for k in launches),
         kernel_s=sum(k.dur_us for k in launches) / 1e6,
         span_s=(max(e["ts"] + e["dur"] for e in inside) - min(e["ts"] for e in inside)) / 1e6,
