@@ -5,7 +5,9 @@ the simulator against the trace's own figures."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -202,3 +204,25 @@ def test_the_h200_keep_all_trace_replays_at_its_measured_step() -> None:
     assert step == pytest.approx(trace.busy_s, rel=0.01)
     assert step <= trace.span_s and step == pytest.approx(trace.span_s, rel=0.05)
     assert step == pytest.approx(timed, rel=0.05)
+
+
+def test_the_op_by_op_section_is_rewritten_in_place_and_kept(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``fidelity_ops.py --write`` replaces its own section of docs/fidelity.md (appended
+    the first time), and ``fidelity.py --write``, which rewrites the rest, keeps it."""
+    spec = importlib.util.spec_from_file_location(
+        "fidelity_ops", Path(__file__).parents[1] / "benchmarks" / "fidelity_ops.py")
+    assert spec is not None and spec.loader is not None
+    ops = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "fidelity_ops", ops)  # its dataclasses look it up
+    spec.loader.exec_module(ops)
+    doc = tmp_path / "fidelity.md"
+    doc.write_text("# Fidelity\n\nrows\n")
+    ops.write_section("## Op by op\n\nfirst\n", doc)
+    ops.write_section("## Op by op\n\nsecond\n", doc)
+    text = doc.read_text()
+    assert text.startswith("# Fidelity\n\nrows\n\n") and text.count("## Op by op") == 1
+    assert "second" in text and "first" not in text
+    doc.write_text("# Fidelity, rewritten\n" + ops.kept_section(doc))  # as fidelity.py does
+    assert "second" in doc.read_text() and ops.kept_section(doc).count(ops.BEGIN) == 1
+    assert ops.kept_section(tmp_path / "none.md") == ""

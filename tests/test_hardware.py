@@ -251,8 +251,8 @@ def _gemm(n: int, k: int = 1600, dtype: str = "bf16") -> tuple[OpRecord, list[Te
 def test_an_unaligned_gemm_runs_at_the_presets_figure_for_it() -> None:
     """NOTE [unaligned matmuls]: on the h200 preset gpt2's LM head (8192 x 50257 x 1600,
     bf16), or a GEMM whose K is odd, is capped at ``matmul_unaligned_efficiency``; the
-    same GEMM with a vocabulary padded to 50304, an fp32 one, and any GEMM on a preset
-    without the figure are priced as before."""
+    same GEMM with a vocabulary padded to 50304 or BERT's (30522, even: not measured), an
+    fp32 one, and any GEMM on a preset without the figure are priced as before."""
     h200, a100 = load_hardware("h200"), load_hardware("a100-80gb")
     cap = h200.compute.matmul_unaligned_efficiency
     assert cap is not None and a100.compute.matmul_unaligned_efficiency is None
@@ -260,7 +260,7 @@ def test_an_unaligned_gemm_runs_at_the_presets_figure_for_it() -> None:
     assert unaligned(head, tensors) and unaligned(*_gemm(4096, k=1601))
     assert step_times([head], tensors, h200) == [pytest.approx(head.flops / (989e12 * cap))]
     assert step_times([head], tensors, h200)[0] > 5 * op_time(head, h200)
-    for op, ts in (_gemm(50304), _gemm(50257, dtype="fp32")):
+    for op, ts in (_gemm(50304), _gemm(30522), _gemm(50257, dtype="fp32")):
         assert not unaligned(op, ts)
         assert step_times([op], ts, h200) == [op_time(op, h200)]
     assert step_times([head], tensors, a100) == [op_time(head, a100)]

@@ -36,20 +36,23 @@ def _memory_s(moved: float, hw: Hardware) -> float:
 
 # NOTE [unaligned matmuls]
 #     cuBLAS runs its fast tensor-core GEMMs only when each dimension of the product (M,
-#     N, K) is a multiple of 16 bytes of elements (8 in bf16 or fp16); with one that is
-#     not, it falls back to kernels that load one element at a time. GPT-2's vocabulary
-#     of 50257 makes the LM head's three GEMMs so: on the H200 trace of gpt2-xl@12
-#     (docs/results-gpu/traces/, docs/fidelity.md "Op by op on the H200") they ran
-#     CUTLASS's Turing kernels (``cutlass_75_tensorop_bf16_s1688gemm_*_align1``) at 95 to
-#     141 TFLOP/s, where every other GEMM of the step ran Hopper kernels at 630 to 820.
-#     A preset's ``matmul_unaligned_efficiency`` caps such a matmul (mm, addmm, bmm,
-#     baddbmm in a 2-byte dtype: the measurement is bf16); unset, it is priced as any
-#     other. The dimensions are the output's last two and K from the FLOPs.
+#     N, K) is a multiple of 16 bytes of elements (8 in bf16 or fp16); otherwise it falls
+#     back to kernels that load as many elements at a time as the dimensions allow.
+#     GPT-2's vocabulary, 50257, is odd, so the LM head's three GEMMs load one: on the
+#     H200 trace of gpt2-xl@12 (docs/results-gpu/traces/, docs/fidelity.md "Op by op on
+#     the H200") they ran CUTLASS's Turing kernels (``cutlass_75_tensorop_bf16_s1688gemm_
+#     *_align1``) at 95 to 141 TFLOP/s, where every other GEMM of the step ran Hopper
+#     kernels at 630 to 820. A preset's ``matmul_unaligned_efficiency`` caps such a
+#     matmul: mm, addmm, bmm or baddbmm in a 2-byte dtype (the measurement is bf16) with
+#     an odd dimension (the alignment the measurement saw). A dimension even but not a
+#     multiple of 8 (BERT's vocabulary, 30522) gets kernels of two or four elements a
+#     load, not measured, and is priced as aligned; so is every matmul on a preset
+#     without the figure. The dimensions are the output's last two and K from the FLOPs.
 _GEMMS = ("mm", "addmm", "bmm", "baddbmm")
 
 
 def unaligned(op: OpRecord, tensors: Sequence[TensorRecord]) -> bool:
-    """A 2-byte GEMM with M, N or K not a multiple of 8 (NOTE [unaligned matmuls])."""
+    """A 2-byte GEMM with M, N or K odd (NOTE [unaligned matmuls])."""
     if op.kind not in _GEMMS or op.dtype not in ("bf16", "fp16") or not op.outputs:
         return False
     shape = tensors[op.outputs[0]].shape
@@ -62,7 +65,7 @@ def unaligned(op: OpRecord, tensors: Sequence[TensorRecord]) -> bool:
     k = op.flops / (2 * batch * m * n)
     if k < 1 or k != int(k):  # not a plain product: leave it as it was priced
         return False
-    return any(d % 8 for d in (m, n, int(k)))
+    return any(d % 2 for d in (m, n, int(k)))
 
 
 def op_time(op: OpRecord, hw: Hardware, *, causal: bool = False,

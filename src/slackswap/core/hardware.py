@@ -72,8 +72,7 @@ class Compute(_Strict):
     attention_causal_backward_efficiency: Fraction | None = None
     min_kernel_time_s: Seconds
     # NOTE [unaligned matmuls] in slackswap.core.costmodel: the most a 2-byte matmul with
-    # a dimension not a multiple of 8 reaches; None: priced as any other (left out of
-    # the file when unset)
+    # an odd dimension reaches; None: priced as any other (left out of the file when unset)
     matmul_unaligned_efficiency: Fraction | None = Field(default=None,
                                                          exclude_if=lambda v: v is None)
 
