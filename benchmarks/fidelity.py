@@ -614,7 +614,9 @@ def main() -> None:
     if args.write:
         if args.only:
             sys.exit("--write needs every row; drop --only")
-        atomic_write_text(DOC, text)
+        from fidelity_ops import kept_section  # its section, "Op by op on the H200"
+
+        atomic_write_text(DOC, text.rstrip("\n") + "\n" + kept_section(DOC))
 
 
 if __name__ == "__main__":

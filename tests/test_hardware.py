@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from slackswap.core.costmodel import OpDetail, op_time, step_efficiency, step_times
+from slackswap.core.costmodel import OpDetail, op_time, step_efficiency, step_times, unaligned
 from slackswap.core.hardware import hardware_presets, load_hardware, on_node
 from slackswap.core.profile import OpRecord, TensorRecord
 from slackswap.errors import InputError
@@ -41,6 +41,9 @@ def test_every_field_cites_a_source(name: str) -> None:
         for field in type(getattr(hw, section)).model_fields:
             if section == "host" and field in COPY_COSTS and not getattr(hw.host, field):
                 continue  # not counted: absent from the preset and its JSON (NOTE [copy costs])
+            if (section, field) == ("compute", "matmul_unaligned_efficiency") and \
+                    hw.compute.matmul_unaligned_efficiency is None:
+                continue  # unset: absent from the preset and its JSON
             source = hw.sources.get(f"{section}.{field}", "")
             assert len(source) > 20, f"{name}: {section}.{field} has no source"
 
@@ -231,6 +234,37 @@ def test_the_fused_stack_moves_only_what_enters_and_outlives_a_run(saved_middle:
     assert fused[0] == pytest.approx(fused[1])  # shared as their eager times are
     assert fused[2:] == eager[2:] == [op_time(ops[2], eager_hw), op_time(ops[3], eager_hw)]
     assert step_times(ops, tensors, fused_hw) == eager  # no details: priced op by op
+
+
+def _gemm(n: int, k: int = 1600, dtype: str = "bf16") -> tuple[OpRecord, list[TensorRecord]]:
+    """mm of [8192, k] by [k, n], as the profiler records it: the output's shape and the
+    FLOPs (the inputs do not matter here)."""
+    flops = 2.0 * 8192 * n * k
+    op = OpRecord(index=0, name="aten.mm.default", kind="mm", phase="forward", module="",
+                  category="matmul", dtype=dtype, flops=flops, bytes_read=2 * 8192 * k,
+                  bytes_written=2 * 8192 * n, time_s=0, inputs=[], outputs=[0])
+    out = TensorRecord(id=0, kind="activation", bytes=2 * 8192 * n, dtype=dtype,
+                       shape=[8192, n], producer=0)
+    return op, [out]
+
+
+def test_an_unaligned_gemm_runs_at_the_presets_figure_for_it() -> None:
+    """NOTE [unaligned matmuls]: on the h200 preset gpt2's LM head (8192 x 50257 x 1600,
+    bf16), or a GEMM whose K is odd, is capped at ``matmul_unaligned_efficiency``; the
+    same GEMM with a vocabulary padded to 50304 or BERT's (30522, even: not measured), an
+    fp32 one, and any GEMM on a preset without the figure are priced as before."""
+    h200, a100 = load_hardware("h200"), load_hardware("a100-80gb")
+    cap = h200.compute.matmul_unaligned_efficiency
+    assert cap is not None and a100.compute.matmul_unaligned_efficiency is None
+    head, tensors = _gemm(50257)
+    assert unaligned(head, tensors) and unaligned(*_gemm(4096, k=1601))
+    assert step_times([head], tensors, h200) == [pytest.approx(head.flops / (989e12 * cap))]
+    assert step_times([head], tensors, h200)[0] > 5 * op_time(head, h200)
+    for op, ts in (_gemm(50304), _gemm(30522), _gemm(50257, dtype="fp32")):
+        assert not unaligned(op, ts)
+        assert step_times([op], ts, h200) == [op_time(op, h200)]
+    assert step_times([head], tensors, a100) == [op_time(head, a100)]
+    assert "unaligned" not in a100.model_dump_json()  # unset: the preset's JSON is as it was
 
 
 def test_step_efficiency() -> None:

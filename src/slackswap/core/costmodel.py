@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from slackswap.core.hardware import Hardware
 from slackswap.core.profile import OpRecord, TensorRecord
 
-__all__ = ["OpDetail", "op_time", "step_efficiency", "step_times"]
+__all__ = ["OpDetail", "op_time", "step_efficiency", "step_times", "unaligned"]
 
 
 def step_efficiency(table: list[tuple[float, float]], size: float) -> float:
@@ -34,10 +34,47 @@ def _memory_s(moved: float, hw: Hardware) -> float:
     return moved / (m.hbm_bandwidth * step_efficiency(m.bandwidth_efficiency, moved))
 
 
-def op_time(op: OpRecord, hw: Hardware, *, causal: bool = False) -> float:
+# NOTE [unaligned matmuls]
+#     cuBLAS runs its fast tensor-core GEMMs only when each dimension of the product (M,
+#     N, K) is a multiple of 16 bytes of elements (8 in bf16 or fp16); otherwise it falls
+#     back to kernels that load as many elements at a time as the dimensions allow.
+#     GPT-2's vocabulary, 50257, is odd, so the LM head's three GEMMs load one: on the
+#     H200 trace of gpt2-xl@12 (docs/results-gpu/traces/, docs/fidelity.md "Op by op on
+#     the H200") they ran CUTLASS's Turing kernels (``cutlass_75_tensorop_bf16_s1688gemm_
+#     *_align1``) at 95 to 141 TFLOP/s, where every other GEMM of the step ran Hopper
+#     kernels at 630 to 820. A preset's ``matmul_unaligned_efficiency`` caps such a
+#     matmul: mm, addmm, bmm or baddbmm in a 2-byte dtype (the measurement is bf16) with
+#     an odd dimension (the alignment the measurement saw). A dimension even but not a
+#     multiple of 8 (BERT's vocabulary, 30522) gets kernels of two or four elements a
+#     load, not measured, and is priced as aligned; so is every matmul on a preset
+#     without the figure. The dimensions are the output's last two and K from the FLOPs.
+_GEMMS = ("mm", "addmm", "bmm", "baddbmm")
+
+
+def unaligned(op: OpRecord, tensors: Sequence[TensorRecord]) -> bool:
+    """A 2-byte GEMM with M, N or K odd (NOTE [unaligned matmuls])."""
+    if op.kind not in _GEMMS or op.dtype not in ("bf16", "fp16") or not op.outputs:
+        return False
+    shape = tensors[op.outputs[0]].shape
+    if len(shape) < 2 or not all(shape):
+        return False
+    batch = 1
+    for d in shape[:-2]:
+        batch *= d
+    m, n = shape[-2], shape[-1]
+    k = op.flops / (2 * batch * m * n)
+    if k < 1 or k != int(k):  # not a plain product: leave it as it was priced
+        return False
+    return any(d % 2 for d in (m, n, int(k)))
+
+
+def op_time(op: OpRecord, hw: Hardware, *, causal: bool = False,
+            aligned: bool = True) -> float:
     """Seconds ``op`` takes on ``hw`` as a kernel of its own: the slower of its compute and
     memory roofs. ``causal``: an attention kernel ran with a causal mask (its FLOPs are
     already halved; the preset says how much of the peak such a kernel reaches).
+    ``aligned``: false for a matmul :func:`unaligned` finds so, which runs at most at the
+    preset's ``matmul_unaligned_efficiency`` where it has one.
 
     Every kernel takes at least the preset's minimum kernel time; views and bare
     allocations launch no kernel and take none.
@@ -48,6 +85,8 @@ def op_time(op: OpRecord, hw: Hardware, *, causal: bool = False) -> float:
     memory_s = _memory_s(op.bytes_read + op.bytes_written, hw)
     if op.category == "matmul":
         eff = min(step_efficiency(c.matmul_efficiency, op.flops), c.matmul_efficiency_cap)
+        if not aligned and c.matmul_unaligned_efficiency is not None:
+            eff = min(eff, c.matmul_unaligned_efficiency)
     elif op.category == "attention_forward":
         eff = (c.attention_causal_forward_efficiency if causal else None) or (
             c.attention_forward_efficiency)
@@ -89,7 +128,9 @@ def step_times(ops: Sequence[OpRecord], tensors: Sequence[TensorRecord], hw: Har
     if details is not None and len(details) != len(ops):
         raise ValueError(f"{len(details)} op details for {len(ops)} ops")
     causal = [d.causal for d in details] if details is not None else [False] * len(ops)
-    times = [op_time(op, hw, causal=c) for op, c in zip(ops, causal, strict=True)]
+    times = [op_time(op, hw, causal=c, aligned=hw.compute.matmul_unaligned_efficiency is None
+                     or not unaligned(op, tensors))
+             for op, c in zip(ops, causal, strict=True)]
     if hw.stack == "eager" or details is None:
         return times
     for run in _memory_runs(ops):

@@ -71,6 +71,10 @@ class Compute(_Strict):
     attention_causal_forward_efficiency: Fraction | None = None
     attention_causal_backward_efficiency: Fraction | None = None
     min_kernel_time_s: Seconds
+    # NOTE [unaligned matmuls] in slackswap.core.costmodel: the most a 2-byte matmul with
+    # an odd dimension reaches; None: priced as any other (left out of the file when unset)
+    matmul_unaligned_efficiency: Fraction | None = Field(default=None,
+                                                         exclude_if=lambda v: v is None)
 
     _table = pydantic.field_validator("matmul_efficiency")(_check_table)
 
