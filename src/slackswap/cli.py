@@ -29,10 +29,23 @@ from slackswap.core.profile import StepProfile
 from slackswap.core.units import format_bytes
 from slackswap.device_budget import OPTIMIZERS, PRECISIONS, device_budget, is_fit
 from slackswap.errors import InputError, SlackSwapError
+from slackswap.planners import STRATEGIES
 
 __all__ = ["main"]
 
 _err = Console(stderr=True)
+# NOTE [piped width]: rich lays out for 80 columns when stdout is no terminal, cutting
+# tables (and wrapping lines) that a file or a pipe would hold whole; piped output is
+# laid out this wide instead, unless $COLUMNS says otherwise.
+_PIPED_WIDTH = 400
+
+
+def _console() -> Console:
+    """A console for stdout: the terminal's width, or NOTE [piped width]'s."""
+    out = Console()
+    if not out.is_terminal and "COLUMNS" not in os.environ:
+        out = Console(width=_PIPED_WIDTH)
+    return out
 
 
 def _plain(text: object, limit: int = 120) -> str:
@@ -150,6 +163,25 @@ def _gpus_option(fn: Callable[..., Any]) -> Callable[..., Any]:
              "they share host links and host memory.")(fn)
 
 
+def _loss_option(fn: Callable[..., Any]) -> Callable[..., Any]:
+    return click.option(
+        "--loss", metavar="MODULE:FUNCTION",
+        help="The loss of a package.module:factory MODEL whose output carries none: "
+             "FUNCTION(output) returns the scalar loss tensor backward starts from.")(fn)
+
+
+def _loss_fn(model: str, loss: str | None) -> Callable[[Any], Any] | None:
+    """The function ``--loss`` names, for a factory MODEL (a preset computes its own)."""
+    if loss is None:
+        return None
+    if ":" not in model:
+        raise InputError(f"--loss applies to a package.module:factory MODEL; preset "
+                         f"'{_plain(model)}' computes its own loss")
+    from slackswap.models import load_loss
+
+    return load_loss(loss)
+
+
 def _set_option(fn: Callable[..., Any]) -> Callable[..., Any]:
     return click.option(
         "--set", "overrides", multiple=True, metavar="KEY=VALUE",
@@ -176,11 +208,12 @@ def main() -> None:
               show_default=True, help="Trace with fake tensors, or run and time a real step.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the profile JSON.")
 @click.option("--summary", "as_json", is_flag=True, help="Print the summary as one JSON object.")
+@_loss_option
 @_set_option
 @_user_errors
 def profile(model: str, hardware: str, batch: int | None, seq: int | None, attn: str | None,
             dtype: str | None, mode: str, output: str | None, as_json: bool,
-            overrides: tuple[str, ...]) -> None:
+            loss: str | None, overrides: tuple[str, ...]) -> None:
     """Profile one training step of MODEL: a preset or package.module:factory."""
     from slackswap.models import MODEL_PRESETS, load_workload
     from slackswap.profiling import default_device
@@ -190,10 +223,11 @@ def profile(model: str, hardware: str, batch: int | None, seq: int | None, attn:
     hw = load_hardware(hardware, parse_overrides(overrides))
     if ":" not in model and model not in MODEL_PRESETS:
         load_workload(model)  # raises the error that lists the presets
+    loss_fn = _loss_fn(model, loss)
     with _progress(f"profiling {model} ({mode}) for {hw.name}"):
         net, example = load_workload(model, batch=batch, seq=seq, attn=attn, dtype=dtype,
                                      fake=mode == "analytic", device=default_device())
-        result = run_profile(net, example, hw, mode=mode, name=model)
+        result = run_profile(net, example, hw, mode=mode, loss_fn=loss_fn, name=model)
     if output is not None:
         dump_model(result, output)
     if as_json:
@@ -245,7 +279,7 @@ def simulate(profile_path: str, plan_path: str | None, hardware: str | None,
 
 
 def _print_result(prof: StepProfile, result: Any, trace: str | None, plot: str | None) -> None:
-    out = Console()
+    out = _console()
     status = ("feasible" if result.feasible else
               f"[red]INFEASIBLE[/red]: {_shown(result.infeasible_reason, 400)}")
     limit = (format_bytes(result.memory_limit_bytes) if result.memory_limit_bytes
@@ -253,12 +287,16 @@ def _print_result(prof: StepProfile, result: Any, trace: str | None, plot: str |
     out.print(f"[bold]{_shown(prof.model)}[/bold], plan {_shown(result.strategy)}, {limit}: "
               f"{status}")
     table = Table(show_header=False)
+    # an infeasible step stops where an allocation does not fit: the time it reached
+    # there is no step time, and no retention follows from it
+    step = (f"{result.step_time_s * 1e3:.2f} ms" if result.feasible else
+            "none: infeasible, the step stops where an allocation does not fit")
     rows = [
-        ("step time", f"{result.step_time_s * 1e3:.2f} ms "
-                      f"(ideal {result.ideal_step_time_s * 1e3:.2f} ms)"),
-        ("throughput retained", f"{result.retention:.2%}"),
+        ("step time", f"{step} (ideal {result.ideal_step_time_s * 1e3:.2f} ms)"),
+        ("throughput retained", f"{result.retention:.2%}" if result.feasible else "none"),
         ("peak activation memory", f"{format_bytes(result.peak_bytes)} "
-                                   f"(keep-all {format_bytes(result.keep_all_peak_bytes)})"),
+                                   + ("" if result.feasible else "until it stopped ")
+                                   + f"(keep-all {format_bytes(result.keep_all_peak_bytes)})"),
         ("weight gradients", f"{format_bytes(result.gradient_bytes)} (model state, "
                              "not in the peak)"),
         ("stalls", ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in result.stall_s.items())),
@@ -280,8 +318,7 @@ def _print_result(prof: StepProfile, result: Any, trace: str | None, plot: str |
               "a size such as 24GiB, or 'fit': the device's memory less the model states "
               "and the CUDA context.")
 @click.option("--strategy", default="slackswap", show_default=True,
-              help="slackswap, recompute-only, checkpoint-blocks, offload-only, capuchin, "
-                   "module-policy.")
+              help=f"One of {', '.join(STRATEGIES)}.")
 @click.option("--hardware", help="Hardware preset or .toml file; default: the profile's "
               "(a100-80gb for a model).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the plan JSON.")
@@ -295,12 +332,13 @@ def _print_result(prof: StepProfile, result: Any, trace: str | None, plot: str |
 @click.option("--probe", is_flag=True,
               help="With --budget fit and a preset MODEL, on a CUDA GPU: run a few real AdamW "
                    "steps under the plan and report the device's memory peak.")
+@_loss_option
 @_gpus_option
 @_set_option
 @_user_errors
 def plan_command(source: str, budget: str, strategy: str, hardware: str | None,
                  output: str | None, optimizer: str | None, precision: str | None,
-                 probe: bool, gpus: int, overrides: tuple[str, ...]) -> None:
+                 probe: bool, loss: str | None, gpus: int, overrides: tuple[str, ...]) -> None:
     """Plan keep / offload / recompute for every saved activation under a budget."""
     from slackswap.core.jsonio import load_model
     from slackswap.planners import plan_with_result
@@ -317,6 +355,9 @@ def plan_command(source: str, budget: str, strategy: str, hardware: str | None,
 
         require_gpu()
     if from_file:
+        if loss is not None:
+            raise InputError("--loss applies when planning a MODEL; a profile was made with "
+                             "its loss already")
         prof = load_model(StepProfile, source)
         hw = (load_hardware(hardware, given) if hardware else
               load_hardware(profile_hardware(prof.hardware), given))
@@ -325,9 +366,10 @@ def plan_command(source: str, budget: str, strategy: str, hardware: str | None,
         from slackswap.profiling import profile as run_profile
 
         hw = load_hardware(hardware or "a100-80gb", given)
+        loss_fn = _loss_fn(source, loss)
         with _progress(f"profiling {source}"):
             net, example = load_workload(source)
-            prof = run_profile(net, example, hw, name=source)
+            prof = run_profile(net, example, hw, loss_fn=loss_fn, name=source)
     node = on_node(hw, gpus)
     budget = _fit_budget(prof, node, budget, optimizer, precision)
     with _progress(f"planning with {strategy}"):
@@ -337,13 +379,13 @@ def plan_command(source: str, budget: str, strategy: str, hardware: str | None,
         chosen, result = attempt
     if output is not None:
         dump_model(chosen, output)
-    _print_plan(prof, chosen, result, output)
+    _print_plan(prof, chosen, result, output, node.name)
     if probe:
         from slackswap.runtime.probe import probe as run_probe
 
         with _progress("probing with real steps"):
             found = run_probe(source, hardware, strategy)
-        Console().print("\n".join(found.lines()), highlight=False)
+        _console().print("\n".join(found.lines()), highlight=False)
 
 
 def _fit_budget(prof: StepProfile, hw: Hardware, budget: str, optimizer: str | None,
@@ -355,7 +397,7 @@ def _fit_budget(prof: StepProfile, hw: Hardware, budget: str, optimizer: str | N
                              "--budget fit; give them with it")
         return budget
     device = device_budget(prof, hw, optimizer or "adamw", precision or "mixed")
-    Console().print("\n".join(_shown(line, 400) for line in device.lines()), highlight=False)
+    _console().print("\n".join(_shown(line, 400) for line in device.lines()), highlight=False)
     return str(device.budget_bytes)
 
 
@@ -453,7 +495,7 @@ def hardware_list() -> None:
 
 
 def _print_profile(p: StepProfile, output: str | None) -> None:
-    out = Console()
+    out = _console()
     s = p.summary()
     out.print(f"[bold]{_shown(p.model)}[/bold] on {_shown(p.hardware)} ({p.mode}, {p.kernels} "
               "kernels): "
@@ -487,14 +529,16 @@ def _print_profile(p: StepProfile, output: str | None) -> None:
         out.print(f"profile written to {_shown(output, 400)}")
 
 
-def _print_plan(prof: StepProfile, chosen: Any, result: Any, output: str | None) -> None:
+def _print_plan(prof: StepProfile, chosen: Any, result: Any, output: str | None,
+                hardware: str) -> None:
     from slackswap.planners.summary import checkpoint_bytes, decision_bytes
 
-    out = Console()
+    out = _console()
     totals = decision_bytes(prof, chosen, by="total")["total"]
     out.print(f"[bold]{_shown(prof.model)}[/bold], {_shown(chosen.strategy)}, budget "
-              f"{format_bytes(chosen.budget_bytes or 0)}: predicted retention "
-              f"{result.retention:.2%}, peak {format_bytes(result.peak_bytes)} "
+              f"{format_bytes(chosen.budget_bytes or 0)} on {_shown(hardware)}: predicted "
+              f"retention {result.retention:.2%} (simulated), peak "
+              f"{format_bytes(result.peak_bytes)} "
               f"(keep-all {format_bytes(result.keep_all_peak_bytes)})")
     out.print("  ".join(f"{d} {format_bytes(b)}" for d, b in totals.items()))
     checkpoints = checkpoint_bytes(prof, chosen)
@@ -520,7 +564,7 @@ def _print_reproduce(results: dict[str, Any], out_dir: str) -> None:
     from slackswap.planners import STRATEGIES
     from slackswap.reproduce import bound_cell, written_files
 
-    out = Console()
+    out = _console()
     workloads = results["workloads"]
     table = Table(title=f"Throughput retained at {results['budget_fraction']:.0%} budget, "
                         f"{_shown(results['hardware'])} (simulated)")
@@ -547,7 +591,7 @@ def _print_reproduce(results: dict[str, Any], out_dir: str) -> None:
 def _print_fit(result: Any, plot: str | None) -> None:
     from slackswap.fit import FIT_STRATEGIES
 
-    out = Console()
+    out = _console()
     out.print("\n".join(_shown(line, 400) for line in result.device.lines()),
               highlight=False)
     dim = "micro-batch" if result.search == "batch" else "sequence length"

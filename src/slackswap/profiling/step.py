@@ -60,7 +60,12 @@ def profile(
     runs a real step too (so the ops, and the ids a plan names, are exactly those the
     model runs there, data-dependent branches included) and prices each op on
     ``hardware`` as ``analytic`` does.
-    The loss is ``output.loss`` when the model returns one, otherwise ``loss_fn(output)``.
+    The loss is ``output.loss`` (or ``output["loss"]``) when the model returns one,
+    otherwise ``loss_fn(output)``: ``loss_fn`` takes whatever the model's forward returns
+    and returns the scalar loss tensor that backward starts from, e.g.
+    ``lambda out: torch.nn.functional.cross_entropy(out, targets)`` with the targets
+    closed over (a model returning a one-element tensor needs none). On the command line
+    ``--loss package.module:function`` names such a function.
     A model sharded with FSDP2's ``fully_shard`` is profiled as its unsharded self: in
     ``measured`` and ``traced`` modes its parameters are gathered whole for the step (a
     collective: every rank must call this), in ``analytic`` mode full-shape fakes stand
@@ -320,6 +325,16 @@ def _raised_in_mod_tracker(e: BaseException) -> bool:
     return False
 
 
+def _described(output: Any) -> str:
+    """What a model returned, in a few words, for the error that says it has no loss."""
+    if isinstance(output, torch.Tensor):
+        return f"a tensor of shape {list(output.shape)}"
+    if isinstance(output, Mapping):
+        keys = ", ".join(repr(k) for k in list(output)[:5])
+        return f"a mapping with keys {keys}" if keys else "an empty mapping"
+    return f"a {type(output).__name__}"
+
+
 def _loss(output: Any, loss_fn: Callable[[Any], torch.Tensor] | None, name: str) -> torch.Tensor:
     loss = getattr(output, "loss", None)
     if loss is None and isinstance(output, Mapping):
@@ -330,7 +345,10 @@ def _loss(output: Any, loss_fn: Callable[[Any], torch.Tensor] | None, name: str)
         loss = output  # the model returns its loss
     if loss is None:
         raise ProfileError(
-            f"model '{name}' returned no loss; pass labels in the batch or give a loss_fn"
+            f"model '{name}' returned no loss (its output is {_described(output)}); give a "
+            "loss: loss_fn=f in Python or --loss package.module:f on the command line, "
+            "where f(output) returns a scalar tensor, or pass labels in the batch if the "
+            "model computes its own loss"
         )
     if not isinstance(loss, torch.Tensor) or not loss.requires_grad or loss.numel() != 1:
         raise ProfileError(
