@@ -17,18 +17,20 @@ from rich.markup import escape
 from rich.table import Table
 
 from slackswap.core.hardware import (
+    AUTO,
     Hardware,
     hardware_presets,
     load_hardware,
     on_node,
     parse_overrides,
     profile_hardware,
+    with_overrides,
 )
 from slackswap.core.jsonio import dump_model, json_text
 from slackswap.core.profile import StepProfile
 from slackswap.core.units import format_bytes
 from slackswap.device_budget import OPTIMIZERS, PRECISIONS, device_budget, is_fit
-from slackswap.errors import InputError, SlackSwapError
+from slackswap.errors import HardwareNotice, InputError, SlackSwapError
 from slackswap.planners import STRATEGIES
 
 __all__ = ["main"]
@@ -85,7 +87,9 @@ def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
 def _one_line_warning(message: Warning | str, category: type[Warning], *args: Any,
                       **kwargs: Any) -> None:
     """A warning from SlackSwap (a damaged cache entry, say) as one line on stderr."""
-    if category.__module__.startswith("slackswap"):
+    if issubclass(category, HardwareNotice):  # which hardware is assumed: a note
+        click.echo(f"note: {_plain(message, 2000)}", err=True)
+    elif category.__module__.startswith("slackswap"):
         click.echo(f"warning: {_plain(message, 2000)}", err=True)
     else:
         _show_warning(message, category, *args, **kwargs)
@@ -163,6 +167,17 @@ def _gpus_option(fn: Callable[..., Any]) -> Callable[..., Any]:
              "they share host links and host memory.")(fn)
 
 
+def _hardware(spec: str | Hardware | None, overrides: dict[str, Any]) -> Hardware:
+    """The hardware ``--hardware`` names, ``--set`` applied: a preset, a file, ``auto``
+    (this machine's GPU), or when not given the default, said on stderr (NOTE [assumed
+    hardware] in ``slackswap.core.hardware``)."""
+    if spec is None or spec == AUTO:
+        from slackswap.profiling.machine import resolve_hardware  # (imports torch)
+
+        return with_overrides(resolve_hardware(spec), overrides)
+    return load_hardware(spec, overrides)
+
+
 def _loss_option(fn: Callable[..., Any]) -> Callable[..., Any]:
     return click.option(
         "--loss", metavar="MODULE:FUNCTION",
@@ -199,7 +214,9 @@ def main() -> None:
 @main.command()
 @click.argument("model")
 @click.option("--hardware", default="a100-80gb", show_default=True,
-              help="Hardware preset name or a .toml file.")
+              help="Hardware: a preset (slackswap hardware lists them), a .toml file "
+                   "(slackswap hardware --template writes one to fill in), or auto: this "
+                   "machine's GPU's preset.")
 @click.option("--batch", type=int, help="Batch size (presets only).")
 @click.option("--seq", type=int, help="Sequence length (presets only).")
 @click.option("--attn", type=click.Choice(["sdpa", "eager"]), help="Attention (presets only).")
@@ -220,7 +237,7 @@ def profile(model: str, hardware: str, batch: int | None, seq: int | None, attn:
     from slackswap.profiling import profile as run_profile
 
     _check_outputs({"-o": output}, [hardware])
-    hw = load_hardware(hardware, parse_overrides(overrides))
+    hw = _hardware(hardware, parse_overrides(overrides))
     if ":" not in model and model not in MODEL_PRESETS:
         load_workload(model)  # raises the error that lists the presets
     loss_fn = _loss_fn(model, loss)
@@ -240,7 +257,9 @@ def profile(model: str, hardware: str, batch: int | None, seq: int | None, attn:
 @click.argument("profile_path", metavar="PROFILE.json", type=click.Path(dir_okay=False))
 @click.option("--plan", "plan_path", type=click.Path(dir_okay=False),
               help="Plan JSON; keep-all when omitted.")
-@click.option("--hardware", help="Hardware preset or .toml file; default: the profile's.")
+@click.option("--hardware", help="Hardware: a preset (slackswap hardware lists them), a .toml file "
+                   "(slackswap hardware --template writes one to fill in), or auto: this "
+                   "machine's GPU's preset. Default: the profile's.")
 @click.option("--memory-limit", help="Bytes, a size such as 24GiB, or a fraction of the "
               "keep-all peak such as 0.5.")
 @click.option("--trace", type=click.Path(dir_okay=False), help="Write a Perfetto trace JSON.")
@@ -261,8 +280,7 @@ def simulate(profile_path: str, plan_path: str | None, hardware: str | None,
     _check_outputs({"--trace": trace, "--plot": plot}, [profile_path, plan_path, hardware])
     prof = load_model(StepProfile, profile_path)
     plan = load_model(Plan, plan_path) if plan_path else None
-    hw = (load_hardware(hardware, parse_overrides(overrides)) if hardware else
-          load_hardware(profile_hardware(prof.hardware), parse_overrides(overrides)))
+    hw = _hardware(hardware or profile_hardware(prof.hardware), parse_overrides(overrides))
     hardware = on_node(hw, gpus)
     result = run_simulation(prof, plan, hardware, memory_limit)
     if trace is not None:
@@ -319,8 +337,10 @@ def _print_result(prof: StepProfile, result: Any, trace: str | None, plot: str |
               "and the CUDA context.")
 @click.option("--strategy", default="slackswap", show_default=True,
               help=f"One of {', '.join(STRATEGIES)}.")
-@click.option("--hardware", help="Hardware preset or .toml file; default: the profile's "
-              "(a100-80gb for a model).")
+@click.option("--hardware", help="Hardware: a preset (slackswap hardware lists them), a .toml file "
+                   "(slackswap hardware --template writes one to fill in), or auto: this "
+                   "machine's GPU's preset. Default: the profile's; for a MODEL, "
+                   "a100-80gb, said on stderr.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the plan JSON.")
 @click.option("--optimizer", type=click.Choice(list(OPTIMIZERS)),
               help="With --budget fit: the optimizer whose states the device holds "
@@ -359,13 +379,12 @@ def plan_command(source: str, budget: str, strategy: str, hardware: str | None,
             raise InputError("--loss applies when planning a MODEL; a profile was made with "
                              "its loss already")
         prof = load_model(StepProfile, source)
-        hw = (load_hardware(hardware, given) if hardware else
-              load_hardware(profile_hardware(prof.hardware), given))
+        hw = _hardware(hardware or profile_hardware(prof.hardware), given)
     else:
         from slackswap.models import load_workload
         from slackswap.profiling import profile as run_profile
 
-        hw = load_hardware(hardware or "a100-80gb", given)
+        hw = _hardware(hardware, given)
         loss_fn = _loss_fn(source, loss)
         with _progress(f"profiling {source}"):
             net, example = load_workload(source)
@@ -446,7 +465,9 @@ def reproduce(budget: float, hardware: str, workloads: str, out: str,
 @main.command("fit")
 @click.argument("model")
 @click.option("--hardware", default="a100-80gb", show_default=True,
-              help="Hardware preset name or a .toml file: the device whose memory is fitted.")
+              help="Hardware: a preset (slackswap hardware lists them), a .toml file "
+                   "(slackswap hardware --template writes one to fill in), or auto: this "
+                   "machine's GPU's preset. The device whose memory is fitted.")
 @click.option("--optimizer", type=click.Choice(list(OPTIMIZERS)), default="adamw",
               show_default=True, help="The optimizer whose states the device holds.")
 @click.option("--precision", type=click.Choice(list(PRECISIONS)), default="mixed",
@@ -472,7 +493,7 @@ def fit_command(model: str, hardware: str, optimizer: str, precision: str, seq: 
     from slackswap.fit import fit, write_fit_plot
 
     _check_outputs({"--plot": plot}, [hardware])
-    hw = load_hardware(hardware, parse_overrides(overrides))
+    hw = _hardware(hardware, parse_overrides(overrides))
     with _progress(f"fitting {model} on {hw.name}") as update:
         result = fit(model, hw, batch=batch, seq=seq, optimizer=optimizer,
                      precision=precision, min_retention=min_retention, progress=update)
@@ -487,8 +508,16 @@ def fit_command(model: str, hardware: str, optimizer: str, precision: str, seq: 
 
 
 @main.command("hardware")
-def hardware_list() -> None:
-    """List the hardware presets."""
+@click.option("--template", is_flag=True,
+              help="Print a commented hardware file to fill in for your own GPU (save it, "
+                   "then pass it as --hardware FILE).")
+def hardware_list(template: bool) -> None:
+    """List the hardware presets, or print a hardware file to fill in."""
+    if template:
+        from slackswap.core.hwtemplate import HARDWARE_TEMPLATE
+
+        click.echo(HARDWARE_TEMPLATE, nl=False)
+        return
     for name in hardware_presets():
         hw = load_hardware(name)
         click.echo(f"{name:12s} {hw.description}")

@@ -17,10 +17,11 @@ from torch.distributed._tools.mod_tracker import ModTracker
 from torch.func import functional_call
 
 from slackswap.core.costmodel import step_times
-from slackswap.core.hardware import Hardware, load_hardware
+from slackswap.core.hardware import Hardware
 from slackswap.core.profile import StepProfile
 from slackswap.errors import InputError, ProfileError, SlackSwapError
 from slackswap.profiling.kernels import TargetKernels
+from slackswap.profiling.machine import resolve_hardware
 from slackswap.profiling.naming import ActivationNamer, module_events, module_path
 from slackswap.profiling.recorder import StepRecorder
 from slackswap.profiling.sharding import (
@@ -43,7 +44,7 @@ Batch = Mapping[str, Any] | tuple | list | torch.Tensor
 def profile(
     model: torch.nn.Module,
     batch: Batch,
-    hardware: str | Hardware = "a100-80gb",
+    hardware: str | Hardware | None = None,
     mode: Literal["analytic", "measured", "traced"] = "analytic",
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     *,
@@ -52,6 +53,10 @@ def profile(
     warmup: int = 1,
 ) -> StepProfile:
     """Profile one training step of ``model`` on ``batch``.
+
+    ``hardware``: a preset name, a hardware file, ``"auto"`` (the preset of the GPU this
+    process sees) or a :class:`Hardware`; None plans for ``a100-80gb`` and says so once
+    (a :class:`~slackswap.HardwareNotice` warning).
 
     ``analytic`` traces under ``FakeTensorMode`` (no weights, no compute) and prices each
     op on ``hardware`` with the roofline cost model; ``kernels`` picks whose kernel
@@ -71,7 +76,7 @@ def profile(
     collective: every rank must call this), in ``analytic`` mode full-shape fakes stand
     in for them; the fingerprint and model-state bytes are those of the model as held.
     """
-    hw = load_hardware(hardware)
+    hw = resolve_hardware(hardware)
     if (tensors := batch_tensors(batch)) and all(t.numel() == 0 for _, t in tensors):
         raise InputError("the example batch is empty (its tensors have no elements); "
                          "give a batch of at least one example")
