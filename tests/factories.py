@@ -91,3 +91,17 @@ def empty_batch() -> tuple[nn.Module, torch.Tensor]:
     """A batch of no examples."""
     torch.manual_seed(0)
     return WithMSE(TinyMLP()), torch.randn(0, 8, 16)
+
+
+def mlp_no_loss() -> tuple[nn.Module, torch.Tensor]:
+    """The residual MLP returning its output, not a loss: profiled with a ``--loss``."""
+    torch.manual_seed(0)
+    return TinyMLP(), torch.randn(4, 8, 16)
+
+
+def mean_square(output: torch.Tensor) -> torch.Tensor:
+    """A loss for ``mlp_no_loss``: ``--loss factories:mean_square``."""
+    return output.pow(2).mean()
+
+
+not_a_function = 3

@@ -20,7 +20,7 @@ else:
     import tomli as tomllib
 
 PRESETS = ["a100-80gb", "a100-40gb", "h100-pcie", "h100-sxm", "h200", "gh200", "dgx-a100",
-           "dgx-h200"]
+           "dgx-h200", "l4", "l40s", "a10g", "rtx-4090", "rtx-6000-ada"]
 NODES = {"dgx-a100": "a100-80gb", "dgx-h200": "h200"}  # node preset -> its GPU's preset
 
 

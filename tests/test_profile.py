@@ -299,7 +299,8 @@ def test_a_module_the_model_does_not_register_places_its_ops_in_its_caller(mode:
     formatwarning = warnings.formatwarning
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # any warning fails the test
-        profile = slackswap.profile(traced, x, mode=mode, loss_fn=loss_fn, kernels="native")
+        profile = slackswap.profile(traced, x, "a100-80gb", mode=mode, loss_fn=loss_fn,
+                                    kernels="native")
     assert warnings.formatwarning is formatwarning
     names = [t.name for t in profile.saved_activations if t.producer is not None]
     assert [n.split(":")[0] for n in names] == ["block.proj", *["block"] * 8, "(top)", "head"]

@@ -541,10 +541,16 @@ def test_a_batch_of_another_shape_is_refused_before_anything_runs() -> None:
                 decisions={n: "offload" for n in names})
     slackswap.apply(model, plan, profile=profile, batch=batch)  # the same shapes pass
     longer = {k: torch.cat([v, v], dim=1) for k, v in batch.items()}
-    with pytest.raises(InputError, match=r"batch 'input_ids' of shape \[2, 32\], not \[2, 64\]"):
+    with pytest.raises(InputError, match=r"batch 'input_ids' of shape \[2, 32\], not \[2, 64\];"
+                       r" re-plan for this batch, or let slackswap.auto"):
         slackswap.apply(model, plan, profile=profile, batch=longer)
-    with pytest.raises(InputError, match=r"batch of other shapes than \[\[2, 64\], \[2, 64\]\]"):
+    with pytest.raises(InputError, match=r"batch of other shapes or dtypes than "
+                                         r"\[\[2, 64\], \[2, 64\]\] .*slackswap.auto"):
         slackswap.apply(model, plan, batch=longer)
+    # by position, with the profile at hand: the shapes planned for and those given
+    with pytest.raises(InputError, match=r"made for a batch of shapes \[\[2, 32\], \[2, 32\]\], "
+                                         r"not \[\[2, 64\], \[2, 64\]\]; re-plan"):
+        slackswap.apply(model, plan, profile=profile, batch=tuple(longer.values()))
     # at the model call, before its first op: nothing recorded, nothing offloaded
     for runtime in (slackswap.apply(model, plan, profile=profile), slackswap.apply(model, plan)):
         with pytest.raises(InputError, match="re-plan"), runtime:

@@ -17,22 +17,37 @@ from rich.markup import escape
 from rich.table import Table
 
 from slackswap.core.hardware import (
+    AUTO,
     Hardware,
     hardware_presets,
     load_hardware,
     on_node,
     parse_overrides,
     profile_hardware,
+    with_overrides,
 )
 from slackswap.core.jsonio import dump_model, json_text
 from slackswap.core.profile import StepProfile
 from slackswap.core.units import format_bytes
 from slackswap.device_budget import OPTIMIZERS, PRECISIONS, device_budget, is_fit
-from slackswap.errors import InputError, SlackSwapError
+from slackswap.errors import HardwareNotice, InputError, SlackSwapError
+from slackswap.planners import STRATEGIES
 
 __all__ = ["main"]
 
 _err = Console(stderr=True)
+# NOTE [piped width]: rich lays out for 80 columns when stdout is no terminal, cutting
+# tables (and wrapping lines) that a file or a pipe would hold whole; piped output is
+# laid out this wide instead, unless $COLUMNS says otherwise.
+_PIPED_WIDTH = 400
+
+
+def _console() -> Console:
+    """A console for stdout: the terminal's width, or NOTE [piped width]'s."""
+    out = Console()
+    if not out.is_terminal and "COLUMNS" not in os.environ:
+        out = Console(width=_PIPED_WIDTH)
+    return out
 
 
 def _plain(text: object, limit: int = 120) -> str:
@@ -72,7 +87,9 @@ def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
 def _one_line_warning(message: Warning | str, category: type[Warning], *args: Any,
                       **kwargs: Any) -> None:
     """A warning from SlackSwap (a damaged cache entry, say) as one line on stderr."""
-    if category.__module__.startswith("slackswap"):
+    if issubclass(category, HardwareNotice):  # which hardware is assumed: a note
+        click.echo(f"note: {_plain(message, 2000)}", err=True)
+    elif category.__module__.startswith("slackswap"):
         click.echo(f"warning: {_plain(message, 2000)}", err=True)
     else:
         _show_warning(message, category, *args, **kwargs)
@@ -150,6 +167,36 @@ def _gpus_option(fn: Callable[..., Any]) -> Callable[..., Any]:
              "they share host links and host memory.")(fn)
 
 
+def _hardware(spec: str | Hardware | None, overrides: dict[str, Any]) -> Hardware:
+    """The hardware ``--hardware`` names, ``--set`` applied: a preset, a file, ``auto``
+    (this machine's GPU), or when not given the default, said on stderr (NOTE [assumed
+    hardware] in ``slackswap.core.hardware``)."""
+    if spec is None or spec == AUTO:
+        from slackswap.profiling.machine import resolve_hardware  # (imports torch)
+
+        return with_overrides(resolve_hardware(spec), overrides)
+    return load_hardware(spec, overrides)
+
+
+def _loss_option(fn: Callable[..., Any]) -> Callable[..., Any]:
+    return click.option(
+        "--loss", metavar="MODULE:FUNCTION",
+        help="The loss of a package.module:factory MODEL whose output carries none: "
+             "FUNCTION(output) returns the scalar loss tensor backward starts from.")(fn)
+
+
+def _loss_fn(model: str, loss: str | None) -> Callable[[Any], Any] | None:
+    """The function ``--loss`` names, for a factory MODEL (a preset computes its own)."""
+    if loss is None:
+        return None
+    if ":" not in model:
+        raise InputError(f"--loss applies to a package.module:factory MODEL; preset "
+                         f"'{_plain(model)}' computes its own loss")
+    from slackswap.models import load_loss
+
+    return load_loss(loss)
+
+
 def _set_option(fn: Callable[..., Any]) -> Callable[..., Any]:
     return click.option(
         "--set", "overrides", multiple=True, metavar="KEY=VALUE",
@@ -167,7 +214,9 @@ def main() -> None:
 @main.command()
 @click.argument("model")
 @click.option("--hardware", default="a100-80gb", show_default=True,
-              help="Hardware preset name or a .toml file.")
+              help="Hardware: a preset (slackswap hardware lists them), a .toml file "
+                   "(slackswap hardware --template writes one to fill in), or auto: this "
+                   "machine's GPU's preset.")
 @click.option("--batch", type=int, help="Batch size (presets only).")
 @click.option("--seq", type=int, help="Sequence length (presets only).")
 @click.option("--attn", type=click.Choice(["sdpa", "eager"]), help="Attention (presets only).")
@@ -176,24 +225,26 @@ def main() -> None:
               show_default=True, help="Trace with fake tensors, or run and time a real step.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the profile JSON.")
 @click.option("--summary", "as_json", is_flag=True, help="Print the summary as one JSON object.")
+@_loss_option
 @_set_option
 @_user_errors
 def profile(model: str, hardware: str, batch: int | None, seq: int | None, attn: str | None,
             dtype: str | None, mode: str, output: str | None, as_json: bool,
-            overrides: tuple[str, ...]) -> None:
+            loss: str | None, overrides: tuple[str, ...]) -> None:
     """Profile one training step of MODEL: a preset or package.module:factory."""
     from slackswap.models import MODEL_PRESETS, load_workload
     from slackswap.profiling import default_device
     from slackswap.profiling import profile as run_profile
 
     _check_outputs({"-o": output}, [hardware])
-    hw = load_hardware(hardware, parse_overrides(overrides))
+    hw = _hardware(hardware, parse_overrides(overrides))
     if ":" not in model and model not in MODEL_PRESETS:
         load_workload(model)  # raises the error that lists the presets
+    loss_fn = _loss_fn(model, loss)
     with _progress(f"profiling {model} ({mode}) for {hw.name}"):
         net, example = load_workload(model, batch=batch, seq=seq, attn=attn, dtype=dtype,
                                      fake=mode == "analytic", device=default_device())
-        result = run_profile(net, example, hw, mode=mode, name=model)
+        result = run_profile(net, example, hw, mode=mode, loss_fn=loss_fn, name=model)
     if output is not None:
         dump_model(result, output)
     if as_json:
@@ -206,7 +257,9 @@ def profile(model: str, hardware: str, batch: int | None, seq: int | None, attn:
 @click.argument("profile_path", metavar="PROFILE.json", type=click.Path(dir_okay=False))
 @click.option("--plan", "plan_path", type=click.Path(dir_okay=False),
               help="Plan JSON; keep-all when omitted.")
-@click.option("--hardware", help="Hardware preset or .toml file; default: the profile's.")
+@click.option("--hardware", help="Hardware: a preset (slackswap hardware lists them), a .toml file "
+                   "(slackswap hardware --template writes one to fill in), or auto: this "
+                   "machine's GPU's preset. Default: the profile's.")
 @click.option("--memory-limit", help="Bytes, a size such as 24GiB, or a fraction of the "
               "keep-all peak such as 0.5.")
 @click.option("--trace", type=click.Path(dir_okay=False), help="Write a Perfetto trace JSON.")
@@ -227,8 +280,7 @@ def simulate(profile_path: str, plan_path: str | None, hardware: str | None,
     _check_outputs({"--trace": trace, "--plot": plot}, [profile_path, plan_path, hardware])
     prof = load_model(StepProfile, profile_path)
     plan = load_model(Plan, plan_path) if plan_path else None
-    hw = (load_hardware(hardware, parse_overrides(overrides)) if hardware else
-          load_hardware(profile_hardware(prof.hardware), parse_overrides(overrides)))
+    hw = _hardware(hardware or profile_hardware(prof.hardware), parse_overrides(overrides))
     hardware = on_node(hw, gpus)
     result = run_simulation(prof, plan, hardware, memory_limit)
     if trace is not None:
@@ -245,7 +297,7 @@ def simulate(profile_path: str, plan_path: str | None, hardware: str | None,
 
 
 def _print_result(prof: StepProfile, result: Any, trace: str | None, plot: str | None) -> None:
-    out = Console()
+    out = _console()
     status = ("feasible" if result.feasible else
               f"[red]INFEASIBLE[/red]: {_shown(result.infeasible_reason, 400)}")
     limit = (format_bytes(result.memory_limit_bytes) if result.memory_limit_bytes
@@ -253,12 +305,16 @@ def _print_result(prof: StepProfile, result: Any, trace: str | None, plot: str |
     out.print(f"[bold]{_shown(prof.model)}[/bold], plan {_shown(result.strategy)}, {limit}: "
               f"{status}")
     table = Table(show_header=False)
+    # an infeasible step stops where an allocation does not fit: the time it reached
+    # there is no step time, and no retention follows from it
+    step = (f"{result.step_time_s * 1e3:.2f} ms" if result.feasible else
+            "none: infeasible, the step stops where an allocation does not fit")
     rows = [
-        ("step time", f"{result.step_time_s * 1e3:.2f} ms "
-                      f"(ideal {result.ideal_step_time_s * 1e3:.2f} ms)"),
-        ("throughput retained", f"{result.retention:.2%}"),
+        ("step time", f"{step} (ideal {result.ideal_step_time_s * 1e3:.2f} ms)"),
+        ("throughput retained", f"{result.retention:.2%}" if result.feasible else "none"),
         ("peak activation memory", f"{format_bytes(result.peak_bytes)} "
-                                   f"(keep-all {format_bytes(result.keep_all_peak_bytes)})"),
+                                   + ("" if result.feasible else "until it stopped ")
+                                   + f"(keep-all {format_bytes(result.keep_all_peak_bytes)})"),
         ("weight gradients", f"{format_bytes(result.gradient_bytes)} (model state, "
                              "not in the peak)"),
         ("stalls", ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in result.stall_s.items())),
@@ -280,10 +336,11 @@ def _print_result(prof: StepProfile, result: Any, trace: str | None, plot: str |
               "a size such as 24GiB, or 'fit': the device's memory less the model states "
               "and the CUDA context.")
 @click.option("--strategy", default="slackswap", show_default=True,
-              help="slackswap, recompute-only, checkpoint-blocks, offload-only, capuchin, "
-                   "module-policy.")
-@click.option("--hardware", help="Hardware preset or .toml file; default: the profile's "
-              "(a100-80gb for a model).")
+              help=f"One of {', '.join(STRATEGIES)}.")
+@click.option("--hardware", help="Hardware: a preset (slackswap hardware lists them), a .toml file "
+                   "(slackswap hardware --template writes one to fill in), or auto: this "
+                   "machine's GPU's preset. Default: the profile's; for a MODEL, "
+                   "a100-80gb, said on stderr.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the plan JSON.")
 @click.option("--optimizer", type=click.Choice(list(OPTIMIZERS)),
               help="With --budget fit: the optimizer whose states the device holds "
@@ -295,12 +352,13 @@ def _print_result(prof: StepProfile, result: Any, trace: str | None, plot: str |
 @click.option("--probe", is_flag=True,
               help="With --budget fit and a preset MODEL, on a CUDA GPU: run a few real AdamW "
                    "steps under the plan and report the device's memory peak.")
+@_loss_option
 @_gpus_option
 @_set_option
 @_user_errors
 def plan_command(source: str, budget: str, strategy: str, hardware: str | None,
                  output: str | None, optimizer: str | None, precision: str | None,
-                 probe: bool, gpus: int, overrides: tuple[str, ...]) -> None:
+                 probe: bool, loss: str | None, gpus: int, overrides: tuple[str, ...]) -> None:
     """Plan keep / offload / recompute for every saved activation under a budget."""
     from slackswap.core.jsonio import load_model
     from slackswap.planners import plan_with_result
@@ -317,17 +375,20 @@ def plan_command(source: str, budget: str, strategy: str, hardware: str | None,
 
         require_gpu()
     if from_file:
+        if loss is not None:
+            raise InputError("--loss applies when planning a MODEL; a profile was made with "
+                             "its loss already")
         prof = load_model(StepProfile, source)
-        hw = (load_hardware(hardware, given) if hardware else
-              load_hardware(profile_hardware(prof.hardware), given))
+        hw = _hardware(hardware or profile_hardware(prof.hardware), given)
     else:
         from slackswap.models import load_workload
         from slackswap.profiling import profile as run_profile
 
-        hw = load_hardware(hardware or "a100-80gb", given)
+        hw = _hardware(hardware, given)
+        loss_fn = _loss_fn(source, loss)
         with _progress(f"profiling {source}"):
             net, example = load_workload(source)
-            prof = run_profile(net, example, hw, name=source)
+            prof = run_profile(net, example, hw, loss_fn=loss_fn, name=source)
     node = on_node(hw, gpus)
     budget = _fit_budget(prof, node, budget, optimizer, precision)
     with _progress(f"planning with {strategy}"):
@@ -337,13 +398,13 @@ def plan_command(source: str, budget: str, strategy: str, hardware: str | None,
         chosen, result = attempt
     if output is not None:
         dump_model(chosen, output)
-    _print_plan(prof, chosen, result, output)
+    _print_plan(prof, chosen, result, output, node.name)
     if probe:
         from slackswap.runtime.probe import probe as run_probe
 
         with _progress("probing with real steps"):
             found = run_probe(source, hardware, strategy)
-        Console().print("\n".join(found.lines()), highlight=False)
+        _console().print("\n".join(found.lines()), highlight=False)
 
 
 def _fit_budget(prof: StepProfile, hw: Hardware, budget: str, optimizer: str | None,
@@ -355,7 +416,7 @@ def _fit_budget(prof: StepProfile, hw: Hardware, budget: str, optimizer: str | N
                              "--budget fit; give them with it")
         return budget
     device = device_budget(prof, hw, optimizer or "adamw", precision or "mixed")
-    Console().print("\n".join(_shown(line, 400) for line in device.lines()), highlight=False)
+    _console().print("\n".join(_shown(line, 400) for line in device.lines()), highlight=False)
     return str(device.budget_bytes)
 
 
@@ -404,7 +465,9 @@ def reproduce(budget: float, hardware: str, workloads: str, out: str,
 @main.command("fit")
 @click.argument("model")
 @click.option("--hardware", default="a100-80gb", show_default=True,
-              help="Hardware preset name or a .toml file: the device whose memory is fitted.")
+              help="Hardware: a preset (slackswap hardware lists them), a .toml file "
+                   "(slackswap hardware --template writes one to fill in), or auto: this "
+                   "machine's GPU's preset. The device whose memory is fitted.")
 @click.option("--optimizer", type=click.Choice(list(OPTIMIZERS)), default="adamw",
               show_default=True, help="The optimizer whose states the device holds.")
 @click.option("--precision", type=click.Choice(list(PRECISIONS)), default="mixed",
@@ -430,7 +493,7 @@ def fit_command(model: str, hardware: str, optimizer: str, precision: str, seq: 
     from slackswap.fit import fit, write_fit_plot
 
     _check_outputs({"--plot": plot}, [hardware])
-    hw = load_hardware(hardware, parse_overrides(overrides))
+    hw = _hardware(hardware, parse_overrides(overrides))
     with _progress(f"fitting {model} on {hw.name}") as update:
         result = fit(model, hw, batch=batch, seq=seq, optimizer=optimizer,
                      precision=precision, min_retention=min_retention, progress=update)
@@ -445,15 +508,23 @@ def fit_command(model: str, hardware: str, optimizer: str, precision: str, seq: 
 
 
 @main.command("hardware")
-def hardware_list() -> None:
-    """List the hardware presets."""
+@click.option("--template", is_flag=True,
+              help="Print a commented hardware file to fill in for your own GPU (save it, "
+                   "then pass it as --hardware FILE).")
+def hardware_list(template: bool) -> None:
+    """List the hardware presets, or print a hardware file to fill in."""
+    if template:
+        from slackswap.core.hwtemplate import HARDWARE_TEMPLATE
+
+        click.echo(HARDWARE_TEMPLATE, nl=False)
+        return
     for name in hardware_presets():
         hw = load_hardware(name)
         click.echo(f"{name:12s} {hw.description}")
 
 
 def _print_profile(p: StepProfile, output: str | None) -> None:
-    out = Console()
+    out = _console()
     s = p.summary()
     out.print(f"[bold]{_shown(p.model)}[/bold] on {_shown(p.hardware)} ({p.mode}, {p.kernels} "
               "kernels): "
@@ -487,14 +558,16 @@ def _print_profile(p: StepProfile, output: str | None) -> None:
         out.print(f"profile written to {_shown(output, 400)}")
 
 
-def _print_plan(prof: StepProfile, chosen: Any, result: Any, output: str | None) -> None:
+def _print_plan(prof: StepProfile, chosen: Any, result: Any, output: str | None,
+                hardware: str) -> None:
     from slackswap.planners.summary import checkpoint_bytes, decision_bytes
 
-    out = Console()
+    out = _console()
     totals = decision_bytes(prof, chosen, by="total")["total"]
     out.print(f"[bold]{_shown(prof.model)}[/bold], {_shown(chosen.strategy)}, budget "
-              f"{format_bytes(chosen.budget_bytes or 0)}: predicted retention "
-              f"{result.retention:.2%}, peak {format_bytes(result.peak_bytes)} "
+              f"{format_bytes(chosen.budget_bytes or 0)} on {_shown(hardware)}: predicted "
+              f"retention {result.retention:.2%} (simulated), peak "
+              f"{format_bytes(result.peak_bytes)} "
               f"(keep-all {format_bytes(result.keep_all_peak_bytes)})")
     out.print("  ".join(f"{d} {format_bytes(b)}" for d, b in totals.items()))
     checkpoints = checkpoint_bytes(prof, chosen)
@@ -520,7 +593,7 @@ def _print_reproduce(results: dict[str, Any], out_dir: str) -> None:
     from slackswap.planners import STRATEGIES
     from slackswap.reproduce import bound_cell, written_files
 
-    out = Console()
+    out = _console()
     workloads = results["workloads"]
     table = Table(title=f"Throughput retained at {results['budget_fraction']:.0%} budget, "
                         f"{_shown(results['hardware'])} (simulated)")
@@ -547,7 +620,7 @@ def _print_reproduce(results: dict[str, Any], out_dir: str) -> None:
 def _print_fit(result: Any, plot: str | None) -> None:
     from slackswap.fit import FIT_STRATEGIES
 
-    out = Console()
+    out = _console()
     out.print("\n".join(_shown(line, 400) for line in result.device.lines()),
               highlight=False)
     dim = "micro-batch" if result.search == "batch" else "sequence length"

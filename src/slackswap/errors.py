@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["SlackSwapError", "InputError", "ProfileError", "VerifyError"]
+__all__ = ["SlackSwapError", "InputError", "ProfileError", "VerifyError", "HardwareNotice"]
 
 
 class SlackSwapError(Exception):
@@ -26,3 +26,8 @@ NESTED_BACKWARD = (
 
 class VerifyError(SlackSwapError):
     """``apply(..., verify=True)`` found a reload or rebuild that differs from the original."""
+
+
+class HardwareNotice(UserWarning):
+    """Which hardware a step is planned for when the user named none, or named ``auto``:
+    said once per process (the CLI prints it as one line)."""

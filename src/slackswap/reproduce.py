@@ -396,8 +396,10 @@ def report(results: dict[str, Any]) -> str:
             "|---|---|---|---|---|---|",
         ]
         for s, e in w["strategies"].items():
-            peak = format_bytes(e["peak_bytes"]) if e["peak_bytes"] is not None else "-"
-            lines.append(f"| {s} | {_pct(e)} | {peak} | {format_bytes(e['offloaded_bytes'])} "
+            # an infeasible plan's peak is where its step stopped: no peak of a step
+            peak = format_bytes(e["peak_bytes"]) if e["feasible"] else "-"
+            lines.append(f"| {s} | {_pct_why(e)} | {peak} | "
+                         f"{format_bytes(e['offloaded_bytes'])} "
                          f"| {format_bytes(e['recomputed_bytes'])} | {e['plan_time_s']:.2f} s |")
         if w.get("plot"):
             lines += ["", f"![retention against budget]({w['plot']}) (a gap: infeasible)"]
@@ -412,6 +414,13 @@ def report(results: dict[str, Any]) -> str:
 
 def _pct(entry: dict[str, Any]) -> str:
     return f"{entry['retention']:.1%}" if entry["feasible"] else "infeasible"
+
+
+def _pct_why(entry: dict[str, Any]) -> str:
+    """The retention, or "infeasible" and why, for a Markdown table cell."""
+    if entry["feasible"] or not entry.get("reason"):
+        return _pct(entry)
+    return f"infeasible: {entry['reason']}".replace("|", "\\|")
 
 
 def bound_cell(workload: dict[str, Any]) -> str:

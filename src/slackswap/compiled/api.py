@@ -26,7 +26,7 @@ from slackswap.compiled.joint import (
     tag_joint,
     uniform_per_op,
 )
-from slackswap.core.hardware import Hardware, load_hardware, with_overrides
+from slackswap.core.hardware import Hardware, with_overrides
 from slackswap.core.plan import Decision, Plan
 from slackswap.core.profile import StepProfile
 from slackswap.core.units import format_bytes, resolve_budget
@@ -35,6 +35,7 @@ from slackswap.errors import InputError, SlackSwapError
 from slackswap.planners import STRATEGIES, plan_in_context
 from slackswap.planners import plan as plan_profile
 from slackswap.planners.context import PlanContext
+from slackswap.profiling.machine import resolve_hardware
 from slackswap.profiling.sharding import module_class
 from slackswap.profiling.step import (
     Batch,
@@ -340,7 +341,7 @@ def compile(  # noqa: A001 - slackswap.compile mirrors torch.compile
         raise InputError("slackswap.compile plans one graph: fullgraph=False is not supported")
     if "backend" in compile_kwargs:
         raise InputError("pass the backend as slackswap.compile(..., backend=...)")
-    hw = load_hardware(hardware or "a100-80gb")
+    hw = resolve_hardware(hardware)  # NOTE [assumed hardware]
     fingerprint = model_fingerprint(model) + batch_fingerprint(
         t for _, t in batch_tensors(batch))
     state = CompiledPlan(budget, hw, strategy, model, fingerprint)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
+import warnings
 from collections.abc import Iterable, Mapping
 from importlib import resources
 from pathlib import Path
@@ -18,7 +20,7 @@ import pydantic
 from pydantic import Field
 
 from slackswap.core.jsonio import read_file, validate_model
-from slackswap.errors import InputError
+from slackswap.errors import HardwareNotice, InputError
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -27,7 +29,8 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 __all__ = ["Hardware", "Compute", "Memory", "HostLink", "Host", "Node", "HOST_SOURCES",
            "load_hardware", "profile_hardware", "hardware_presets", "on_node", "with_overrides",
-           "parse_overrides"]
+           "parse_overrides", "DEFAULT_HARDWARE", "preset_for_gpu", "default_hardware",
+           "notice"]
 
 
 def _within(low: float, high: float) -> pydantic.AfterValidator:
@@ -284,6 +287,56 @@ def _parse(text: str, source: str, bases: tuple[str, ...] = ()) -> Hardware:
     return validate_model(Hardware, data, source)
 
 
+# NOTE [assumed hardware]
+#     A step is priced, and offloads are planned, for one GPU. A user who names none gets
+#     DEFAULT_HARDWARE (the paper's A100), said once in a ``HardwareNotice``; ``auto``
+#     names the GPU this process sees (``slackswap.profiling.machine``), mapped to a
+#     preset by its device name with ``preset_for_gpu``, where a CPU-only process is
+#     told which preset it gets. Never silently: the figures differ a lot between GPUs.
+DEFAULT_HARDWARE = "a100-80gb"
+AUTO = "auto"
+# (pattern in torch.cuda.get_device_name(), preset), first match wins: GH200 before H200,
+# L40S before L4. A GPU that matches none has no preset: its user writes a hardware file.
+_GPU_PRESETS = (
+    (r"GH200", "gh200"),
+    (r"H200", "h200"),
+    (r"H100 PCIe", "h100-pcie"),
+    (r"H100 80GB HBM3|H100 SXM", "h100-sxm"),
+    (r"A100.*80\s*GB", "a100-80gb"),
+    (r"A100.*40\s*GB", "a100-40gb"),
+    (r"L40S", "l40s"),
+    (r"\bL4\b", "l4"),
+    (r"A10G", "a10g"),
+    (r"RTX 4090", "rtx-4090"),
+    (r"RTX 6000 Ada", "rtx-6000-ada"),
+)
+_NOTICED: set[str] = set()
+
+
+def preset_for_gpu(device_name: str) -> str | None:
+    """The preset for a GPU by its device name (``torch.cuda.get_device_name()``, e.g.
+    ``NVIDIA L40S``); None when no preset describes it."""
+    return next((preset for pattern, preset in _GPU_PRESETS
+                 if re.search(pattern, device_name)), None)
+
+
+def notice(message: str) -> None:
+    """Say ``message`` (which hardware is assumed) once per process, as a
+    :class:`HardwareNotice` warning."""
+    if message not in _NOTICED:
+        _NOTICED.add(message)
+        warnings.warn(message, HardwareNotice, stacklevel=3)
+
+
+def default_hardware() -> Hardware:
+    """The hardware of a step whose user named none (NOTE [assumed hardware]), said."""
+    hw = load_hardware(DEFAULT_HARDWARE)
+    notice(f"no hardware given: planning for preset {hw.name} ({hw.description}); pass "
+           "hardware= (--hardware) a preset, a hardware file, or 'auto' for this "
+           "machine's GPU")
+    return hw
+
+
 def load_hardware(spec: str | Path | Hardware,
                   overrides: Mapping[str, Any] | None = None) -> Hardware:
     """A preset by name (see :func:`hardware_presets`), ``NODE/N`` for one of N ranks of
@@ -325,6 +378,10 @@ def _load(spec: str | Path, bases: tuple[str, ...]) -> Hardware:
     node, _, gpus = str(spec).rpartition("/")
     if node in names and gpus.isdigit():  # "dgx-a100/8", as on_node names a node's rank
         return on_node(load_hardware(node), int(gpus))
+    if str(spec) == AUTO:
+        raise InputError("hardware 'auto' is this machine's GPU, which only a step run "
+                         "here sees: pass it where a model is profiled or planned "
+                         "(slackswap.plan(model, ...), slackswap.profile, the command line)")
     base, plus, _ = str(spec).partition("+")
     if plus and base in names:  # as with_overrides names it: the values are not in the name
         raise InputError(f"hardware '{spec}' is '{base}' with overrides: pass --hardware "

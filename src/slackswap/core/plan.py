@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import pydantic
 from pydantic import NonNegativeInt
 
 from slackswap.core.jsonio import JsonFile
 from slackswap.core.profile import MIN_PLANNED_BYTES, Bytes, StepProfile
+from slackswap.core.units import format_bytes
 from slackswap.errors import InputError
+
+if TYPE_CHECKING:
+    from slackswap.core.result import SimResult
 
 __all__ = ["Plan", "Decision", "MIN_PLANNED_BYTES"]
 
@@ -26,6 +31,10 @@ class Decision(str, Enum):
         return self.value
 
 
+_DONE = {Decision.KEEP: "kept", Decision.OFFLOAD: "offloaded",
+         Decision.RECOMPUTE: "recomputed"}
+
+
 class Plan(JsonFile, pydantic.BaseModel):
     """Decisions keyed by activation id; prefetch points are op indices where a reload is issued."""
 
@@ -40,6 +49,77 @@ class Plan(JsonFile, pydantic.BaseModel):
     # The profile a one-call plan was made from, kept in memory (not in the file) so the
     # runtime can check the plan and reload at its prefetch points without being given it.
     _profile: StepProfile | None = pydantic.PrivateAttr(default=None)
+    # What planning predicted for it (the simulated step) and the hardware it was planned
+    # for, kept in memory for ``str(plan)``; unset for a plan read from a file.
+    _result: SimResult | None = pydantic.PrivateAttr(default=None)
+    _hardware: str | None = pydantic.PrivateAttr(default=None)
+
+    def counts(self) -> dict[Decision, int]:
+        """How many activations the plan keeps, offloads and recomputes."""
+        counts = dict.fromkeys(Decision, 0)
+        for decision in self.decisions.values():
+            counts[Decision(decision)] += 1
+        return counts
+
+    def __str__(self) -> str:
+        """A few lines for a person: strategy, budget, predicted retention (simulated),
+        and how many activations (and bytes, when the profile is at hand) each decision
+        takes; the plan file holds the decisions themselves."""
+        budget = format_bytes(self.budget_bytes) if self.budget_bytes is not None else "none"
+        lines = [f"SlackSwap plan ({self.strategy}), budget {budget}, for profile "
+                 f"{self.fingerprint[:12]}"]
+        result = self._result
+        if result is not None and result.feasible:
+            on = f" on {self._hardware}" if self._hardware else ""
+            lines.append(
+                f"  predicted retention {result.retention:.2%} of the ideal step "
+                f"(simulated{on}): {result.step_time_s * 1e3:.2f} ms against "
+                f"{result.ideal_step_time_s * 1e3:.2f} ms; activation peak "
+                f"{format_bytes(result.peak_bytes)} (keep-all "
+                f"{format_bytes(result.keep_all_peak_bytes)})")
+        elif result is not None:
+            lines.append(f"  infeasible: {result.infeasible_reason}")
+        else:
+            lines.append("  predicted retention not known (a plan read from a file): "
+                         "`slackswap simulate PROFILE --plan PLAN` predicts it")
+        counts = self.counts()
+        sizes = self._bytes_by_decision()
+        parts = [f"{counts[d]} {_DONE[d]}" + (f" ({format_bytes(sizes[d])})" if sizes else "")
+                 for d in Decision]
+        lines.append(f"  {len(self.decisions)} activations: {', '.join(parts)}; "
+                     f"{len(self.prefetch)} prefetch points")
+        return "\n".join(lines)
+
+    def __eq__(self, other: object) -> bool:
+        """Plans are equal when their files would be: what is kept in memory with one
+        (its profile, its predicted result) is not the plan."""
+        if not isinstance(other, Plan):
+            return NotImplemented
+        return self.__dict__ == other.__dict__
+
+    __hash__ = None  # type: ignore[assignment]  # (mutable, as pydantic models are)
+
+    def __repr__(self) -> str:
+        counts = self.counts()
+        retention = (f", predicted_retention={self._result.retention:.4f}"
+                     if self._result is not None and self._result.feasible else "")
+        return (f"Plan(strategy={self.strategy!r}, budget_bytes={self.budget_bytes!r}, "
+                f"fingerprint={self.fingerprint[:12] + '...'!r}, "
+                f"decisions=<{len(self.decisions)}: {counts[Decision.OFFLOAD]} offload, "
+                f"{counts[Decision.RECOMPUTE]} recompute>, "
+                f"prefetch=<{len(self.prefetch)}>{retention})")
+
+    def _bytes_by_decision(self) -> dict[Decision, int]:
+        """Bytes each decision takes, from the profile kept with the plan; empty without."""
+        profile = self._profile
+        if profile is None:
+            return {}
+        records = {**profile.checkpointable, **profile.by_name}
+        sizes = dict.fromkeys(Decision, 0)
+        for name, decision in self.decisions.items():
+            if (record := records.get(name)) is not None:
+                sizes[Decision(decision)] += record.bytes
+        return sizes
 
     @classmethod
     def keep_all(cls, profile: StepProfile) -> Plan:

@@ -5,9 +5,10 @@ from slackswap.models.presets import (
     ModelPreset,
     build_model,
     load_factory,
+    load_loss,
     load_workload,
     with_layers,
 )
 
-__all__ = ["MODEL_PRESETS", "ModelPreset", "build_model", "load_factory", "load_workload",
-           "with_layers"]
+__all__ = ["MODEL_PRESETS", "ModelPreset", "build_model", "load_factory", "load_loss",
+           "load_workload", "with_layers"]

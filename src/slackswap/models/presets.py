@@ -8,7 +8,7 @@ import functools
 import importlib
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,8 +17,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from slackswap.errors import InputError
 
-__all__ = ["ModelPreset", "MODEL_PRESETS", "build_model", "load_factory", "load_workload", "DTYPES",
-           "with_layers"]
+__all__ = ["ModelPreset", "MODEL_PRESETS", "build_model", "load_factory", "load_loss",
+           "load_workload", "DTYPES", "with_layers"]
 
 # The most tokens a preset's batch holds: its ids and labels are real tensors (1 GiB at
 # this size), and fit's search stops at batch 65536 of 1024.
@@ -233,17 +233,23 @@ def build_model(
     return model, {"input_ids": ids, "labels": ids.clone()}
 
 
-def load_factory(spec: str) -> tuple[torch.nn.Module, Any]:
-    """Call a ``package.module:factory`` that returns ``(model, example_batch)``."""
+def _imported(spec: str, what: str) -> Any:
+    """The object ``package.module:name`` names (``what`` says what it is, for errors);
+    modules in the working directory import, as with ``python -m``."""
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
-        raise InputError(f"'{spec}' is not package.module:factory")
-    if os.getcwd() not in sys.path:  # like `python -m`: modules in the working directory import
+        raise InputError(f"'{spec}' is not package.module:{what}")
+    if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
-        factory = getattr(importlib.import_module(module_name), attr)
+        return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
-        raise InputError(f"cannot import factory '{spec}': {e}") from None
+        raise InputError(f"cannot import {what} '{spec}': {e}") from None
+
+
+def load_factory(spec: str) -> tuple[torch.nn.Module, Any]:
+    """Call a ``package.module:factory`` that returns ``(model, example_batch)``."""
+    factory = _imported(spec, "factory")
     try:
         result = factory()
     except Exception as e:
@@ -252,6 +258,17 @@ def load_factory(spec: str) -> tuple[torch.nn.Module, Any]:
     if not (is_pair and isinstance(result[0], torch.nn.Module)):
         raise InputError(f"factory '{spec}' must return (model, example_batch)")
     return result
+
+
+def load_loss(spec: str) -> Callable[[Any], torch.Tensor]:
+    """A ``package.module:function`` the command line's ``--loss`` names: the profiled
+    step's ``loss_fn``, called with whatever the model's forward returns and returning
+    the scalar loss (see :func:`slackswap.profile`)."""
+    fn = _imported(spec, "function")
+    if not callable(fn):
+        raise InputError(f"--loss '{spec}' is a {type(fn).__name__}, not a function; name "
+                         "a function loss(output) -> scalar tensor")
+    return fn
 
 
 def load_workload(

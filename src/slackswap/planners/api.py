@@ -106,4 +106,6 @@ def plan(
             f"profile is {format_bytes(floor)} ({floor / profile.keep_all_peak:.1%} of the "
             f"keep-all peak)"
         )
-    return attempt[0]
+    chosen = attempt[0].model_copy()  # (a cached plan is shared: its copy holds the result)
+    chosen._result, chosen._hardware = attempt[1], hw.name
+    return chosen

@@ -17,10 +17,11 @@ from torch.distributed._tools.mod_tracker import ModTracker
 from torch.func import functional_call
 
 from slackswap.core.costmodel import step_times
-from slackswap.core.hardware import Hardware, load_hardware
+from slackswap.core.hardware import Hardware
 from slackswap.core.profile import StepProfile
 from slackswap.errors import InputError, ProfileError, SlackSwapError
 from slackswap.profiling.kernels import TargetKernels
+from slackswap.profiling.machine import resolve_hardware
 from slackswap.profiling.naming import ActivationNamer, module_events, module_path
 from slackswap.profiling.recorder import StepRecorder
 from slackswap.profiling.sharding import (
@@ -43,7 +44,7 @@ Batch = Mapping[str, Any] | tuple | list | torch.Tensor
 def profile(
     model: torch.nn.Module,
     batch: Batch,
-    hardware: str | Hardware = "a100-80gb",
+    hardware: str | Hardware | None = None,
     mode: Literal["analytic", "measured", "traced"] = "analytic",
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     *,
@@ -53,6 +54,10 @@ def profile(
 ) -> StepProfile:
     """Profile one training step of ``model`` on ``batch``.
 
+    ``hardware``: a preset name, a hardware file, ``"auto"`` (the preset of the GPU this
+    process sees) or a :class:`Hardware`; None plans for ``a100-80gb`` and says so once
+    (a :class:`~slackswap.HardwareNotice` warning).
+
     ``analytic`` traces under ``FakeTensorMode`` (no weights, no compute) and prices each
     op on ``hardware`` with the roofline cost model; ``kernels`` picks whose kernel
     semantics to trace: the hardware's (``cuda``) or the local CPU's (``native``).
@@ -60,13 +65,18 @@ def profile(
     runs a real step too (so the ops, and the ids a plan names, are exactly those the
     model runs there, data-dependent branches included) and prices each op on
     ``hardware`` as ``analytic`` does.
-    The loss is ``output.loss`` when the model returns one, otherwise ``loss_fn(output)``.
+    The loss is ``output.loss`` (or ``output["loss"]``) when the model returns one,
+    otherwise ``loss_fn(output)``: ``loss_fn`` takes whatever the model's forward returns
+    and returns the scalar loss tensor that backward starts from, e.g.
+    ``lambda out: torch.nn.functional.cross_entropy(out, targets)`` with the targets
+    closed over (a model returning a one-element tensor needs none). On the command line
+    ``--loss package.module:function`` names such a function.
     A model sharded with FSDP2's ``fully_shard`` is profiled as its unsharded self: in
     ``measured`` and ``traced`` modes its parameters are gathered whole for the step (a
     collective: every rank must call this), in ``analytic`` mode full-shape fakes stand
     in for them; the fingerprint and model-state bytes are those of the model as held.
     """
-    hw = load_hardware(hardware)
+    hw = resolve_hardware(hardware)
     if (tensors := batch_tensors(batch)) and all(t.numel() == 0 for _, t in tensors):
         raise InputError("the example batch is empty (its tensors have no elements); "
                          "give a batch of at least one example")
@@ -320,6 +330,16 @@ def _raised_in_mod_tracker(e: BaseException) -> bool:
     return False
 
 
+def _described(output: Any) -> str:
+    """What a model returned, in a few words, for the error that says it has no loss."""
+    if isinstance(output, torch.Tensor):
+        return f"a tensor of shape {list(output.shape)}"
+    if isinstance(output, Mapping):
+        keys = ", ".join(repr(k) for k in list(output)[:5])
+        return f"a mapping with keys {keys}" if keys else "an empty mapping"
+    return f"a {type(output).__name__}"
+
+
 def _loss(output: Any, loss_fn: Callable[[Any], torch.Tensor] | None, name: str) -> torch.Tensor:
     loss = getattr(output, "loss", None)
     if loss is None and isinstance(output, Mapping):
@@ -330,7 +350,10 @@ def _loss(output: Any, loss_fn: Callable[[Any], torch.Tensor] | None, name: str)
         loss = output  # the model returns its loss
     if loss is None:
         raise ProfileError(
-            f"model '{name}' returned no loss; pass labels in the batch or give a loss_fn"
+            f"model '{name}' returned no loss (its output is {_described(output)}); give a "
+            "loss: loss_fn=f in Python or --loss package.module:f on the command line, "
+            "where f(output) returns a scalar tensor, or pass labels in the batch if the "
+            "model computes its own loss"
         )
     if not isinstance(loss, torch.Tensor) or not loss.requires_grad or loss.numel() != 1:
         raise ProfileError(

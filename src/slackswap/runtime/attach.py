@@ -29,12 +29,13 @@ import torch
 from torch.nn.modules import module as nn_module
 from torch.utils import _pytree
 
-from slackswap.core.hardware import Hardware, load_hardware
+from slackswap.core.hardware import Hardware
 from slackswap.core.plan import Plan
 from slackswap.core.units import resolve_budget
 from slackswap.device_budget import is_fit
 from slackswap.errors import InputError, SlackSwapError
 from slackswap.planners import STRATEGIES
+from slackswap.profiling.machine import resolve_hardware
 from slackswap.profiling.step import model_fingerprint
 from slackswap.runtime.block import apply
 from slackswap.runtime.oneshot import autocast_state, plan_model
@@ -72,10 +73,10 @@ def attach(model: torch.nn.Module, budget: str | int | float = 0.5,
     # refused now, not at the first training forward
     if not is_fit(budget):
         resolve_budget(budget, 1)
-    load_hardware(hardware or "a100-80gb")
     if strategy not in STRATEGIES:
         raise InputError(f"unknown strategy '{strategy}'; strategies: {', '.join(STRATEGIES)}")
-    return Attached(model, budget, hardware, strategy, loss_fn)
+    # once, here: None (said) or "auto" names one hardware for every batch shape
+    return Attached(model, budget, resolve_hardware(hardware), strategy, loss_fn)
 
 
 class Attached:

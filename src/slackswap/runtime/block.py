@@ -20,6 +20,7 @@ import torch
 from slackswap.core.plan import Decision, Plan
 from slackswap.core.profile import StepProfile
 from slackswap.errors import InputError, SlackSwapError
+from slackswap.profiling.recorder import dtype_name
 from slackswap.profiling.sharding import fsdp_hooks_apart, rank_prefix
 from slackswap.profiling.step import (
     batch_fingerprint,
@@ -31,7 +32,7 @@ from slackswap.profiling.step import (
     refusing_own_checkpoint_calls,
     wrappers,
 )
-from slackswap.runtime.checks import offload_deadlines, prepare
+from slackswap.runtime.checks import offload_deadlines, prepare, shapes_differ
 from slackswap.runtime.copies import copies_for
 from slackswap.runtime.recording import Recorder
 from slackswap.runtime.saved import SavedValues
@@ -48,6 +49,11 @@ _OPENING = threading.Lock()  # NOTE [one thread at a time]
 class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
     """Run the forward pass inside ``with slackswap.apply(model, plan):``; backward may
     run inside or after the block. Gradients are bit-identical to training without it.
+
+    ``slackswap.apply(model, plan)`` returns the block, a context manager that
+    ``with ... as block:`` binds; after a step ``block.stats`` (a
+    :class:`RuntimeStats`) says what it moved and rebuilt. Make it once and reuse it,
+    one ``with`` per forward pass.
 
     ``profile``, when given, is the profile the plan was made for: the plan is checked
     against it before anything runs, and reloads start at the plan's prefetch points.
@@ -70,7 +76,7 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
 
     def __init__(self, model: torch.nn.Module, plan: Plan,
                  profile: StepProfile | None = None, batch: Any = None,
-                 verify: bool = False) -> None:
+                 verify: bool = False):  # (no "-> None": help() shows it as apply's)
         # calls of the wrappers split no segment of the model's ops
         self._wrappers = frozenset(id(w) for w in wrappers(model))
         model = eager_module(model)  # inside torch.compile's or DDP's wrapper
@@ -244,12 +250,14 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
                 planned = shapes.get(f"input:{key}")
                 if isinstance(t, torch.Tensor) and planned not in (None, list(t.shape)):
                     raise InputError(f"{rank_prefix()}plan was made for batch '{key}' of "
-                                     f"shape {planned}, not {list(t.shape)}; re-plan for "
-                                     "this shape")
-        got = [list(t.shape) for t in tensors]
-        raise InputError(f"{rank_prefix()}plan was made for a batch of other shapes "
-                         f"than {got}; "
-                         "re-plan for this batch")
+                                     f"shape {planned}, not {list(t.shape)}; {_REPLAN}")
+        given = [(list(t.shape), dtype_name(t.dtype)) for t in tensors]
+        raise InputError(f"{rank_prefix()}{shapes_differ(self._profile, given)}; {_REPLAN}")
+
+
+# what to do about a batch the plan was not made for
+_REPLAN = ("re-plan for this batch, or let slackswap.auto(model, budget) (or "
+           "slackswap.attach) plan each new batch shape once")
 
 
 # NOTE [one thread at a time]

@@ -126,3 +126,19 @@ def check_recomputable(profile: StepProfile, plan: Plan) -> None:
                 f"cannot recompute '{name}': {why}; keep or offload it (plans from "
                 "slackswap.plan never recompute it)"
             )
+
+
+def shapes_differ(profile: StepProfile | None, given: list[tuple[list[int], str]]) -> str:
+    """The sentence saying a batch is not the one a plan was made for: the shapes (and
+    dtypes, where those alone differ) of the batch's tensors, ``(shape, dtype name)``
+    each, and those the plan was made for when its profile is at hand."""
+    shapes = [shape for shape, _ in given]
+    if profile is None:
+        return (f"plan was made for a batch of other shapes or dtypes than {shapes} (give "
+                "apply the plan's profile= to see which)")
+    inputs = [t for t in profile.tensors if t.kind == "input"]
+    planned = [t.shape for t in inputs]
+    if sorted(planned) != sorted(shapes):
+        return f"plan was made for a batch of shapes {planned}, not {shapes}"
+    return (f"plan was made for a batch of dtypes {[t.dtype for t in inputs]}, not "
+            f"{[dtype for _, dtype in given]} (shapes {shapes})")

@@ -7,12 +7,13 @@ from typing import Any
 
 import torch
 
-from slackswap.core.hardware import Hardware, load_hardware, profile_hardware
+from slackswap.core.hardware import Hardware
 from slackswap.core.plan import Plan
 from slackswap.device_budget import device_budget, is_fit
 from slackswap.errors import InputError
 from slackswap.planners import plan
 from slackswap.profiling import profile
+from slackswap.profiling.machine import resolve_hardware
 from slackswap.profiling.step import fingerprint, gathered
 from slackswap.runtime.block import apply
 
@@ -32,7 +33,9 @@ def plan_model(
 
     On CUDA the step is measured (real kernels, real times); elsewhere one real step is
     traced (so data-dependent branches, such as a mask checked for padding, take the
-    path training takes) and priced on ``hardware`` (default ``a100-80gb``); such a
+    path training takes) and priced on ``hardware``: a preset, a hardware file,
+    ``"auto"`` (the preset of the GPU this process sees), or None for ``a100-80gb``,
+    said once in a :class:`~slackswap.HardwareNotice` warning; such a
     step is the same on every run, and its plan is cached on disk by content
     (``$SLACKSWAP_CACHE``, or ``~/.cache/slackswap``: NOTE [plan cache]). A model
     sharded with FSDP2's ``fully_shard`` is profiled as its unsharded self: every rank
@@ -41,7 +44,9 @@ def plan_model(
     prefetch points; a plan read back from a file needs ``profile=`` for that.
     ``budget="fit"``: what the device's memory (``torch.cuda.mem_get_info`` on CUDA, the
     preset's elsewhere) leaves once AdamW's mixed-precision model states and the CUDA
-    context are taken out (:mod:`slackswap.device_budget`).
+    context are taken out (:mod:`slackswap.device_budget`). ``loss_fn(output)``
+    returns the scalar loss of a model whose output carries none (see
+    :func:`slackswap.profile`).
 
     ``group``: a ``torch.distributed`` process group (``torch.distributed.group.WORLD``
     for all ranks). Its first rank profiles and plans, every rank receives that plan
@@ -55,15 +60,15 @@ def plan_model(
                                                   loss_fn))
     params = list(model.parameters())
     on_cuda = bool(params) and params[0].device.type == "cuda"
-    step = profile(model, batch, hardware or "a100-80gb",
-                   mode="measured" if on_cuda else "traced", loss_fn=loss_fn)
+    hw = resolve_hardware(hardware)  # NOTE [assumed hardware]
+    step = profile(model, batch, hw, mode="measured" if on_cuda else "traced",
+                   loss_fn=loss_fn)
     if on_cuda and is_fit(budget):  # the device's own memory, not the preset's
         total = torch.cuda.mem_get_info(params[0].device)[1]
-        hw = load_hardware(hardware) if hardware else profile_hardware(step.hardware)
         budget = device_budget(step, hw, capacity=total,
                                capacity_source="torch.cuda.mem_get_info").budget_bytes
     # a traced step is the same on every run: its plan is cached (NOTE [plan cache])
-    result = plan(step, budget, hardware, strategy, cached=not on_cuda)
+    result = plan(step, budget, hw, strategy, cached=not on_cuda)
     result._profile = step  # so that apply checks it and prefetches without being told
     return result
 

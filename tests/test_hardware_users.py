@@ -1,0 +1,153 @@
+"""Hardware as users meet it: a preset for each GPU people fine-tune on, ``auto`` for the
+GPU at hand, a file to fill in for one's own, and never a silent default."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import warnings
+
+import pytest
+from click.testing import CliRunner
+
+import slackswap
+from slackswap.cli import main
+from slackswap.core import hardware as hardware_module
+from slackswap.core.hardware import hardware_presets, load_hardware, preset_for_gpu
+from slackswap.core.hwtemplate import HARDWARE_TEMPLATE
+from slackswap.errors import HardwareNotice, InputError
+from slackswap.profiling import machine
+
+NEW = ("l4", "l40s", "a10g", "rtx-4090", "rtx-6000-ada")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_notices(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test sees the once-per-process notices as a new process would."""
+    monkeypatch.setattr(hardware_module, "_NOTICED", set())
+    monkeypatch.delenv(machine.HARDWARE_ENV, raising=False)
+
+
+@pytest.mark.parametrize("name", [p for p in hardware_presets() if not p.startswith("dgx")])
+def test_every_preset_plans_a_tiny_model(name: str) -> None:
+    import factories
+
+    model, batch = factories.mlp()
+    plan = slackswap.plan(model, batch, budget=0.6, hardware=name)
+    assert plan._hardware == name and plan._result.feasible
+    assert f"simulated on {name}" in str(plan)
+
+
+def _digest(name: str) -> str:
+    return hashlib.sha256(json.dumps(load_hardware(name).model_dump(mode="json"),
+                                     sort_keys=True).encode()).hexdigest()[:16]
+
+
+def test_the_existing_presets_are_unchanged() -> None:
+    """The figures stored optima and the paper reproduction depend on (their content
+    digests before the new presets came)."""
+    assert load_hardware("a100-80gb").peak("bf16") == 312e12
+    assert {n: _digest(n) for n in ("a100-80gb", "h100-sxm", "h200")} == {
+        "a100-80gb": "715416bcf2ad9c48", "h100-sxm": "a68371582c8efea0", "h200": "e78e3fcf634a51a2"}
+
+
+@pytest.mark.parametrize("name", NEW)
+def test_new_presets_cite_their_datasheets(name: str) -> None:
+    hw = load_hardware(name)
+    assert hw.host_link.kind == "pcie4-x16"
+    assert "datasheet" in hw.sources["compute.peak_flops"] or "whitepaper" in hw.sources[
+        "compute.peak_flops"] or "Baseten" in hw.sources["compute.peak_flops"]
+    # dense figures: the half-precision tensor peak is below a sparse datasheet figure
+    assert hw.peak("bf16") < 400e12 and hw.peak("bf16") > hw.peak("fp32")
+    assert hw.memory.capacity_bytes in (24 * 2**30, 48 * 2**30)
+
+
+@pytest.mark.parametrize(("device", "preset"), [
+    ("NVIDIA A100-SXM4-80GB", "a100-80gb"), ("NVIDIA A100 80GB PCIe", "a100-80gb"),
+    ("NVIDIA A100-SXM4-40GB", "a100-40gb"), ("NVIDIA H100 80GB HBM3", "h100-sxm"),
+    ("NVIDIA H100 PCIe", "h100-pcie"), ("NVIDIA H200", "h200"),
+    ("NVIDIA GH200 480GB", "gh200"), ("NVIDIA L4", "l4"), ("NVIDIA L40S", "l40s"),
+    ("NVIDIA A10G", "a10g"), ("NVIDIA GeForce RTX 4090", "rtx-4090"),
+    ("NVIDIA RTX 6000 Ada Generation", "rtx-6000-ada"),
+    ("NVIDIA L40", None), ("NVIDIA A10", None), ("NVIDIA GeForce RTX 3090", None),
+    ("AMD Instinct MI300X", None),
+])
+def test_a_gpu_name_maps_to_its_preset(device: str, preset: str | None) -> None:
+    assert preset_for_gpu(device) == preset
+    assert preset is None or preset in hardware_presets()
+
+
+def test_no_hardware_given_is_said_once() -> None:
+    import factories
+
+    model, batch = factories.mlp()
+    with pytest.warns(HardwareNotice, match=r"no hardware given: planning for preset "
+                                            r"a100-80gb \(NVIDIA A100-SXM4-80GB"):
+        plan = slackswap.plan(model, batch, budget=0.6)
+    assert plan._hardware == "a100-80gb"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once per process, not per plan
+        slackswap.plan(model, batch, budget=0.6)
+
+
+def test_auto_without_a_gpu_says_which_preset(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(machine, "gpu_name", lambda: None)
+    with pytest.warns(HardwareNotice, match="no CUDA GPU here, so preset a100-80gb"):
+        assert machine.resolve_hardware("auto").name == "a100-80gb"
+
+
+def test_auto_on_a_gpu_takes_its_preset(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(machine, "gpu_name", lambda: "NVIDIA L40S")
+    with pytest.warns(HardwareNotice, match="NVIDIA L40S, is preset l40s"):
+        assert machine.resolve_hardware("auto").name == "l40s"
+    monkeypatch.setattr(machine, "gpu_name", lambda: "NVIDIA Tesla T4")
+    with pytest.raises(InputError, match=r"NVIDIA Tesla T4, matches no preset .*"
+                                         r"slackswap hardware --template"):
+        machine.resolve_hardware("auto")
+
+
+def test_auto_takes_the_file_written_for_this_machine(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "mine.toml"
+    path.write_text(HARDWARE_TEMPLATE)
+    monkeypatch.setenv(machine.HARDWARE_ENV, str(path))
+    monkeypatch.setattr(machine, "gpu_name", lambda: "NVIDIA L4")
+    with pytest.warns(HardwareNotice, match=r"my-gpu from \$SLACKSWAP_HARDWARE"):
+        assert machine.resolve_hardware("auto").name == "my-gpu"
+
+
+def test_auto_where_no_step_runs_is_refused_in_one_line() -> None:
+    with pytest.raises(InputError, match="hardware 'auto' is this machine's GPU"):
+        load_hardware("auto")
+
+
+def test_the_template_round_trips(tmp_path) -> None:
+    result = CliRunner().invoke(main, ["hardware", "--template"])
+    assert result.exit_code == 0 and result.stdout == HARDWARE_TEMPLATE
+    path = tmp_path / "my-gpu.toml"
+    path.write_text(result.stdout)
+    hw = load_hardware(path)
+    preset = load_hardware("a100-80gb")
+    assert hw.name == "my-gpu"
+    # its figures are a preset's, to be replaced: it plans as that preset does
+    for table in ("compute", "memory", "host_link", "host"):
+        assert getattr(hw, table) == getattr(preset, table), table
+    # every figure carries a comment or a line above it saying what it is
+    assert HARDWARE_TEMPLATE.count("#") > 25
+    # and the command line plans with it
+    result = CliRunner().invoke(main, ["plan", "gpt2-xl-tiny", "--budget", "0.8",
+                                       "--hardware", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "on my-gpu" in result.stdout
+
+
+def test_cli_auto_and_default_say_which_hardware(monkeypatch) -> None:
+    monkeypatch.setattr(machine, "gpu_name", lambda: None)
+    result = CliRunner().invoke(main, ["plan", "gpt2-xl-tiny", "--budget", "0.8",
+                                       "--hardware", "auto"])
+    assert result.exit_code == 0, result.output
+    assert result.stderr.startswith("note: hardware 'auto': no CUDA GPU here, so preset "
+                                    "a100-80gb")
+    assert result.stderr.count("\n") == 1 and "on a100-80gb" in result.stdout
+    result = CliRunner().invoke(main, ["plan", "gpt2-xl-tiny", "--budget", "0.8"])
+    assert result.exit_code == 0
+    assert result.stderr.startswith("note: no hardware given: planning for preset a100-80gb")
