@@ -400,7 +400,7 @@ def render(results: dict[str, Any]) -> str:
         + "). The budget still has to hold the loss's ops when they run.",
         "5. **Host costs** (not in the issue's list): the simulator issues every kernel "
         "from a host thread that pays eager PyTorch's dispatch and the runtime's own costs "
-        "(README, \"Simulating a step\"); a simulator without a host pays none. The row "
+        "([simulating a step](simulation.md)); a simulator without a host pays none. The row "
         "sets all five to 0.",
         "",
         "## What sets each workload's keep-all peak",

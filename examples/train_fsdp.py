@@ -37,6 +37,7 @@ def main() -> None:
         torch.cuda.set_device(device)
     model, batch = build_model(args.model, fake=False, dtype="bf16" if cuda else "fp32",
                                device=device)  # your model and batch; same seed per rank
+    # --8<-- [start:core]
     if args.ddp:
         net = torch.nn.parallel.DistributedDataParallel(model)
     else:
@@ -59,7 +60,8 @@ def main() -> None:
             print(f"step {step}: loss {loss.item():.4f}, offloaded "
                   f"{stats.offloaded_bytes / 2**20:.1f} MiB, recomputed "
                   f"{stats.recomputed_ops} ops")
-    del net, model, optimizer  # before the group goes (see README, Multi-GPU)
+    # --8<-- [end:core]
+    del net, model, optimizer  # before the group goes (docs/training/distributed.md)
     dist.destroy_process_group()
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import re
 from pathlib import Path
 
 import pytest
@@ -321,14 +320,3 @@ def test_lightning_three_steps_bit_identical() -> None:
     stats = callback.attached.stats
     assert stats.recomputed_ops > 0 and stats.offloaded_bytes > 0  # the plan ran
     assert not model._forward_pre_hooks and not model._forward_hooks
-
-
-def test_readme_attach_section_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    section = readme.split("## Training without loop edits", 1)[1].split("\n## ", 1)[0]
-    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
-    assert len(blocks) == 4
-    monkeypatch.chdir(tmp_path)  # the Trainer's output directory
-    namespace: dict = {}
-    exec(compile("\n".join(blocks), "README.md", "exec"), namespace)
-    assert namespace["attached"].plans and not namespace["model"]._forward_pre_hooks

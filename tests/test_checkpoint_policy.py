@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import functools
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -219,10 +218,3 @@ def test_cached_random_op_shifts_later_draws_in_torch() -> None:
     loss = checkpoint(region, x, use_reentrant=False, context_fn=functools.partial(
         create_selective_checkpoint_contexts, save_first_rand))
     assert not torch.equal(torch.autograd.grad(loss, w)[0], expected)
-
-
-def test_readme_checkpoint_policy_section_runs() -> None:
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    section = readme.split("## Plans for torch.utils.checkpoint", 1)[1].split("\n## ", 1)[0]
-    code = section.split("```python\n", 1)[1].split("```", 1)[0]
-    exec(compile(code, "README.md", "exec"), {})

@@ -146,12 +146,3 @@ def test_the_compiled_profile_names_activations_as_the_profiler_does() -> None:
     eager = slackswap.profile(model, (x,), mode="traced", kernels="native")
     same = set(compiled.slackswap.profile.by_name) & set(eager.by_name)
     assert {"blocks.0.0:native_layer_norm:0", "blocks.0.1:addmm:0", "blocks.0.2:gelu:0"} <= same
-
-
-def test_readme_compiled_training_section_runs() -> None:
-    from pathlib import Path
-
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    section = readme.split("## Compiled training", 1)[1].split("\n## ", 1)[0]
-    code = section.split("```python\n", 1)[1].split("```", 1)[0]
-    exec(compile(code, "README.md", "exec"), {})

@@ -7,7 +7,6 @@ import functools
 import gc
 import re
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -663,13 +662,6 @@ def test_plan_and_profile_files_reach_the_runtime(tmp_path) -> None:
                                    slackswap.StepProfile.load(tmp_path / "profile.json"))
     assert runtime.stats.prefetched > 0 and runtime.stats.late_reloads == 0
     assert_identical(result, reference)
-
-
-def test_readme_training_loop_runs() -> None:
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    section = readme.split("## Use it in your training loop", 1)[1]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    exec(compile(code, "README.md", "exec"), {})
 
 
 def test_autocast_bf16() -> None:
