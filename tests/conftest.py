@@ -20,6 +20,10 @@ def pytest_configure(config: pytest.Config) -> None:
     """The profiles and plans the tests cache go to one folder of this run, shared by
     the xdist workers and the processes tests spawn (they inherit the environment),
     never to the user's cache, so every run starts cold, as CI does."""
+    # pytest-xdist's workers run with ``COLUMNS=80`` in their environment, which the command
+    # line honours as a user's (NOTE [piped width] in ``slackswap/cli.py``): the tests read
+    # its output as a pipe without one gives it, with or without xdist
+    os.environ.pop("COLUMNS", None)
     if not hasattr(config, "workerinput"):  # the controller (or a run without xdist)
         config._slackswap_cache = tempfile.mkdtemp(prefix="slackswap-tests-")
         os.environ["SLACKSWAP_CACHE"] = config._slackswap_cache
@@ -39,3 +43,4 @@ def _own_cache_when_patched(request: pytest.FixtureRequest,
     if "monkeypatch" in request.fixturenames:
         folder = tmp_path_factory.mktemp("cache")
         request.getfixturevalue("monkeypatch").setenv("SLACKSWAP_CACHE", str(folder))
+
