@@ -45,7 +45,7 @@ import slackswap
 from slackswap.models import build_model, with_layers
 from slackswap.profiling.kernels import TargetKernels
 from slackswap.runtime.copies import HostCopies
-from slackswap.runtime.streams import stand_ins
+from slackswap.runtime.streams import bytes_of, stand_ins
 
 COSTS = Path(__file__).with_name("host_costs_h200.json")
 
@@ -247,6 +247,7 @@ def measure_costs(path: Path, repeats: int = 2000) -> None:
         "event_query": event.query,
         "wait_event": lambda: link.compute.wait_event(event),
         "copy": lambda: link.copy_storage(host, small, small.numel()),  # a tensor's copy
+        "byte_view": lambda: bytes_of(small),
         "copy_storage": lambda: host.untyped_storage().copy_(small.untyped_storage(),
                                                              non_blocking=True),
         "device_empty": lambda: link.empty(small.shape, small.dtype),
@@ -296,8 +297,7 @@ def main() -> None:
           f"{decisions.get('offload', 0)} offloaded, {decisions.get('recompute', 0)} "
           f"recomputed), policy {args.policy}, per step:")
     stats = result["stats"]
-    offloads = sum(result["forward"].get(k, 0) for k in ("copy", "copy_storage"))
-    reloads = sum(result["backward"].get(k, 0) for k in ("copy", "copy_storage"))
+    offloads, reloads = result["forward"].get("copy", 0), result["backward"].get("copy", 0)
     print(f"  packs {result['packs']}, watched ops {result['watched_ops']}, offloads "
           f"{offloads}, reloads {reloads}, rebuilt ops {stats['recomputed_ops']}, "
           f"stalls {stats['stalls']}, offload waits {stats['offload_waits']}")

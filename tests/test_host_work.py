@@ -41,7 +41,7 @@ def test_the_asynchronous_branch_is_exact_on_a_cpu(name: str, strategy: str,
         got, runtime = planned_step(model, batch, plan, profile)
     assert_identical(got, expected)
     assert_runs_as_simulated(profile, plan, runtime.stats)
-    assert calls["copy"] + calls["copy_storage"] > 0  # it took the asynchronous branch
+    assert calls["copy"] > 0  # it took the asynchronous branch
     if policy == "done":
         assert runtime.stats.stalls == runtime.stats.offload_waits == 0
 
@@ -49,8 +49,8 @@ def test_the_asynchronous_branch_is_exact_on_a_cpu(name: str, strategy: str,
 @pytest.mark.parametrize("policy", POLICIES)
 def test_an_offload_copies_the_storage_bytes_whatever_the_view(policy: str) -> None:
     """NOTE [a tensor's copy, not its storage's]: the host copy is the storage's bytes,
-    whether copied as a tensor (a whole contiguous storage) or as a storage (a slice, a
-    conjugate or negative view, whose copy as a tensor would resolve the bit)."""
+    whether copied as the tensor (a whole contiguous storage) or as the bytes under it (a
+    slice, a conjugate or negative view, whose copy as itself would resolve the bit)."""
     from slackswap.runtime.copies import HostCopies
     from slackswap.runtime.stats import RuntimeStats
 
@@ -64,7 +64,8 @@ def test_an_offload_copies_the_storage_bytes_whatever_the_view(policy: str) -> N
             host = copies.offload(t, RuntimeStats())
             raw = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
             assert torch.equal(host, raw), label
-    assert calls["copy"] == 1 and calls["copy_storage"] == len(views) - 1
+    assert calls["copy"] == len(views) and calls["byte_view"] == len(views) - 1
+    assert calls["copy_storage"] == 0  # a storage's own copy is four times a tensor's
 
 
 @functools.cache
@@ -87,8 +88,8 @@ def test_host_work_per_saved_tensor(strategy: str, budget: float, policy: str) -
     per pack or per watched op (NOTE [streams resolved once per block])."""
     step = _counted(strategy, budget, policy)
     forward, backward, stats = Counter(step["forward"]), Counter(step["backward"]), step["stats"]
-    offloads = forward["copy"] + forward["copy_storage"]
-    reloads = backward["copy"] + backward["copy_storage"]
+    offloads = forward["copy"]
+    reloads = backward["copy"]
     assert offloads == reloads == stats["prefetched"] + stats["late_reloads"]
     if strategy == "slackswap" and budget == 1.0:
         # nothing moved: no device call but resolving the compute stream
@@ -122,7 +123,11 @@ def test_the_counts_are_of_the_step_the_gpu_runs() -> None:
     step = _counted("slackswap", 0.9)
     net, batch, plan, profile = meta_workload("gpt2-xl", 2, 0.9, "slackswap")
     assert step["packs"] == len(profile.saves)
-    assert 0 < step["watched_ops"] < sum(op.phase == "forward" for op in profile.ops)
     assert step["stats"]["offloaded_bytes"] == slackswap.simulate(profile, plan).d2h_bytes
+    # on the h200 the slackswap plan of this small step offloads only: the watch of a plan
+    # that recomputes
+    rebuilt = _counted("recompute-only", 0.9)
+    assert rebuilt["packs"] == len(profile.saves)
+    assert 0 < rebuilt["watched_ops"] < sum(op.phase == "forward" for op in profile.ops)
     assert all(p.device.type == "meta" for p in net.parameters())
     assert torch.is_grad_enabled()

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from slackswap.runtime import streams
-from slackswap.runtime.recipes import storage_key
+from slackswap.runtime.recipes import detached, storage_key
 from slackswap.runtime.stats import RuntimeStats
 
 __all__ = ["HostCopies", "copies_for"]
@@ -201,7 +201,7 @@ class HostCopies:
         """Hold what an offload's copy reads and writes until ``event`` (or the deadline)."""
         # t's memory is not reused, nor the buffer handed out again, before the copy
         key = storage_key(t)
-        entry = [event, t.detach(), host, key, free_before]
+        entry = [event, detached(t), host, key, free_before]  # out of the recorder's sight
         self._offloads.append(entry)
         if free_before is not None:
             heapq.heappush(self.due, (free_before, next(self._issued), entry))

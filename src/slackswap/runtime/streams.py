@@ -35,7 +35,7 @@ import torch
 # a watched segment) do not see them, nor pay a Python call for each
 _UNSEEN = torch._C._DisableTorchDispatch
 
-__all__ = ["Link", "StandIn", "link_for", "stand_ins", "whole"]
+__all__ = ["Link", "StandIn", "link_for", "stand_ins", "whole", "bytes_of"]
 
 
 class Link:
@@ -71,10 +71,8 @@ class Link:
         """``t``'s whole storage (``nbytes``) into the host buffer ``host``, on the
         current stream: NOTE [a tensor's copy, not its storage's]."""
         with _UNSEEN():
-            if whole(t, nbytes):
-                host.view(t.dtype).view(t.shape).copy_(t, non_blocking=True)
-            else:
-                host.untyped_storage().copy_(t.untyped_storage(), non_blocking=True)
+            source = t if whole(t, nbytes) else bytes_of(t)
+            host.view(source.dtype).view(source.shape).copy_(source, non_blocking=True)
 
     def wait_for_compute(self, stream: Any) -> None:
         """``stream`` runs what comes next after the work queued on the compute stream
@@ -154,18 +152,17 @@ class StandIn:
         yield
 
     def copy_storage(self, host: torch.Tensor, t: torch.Tensor, nbytes: int) -> None:
-        # the Link's Python, with its copy counted (a meta tensor has no bytes to copy)
+        # the Link's Python, with its calls counted (a meta tensor has no bytes to copy)
         with _UNSEEN():
             if whole(t, nbytes):
-                self.calls["copy"] += 1
-                target = host.view(t.dtype).view(t.shape)
-                if t.device.type != "meta":
-                    target.copy_(t)
+                source = t
             else:
-                self.calls["copy_storage"] += 1
-                storage = host.untyped_storage()
-                if t.device.type != "meta":
-                    storage.copy_(t.untyped_storage())
+                self.calls["byte_view"] += 1
+                source = bytes_of(t)
+            self.calls["copy"] += 1
+            target = host.view(source.dtype).view(source.shape)
+            if t.device.type != "meta":
+                target.copy_(source)
 
     def wait_for_compute(self, stream: _StandInStream) -> None:
         self.calls["event_record"] += 1
@@ -196,13 +193,20 @@ class StandIn:
 #     call on the H200 (cProfile), a tensor's ``copy_`` 15 us: it wraps both storages in
 #     new tensors first. Most saved tensors are their storage, contiguous from its start:
 #     those are copied as tensors, over a view of the host buffer in their dtype and shape
-#     (the same bytes); only the others pay for the storage's copy.
+#     (the same bytes). The others (a slice, a transposed or conjugate view) are copied as
+#     a tensor of bytes laid over their whole storage (``bytes_of``: no conjugate or
+#     negative bit to resolve), the same bytes again.
 def whole(t: torch.Tensor, nbytes: int) -> bool:
     """``t`` covers its whole storage of ``nbytes``, contiguously from its start, and
     reads as its bytes (a conjugate or negative view's copy would resolve the bit its
     geometry puts back on reload)."""
     return (t.storage_offset() == 0 and t.numel() * t.element_size() == nbytes
             and t.is_contiguous() and not t.is_conj() and not t.is_neg())
+
+
+def bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``t``'s whole storage as a flat ``uint8`` tensor over it (no copy)."""
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
 
 
 def _cuda_links(device: torch.device) -> Link | None:
