@@ -90,7 +90,7 @@ def test_presets_under_aot_eager_are_bit_identical_to_torch_compile(name: str) -
     reference = copy.deepcopy(model)
     compiled = slackswap.compile(model, batch, budget=0.8, backend="aot_eager")
     _assert_applied_is_plan(compiled)
-    # dropout draws the same masks: the plan never recomputes a random op
+    # dropout draws the same masks, kept or rebuilt with its RNG state
     _assert_steps_as_torch_compile(compiled, model, reference, batch)
 
 
@@ -156,6 +156,33 @@ def test_inductor_follows_the_plan_and_matches_torch_compile() -> None:
     compiled = slackswap.compile(model, x, budget=0.85, backend="inductor")
     _assert_applied_is_plan(compiled)
     _assert_steps_as_torch_compile(compiled, model, reference, x, backend="inductor")
+
+
+class _DropoutMLP(_MLP):
+    def __init__(self) -> None:
+        super().__init__()
+        for block in self.blocks:
+            block.insert(3, nn.Dropout(0.3))
+
+
+def test_dropout_is_recomputed_with_its_rng_state_bit_identically() -> None:
+    """A plan that recomputes dropout: the partition saves the RNG state each rebuilt
+    dropout drew from, and backward draws the same mask (NOTE [compiled recompute])."""
+    torch.manual_seed(0)
+    model, x = _DropoutMLP().train(), torch.randn(64, 64)
+    reference, eager = copy.deepcopy(model), copy.deepcopy(model)
+    compiled = slackswap.compile(model, x, budget=0.6, backend="aot_eager")
+    _assert_applied_is_plan(compiled)
+    state = compiled.slackswap
+    rebuilt = {state.profile.by_name[n].producer for n in _recompute(state.plan)
+               if state.profile.by_name[n].random}
+    assert len(rebuilt) >= 2
+    applied = state.applied()
+    assert applied["rng_states"] == len(rebuilt)
+    assert applied["rng_state_bytes"] == len(rebuilt) * torch.get_rng_state().numel()
+    _assert_steps_as_torch_compile(compiled, model, reference, x)
+    _step(eager, x)  # and as eager PyTorch draws them
+    assert all(torch.equal(a, b) for a, b in zip(_grads(model), _grads(eager), strict=True))
 
 
 def test_compiling_leaves_buffers_and_the_rng_as_they_were() -> None:

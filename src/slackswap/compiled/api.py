@@ -68,9 +68,13 @@ _BACKENDS = ("aot_eager", "inductor")
 #     - a graph rebuilds an op, not one output of it: an op with any output to recompute
 #       recomputes them all (the plan is made uniform per op before tagging);
 #     - ops that may draw from the RNG (dropout, and attention kernels, which are tagged
-#       nondeterministic_seeded) are not replayed here: the partitioner would wrap a
-#       rebuilt one in run_and_save_rng_state and save an RNG state, which this module
-#       does not account for yet; what they make is kept.
+#       nondeterministic_seeded) are rebuilt as PyTorch's selective checkpointing rebuilds
+#       them: the partitioner runs a MUST_RECOMPUTE one in forward under
+#       run_and_save_rng_state, saves that RNG state, and runs the rebuild under
+#       run_with_rng_state, so backward draws what forward drew (bit-identical on CPU).
+#       The rebuild's node is replaced, so applied_partition finds it by its op and
+#       arguments. The saved states are counted apart (Applied.rng_states: 5056 bytes
+#       each on a CPU generator, 16 on a CUDA one) and are not in the plan.
 #     Offloads are the subject of NOTE [compiled offload].
 
 
