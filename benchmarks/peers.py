@@ -570,8 +570,8 @@ def main(argv: list[str] | None = None) -> dict:
                                device=args.device)
     if getattr(model, "loss_type", None) is None:
         # transformers' loss_function logs a warning when loss_type is None, a graph break
-        # torch.compile would split the step at (slackswap.compile resolves the loss
-        # first: NOTE [a loss resolved before the graph]); the same loss for every point
+        # torch.compile would split the step at (slackswap.compile sets it for its own
+        # calls: NOTE [a loss resolved before the graph]); the same loss for every point
         model.loss_type = "ForCausalLM"
     print(f"{name} on {args.device}: built in {time.perf_counter() - start:.1f} s", flush=True)
 

@@ -3,6 +3,7 @@ save and recompute exactly as planned."""
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -67,9 +68,13 @@ _BACKENDS = ("aot_eager", "inductor")
 #     - a graph rebuilds an op, not one output of it: an op with any output to recompute
 #       recomputes them all (the plan is made uniform per op before tagging);
 #     - ops that may draw from the RNG (dropout, and attention kernels, which are tagged
-#       nondeterministic_seeded) are not replayed here: the partitioner would wrap a
-#       rebuilt one in run_and_save_rng_state and save an RNG state, which this module
-#       does not account for yet; what they make is kept.
+#       nondeterministic_seeded) are rebuilt as PyTorch's selective checkpointing rebuilds
+#       them: the partitioner runs a MUST_RECOMPUTE one in forward under
+#       run_and_save_rng_state, saves that RNG state, and runs the rebuild under
+#       run_with_rng_state, so backward draws what forward drew (bit-identical on CPU).
+#       The rebuild's node is replaced, so applied_partition finds it by its op and
+#       arguments. The saved states are counted apart (Applied.rng_states: 5056 bytes
+#       each on a CPU generator, 16 on a CUDA one) and are not in the plan.
 #     Offloads are the subject of NOTE [compiled offload].
 
 
@@ -345,12 +350,13 @@ def compile(  # noqa: A001 - slackswap.compile mirrors torch.compile
     fingerprint = model_fingerprint(model) + batch_fingerprint(
         t for _, t in batch_tensors(batch))
     state = CompiledPlan(budget, hw, strategy, model, fingerprint)
-    _resolve_loss_functions(model)
     compiler, options = _backend(backend, state, compile_kwargs.pop("options", None) or {})
     compile_kwargs.setdefault("dynamic", False)
     compiled = torch.compile(model, backend=compiler, fullgraph=True, options=options,
                              **compile_kwargs)
     compiled.slackswap = state
+    if fallbacks := _falling_back(model):  # NOTE [a loss resolved before the graph]
+        compiled.forward = _with_losses_resolved(compiled.forward, fallbacks)
     with leaves_no_trace(model), torch.enable_grad():
         try:
             _call(compiled, batch)
@@ -366,15 +372,21 @@ def compile(  # noqa: A001 - slackswap.compile mirrors torch.compile
 #     (``PreTrainedModel.loss_function``), and where that is unset or unknown, as on
 #     ``GPT2LMHeadModel``, log a warning before falling back to the causal-LM loss: a
 #     logging call Dynamo cannot trace, so a batch with labels broke the one graph
-#     ``slackswap.compile`` plans. The fallback is resolved once, eagerly, and kept on
-#     the module (the property's own setter): the same loss, and no logging in the graph.
-def _resolve_loss_functions(model: torch.nn.Module) -> None:
-    for module in model.modules():
-        attribute = getattr(type(module), "loss_function", None)
-        if (not isinstance(attribute, property) or attribute.fset is None
-                or "_loss_function" in vars(module) or _known_loss(module)):
-            continue
-        module.loss_function = module.loss_function  # falls back, and warns, here
+#     ``slackswap.compile`` plans. For each call of the compiled module (and only then),
+#     such a module's ``loss_type`` is the fallback's, ``"ForCausalLM"``, and is put back
+#     after: the same loss, no logging in the graph, and the user's model unchanged
+#     outside the compiled call (called eagerly, it still warns and falls back itself).
+#     Dynamo guards on ``loss_type``, which holds on every compiled call.
+_FALLBACK_LOSS = "ForCausalLM"
+_UNSET = object()  # no loss_type of its own
+
+
+def _falling_back(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules of ``model`` whose transformers ``loss_function`` would fall back to
+    the causal-LM loss, and warn (NOTE [a loss resolved before the graph])."""
+    return [m for m in model.modules()
+            if isinstance(getattr(type(m), "loss_function", None), property)
+            and "_loss_function" not in vars(m) and not _known_loss(m)]
 
 
 def _known_loss(module: torch.nn.Module) -> bool:
@@ -383,6 +395,30 @@ def _known_loss(module: torch.nn.Module) -> bool:
     except ImportError:  # another transformers: leave the model as it is
         return True
     return getattr(module, "loss_type", None) in LOSS_MAPPING
+
+
+def _with_losses_resolved(forward: Callable[..., Any], modules: list[torch.nn.Module]
+                          ) -> Callable[..., Any]:
+    """``forward`` run with the modules' ``loss_type`` set to the fallback's for the
+    call, and put back after (NOTE [a loss resolved before the graph])."""
+
+    @functools.wraps(forward)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        unknown = [(m, m.__dict__.get("loss_type", _UNSET)) for m in modules
+                   if not _known_loss(m)]
+        for m, _ in unknown:
+            m.loss_type = _FALLBACK_LOSS
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            for m, before in unknown:
+                if before is _UNSET:
+                    del m.loss_type
+                else:
+                    m.loss_type = before
+
+    return call
+
 
 
 def _call(model: Any, batch: Batch) -> Any:

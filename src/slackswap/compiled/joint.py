@@ -74,6 +74,9 @@ class Applied:
     recomputed: dict[str, int] = field(default_factory=dict)
     offloaded: dict[str, int] = field(default_factory=dict)
     recomputed_ops: int = 0  # forward ops run again in backward (chains included)
+    # RNG states the forward graph saves for its rebuilt random ops (NOTE [compiled recompute])
+    rng_states: int = 0
+    rng_state_bytes: int = 0
     # offloaded activation -> the forward op its copy follows, and the backward op its
     # reload comes right before (the rebuilds that need it, if any, run there too)
     offload_after: dict[str, int] = field(default_factory=dict)
@@ -87,6 +90,7 @@ class Applied:
             "recomputed_bytes": sum(self.recomputed.values()),
             "offloaded": len(self.offloaded), "offloaded_bytes": sum(self.offloaded.values()),
             "recomputed_ops": self.recomputed_ops,
+            "rng_states": self.rng_states, "rng_state_bytes": self.rng_state_bytes,
         }
 
 
@@ -255,9 +259,8 @@ def _read_ops(ordered: list[fx.Node], info: Any, tensors: list[TensorRecord],
                            node.meta.get("val")),
             bytes_read=sum(read.values()), bytes_written=sum(tensors[t].bytes for t in out_ids),
             time_s=0.0, inputs=inputs, outputs=out_ids, random=random,
-            # NOTE [compiled recompute]: random ops are never recomputed here
-            replayable=is_replayable(func) and not random
-            and torch.Tag.nondeterministic_seeded not in func.tags,
+            # NOTE [compiled recompute]: a rebuilt random op runs with its RNG state
+            replayable=is_replayable(func),
         ))
         details.append(OpDetail(reads=read, writes={t: tensors[t].bytes for t in out_ids}))
     return ops, details, op_of
@@ -399,6 +402,10 @@ def applied_partition(joint: JointGraph, fw: fx.GraphModule, bw: fx.GraphModule,
         if not isinstance(node, fx.Node) or node.op == "placeholder" or not isinstance(
                 node.meta.get("val"), torch.Tensor):
             continue  # parameters and inputs; sizes
+        if _is_rng_state(node):
+            out.rng_states += 1
+            out.rng_state_bytes += _rng_state_bytes(node.meta["val"])
+            continue
         if (source := _offloaded(node)) is not None:
             t = p.tensors[source.meta[_ID]]
             out.offloaded[t.name] = t.bytes
@@ -411,14 +418,21 @@ def applied_partition(joint: JointGraph, fw: fx.GraphModule, bw: fx.GraphModule,
         elif p.tensors[tid].kind == "activation":
             out.kept[p.tensors[tid].name] = p.tensors[tid].bytes
     rebuilt: set[int] = set()
+    random_ops = {_call_key(n.target, n.args): tid for tid, n in joint.producer_node.items()
+                  if p.ops[p.tensors[tid].producer].phase == "forward"}
     for node in bw.graph.nodes:
-        if node.op == "call_function" and _ID in node.meta:
-            tid = node.meta[_ID]
-            if joint.producer_node.get(tid) is not None and not _is_alias(node) \
-                    and node.target is not operator.getitem:
-                out.recomputed_ops += 1
-                op = p.ops[p.tensors[tid].producer]
-                rebuilt.update(op.outputs)
+        tid = node.meta.get(_ID)
+        if node.target is torch._prims.rng_prims.run_with_rng_state:
+            # a rebuilt random op, run with the RNG state forward saved: the node that
+            # ran it is gone, so it is found by its op and arguments
+            tid = random_ops.get(_call_key(node.args[1], node.args[2:]))
+            if tid is None:
+                continue
+        if node.op == "call_function" and tid is not None \
+                and joint.producer_node.get(tid) is not None and not _is_alias(node) \
+                and node.target is not operator.getitem:
+            out.recomputed_ops += 1
+            rebuilt.update(p.ops[p.tensors[tid].producer].outputs)
     for tid in rebuilt:
         t = p.tensors[tid]
         if t.saved and t.name not in out.kept:
@@ -429,6 +443,28 @@ def applied_partition(joint: JointGraph, fw: fx.GraphModule, bw: fx.GraphModule,
         if node.name.startswith(GPU_RELOAD_PREFIX) and source.name in copies:
             out.reload_at[copies[source.name]] = _backward_op_after(node, p)
     return out
+
+
+def _call_key(target: Any, args: Any) -> tuple[Any, ...]:
+    """An op and its arguments, by node name (the cut graphs keep the joint's names)."""
+    return (target, *(a.name if isinstance(a, fx.Node) else repr(a) for a in args))
+
+
+def _is_rng_state(node: fx.Node) -> bool:
+    """Whether ``node`` is the RNG state the partitioner saves for a random op it has
+    rebuilt in backward (``run_and_save_rng_state``'s first output)."""
+    source = node.args[0] if node.target is operator.getitem else None
+    return isinstance(source, fx.Node) and source.target is \
+        torch._prims.rng_prims.run_and_save_rng_state and node.args[1] == 0
+
+
+def _rng_state_bytes(val: torch.Tensor) -> int:
+    """The bytes of a saved RNG state (a CPU generator's state has a symbolic size in
+    the fake graph: its size is read from a real one)."""
+    numel = val.numel()
+    if isinstance(numel, torch.SymInt):
+        numel = torch.get_rng_state().numel()
+    return numel * val.element_size()
 
 
 def _offloaded(node: fx.Node) -> fx.Node | None:
