@@ -44,8 +44,9 @@ import torch
 import slackswap
 from slackswap.models import build_model, with_layers
 from slackswap.profiling.kernels import TargetKernels
+from slackswap.runtime.calibrate import device_call_costs
 from slackswap.runtime.copies import HostCopies
-from slackswap.runtime.streams import bytes_of, stand_ins
+from slackswap.runtime.streams import stand_ins
 
 COSTS = Path(__file__).with_name("host_costs_h200.json")
 
@@ -223,48 +224,11 @@ def predict(result: dict[str, Any], costs: dict[str, float]) -> dict[str, float]
 
 
 def measure_costs(path: Path, repeats: int = 2000) -> None:
-    """Host cost of each device call the runtime makes, timed on this CUDA GPU (in a
-    loop, after a warm-up), written where ``--costs`` reads them."""
-    from slackswap.runtime.streams import Link
-
-    device = torch.device("cuda")
-    link = Link(device)
-    small = torch.empty(1 << 20, dtype=torch.uint8, device=device)
-    host = torch.empty(1 << 20, dtype=torch.uint8, pin_memory=True)
-    event = link.event()
-    event.record(link.compute)
-    torch.cuda.synchronize()
-
-    def switch() -> None:
-        with link.issuing_on(link.d2h):
-            pass
-
-    calls = {
-        "current_stream": lambda: torch.cuda.current_stream(device),
-        "stream_switch": switch,
-        "new_event": link.event,
-        "event_record": lambda: event.record(link.compute),
-        "event_query": event.query,
-        "wait_event": lambda: link.compute.wait_event(event),
-        "copy": lambda: link.copy_storage(host, small, small.numel()),  # a tensor's copy
-        "byte_view": lambda: bytes_of(small),
-        "copy_storage": lambda: host.untyped_storage().copy_(small.untyped_storage(),
-                                                             non_blocking=True),
-        "device_empty": lambda: link.empty(small.shape, small.dtype),
-    }
-    costs = {}
-    for key, call in calls.items():
-        for _ in range(50):
-            call()
-        torch.cuda.synchronize()
-        begin = time.perf_counter()
-        for _ in range(repeats):
-            call()
-        costs[key] = round(1e6 * (time.perf_counter() - begin) / repeats, 2)
-        torch.cuda.synchronize()
+    """Host cost of each device call the runtime makes, timed on this CUDA GPU (as
+    ``slackswap calibrate --costs`` times them), written where ``--costs`` reads them."""
     record = {"machine": torch.cuda.get_device_name(), "torch": torch.__version__,
               "source": "benchmarks/host_work.py --measure-costs (1 MiB copies)",
-              "costs_us": costs}
+              "costs_us": device_call_costs(repeats)}
     path.write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps(record, indent=2))
 

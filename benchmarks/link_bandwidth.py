@@ -15,44 +15,14 @@ import argparse
 import torch
 
 from slackswap.core.hardware import load_hardware
+from slackswap.runtime.calibrate import link_rates
 
 
 def rates(nbytes: int, repeats: int, d2h: bool, h2d: bool, compute: bool) -> tuple[float, float]:
-    """GB/s of each direction (0 where it is off), copies of ``nbytes`` ``repeats`` times."""
-    device = torch.device("cuda")
-    src_dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst_dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    host_out = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    host_in = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    streams = {"d2h": torch.cuda.Stream(), "h2d": torch.cuda.Stream()}
-    out = {}
-    torch.cuda.synchronize()
-    marks = {}
-    for name, on in (("d2h", d2h), ("h2d", h2d)):
-        if not on:
-            continue
-        with torch.cuda.stream(streams[name]):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(repeats):
-                if name == "d2h":
-                    host_out.copy_(src_dev, non_blocking=True)
-                else:
-                    dst_dev.copy_(host_in, non_blocking=True)
-            end.record()
-            marks[name] = (start, end)
-    if compute:
-        for _ in range(20):
-            a @ a
-    torch.cuda.synchronize()
-    for name in ("d2h", "h2d"):
-        if name in marks:
-            start, end = marks[name]
-            out[name] = nbytes * repeats / (start.elapsed_time(end) / 1e3) / 1e9
-        else:
-            out[name] = 0.0
-    return out["d2h"], out["h2d"]
+    """GB/s of each direction (0 where it is off), copies of ``nbytes`` ``repeats`` times,
+    as ``slackswap calibrate`` measures them (``slackswap.runtime.calibrate``)."""
+    got = link_rates(nbytes, repeats, d2h, h2d, compute)
+    return got[0] / 1e9, got[1] / 1e9
 
 
 def main() -> None:

@@ -507,6 +507,49 @@ def fit_command(model: str, hardware: str, optimizer: str, precision: str, seq: 
         sys.exit(1)
 
 
+@main.command()
+@click.option("-o", "--output", required=True,
+              help="The hardware file to write (TOML); pass it later as --hardware FILE.")
+@click.option("--base", default=AUTO, show_default=True,
+              help="The hardware whose other figures the file keeps: a preset, a .toml "
+                   "file, or auto (this machine's GPU's preset).")
+@click.option("--name", help="The hardware's name in the file [default: BASE-calibrated].")
+@click.option("--costs", help="Also write the runtime's per-device-call host costs (JSON), "
+                              "as benchmarks/host_work.py --costs reads them.")
+@click.option("--force", is_flag=True, help="Replace an existing output file.")
+@_user_errors
+def calibrate(output: str, base: str, name: str | None, costs: str | None,
+              force: bool) -> None:
+    """Measure this machine's host link and host costs, and write a hardware file.
+
+    On a CUDA GPU: copies with pinned buffers on the runtime's side streams, each direction
+    alone and both at once, and the host time of an eager op; every other figure is
+    BASE's. Takes about a minute."""
+    from slackswap.runtime import calibrate as cal  # (imports torch)
+
+    _check_outputs({"-o": output, "--costs": costs}, [base])
+    for path in filter(None, (output, costs)):
+        cal.refuse_existing(path, force)
+    cal.require_gpu()
+    hw = _hardware(base, {})
+    with _progress("measuring") as update:
+        found = cal.measure(progress=update)
+    calibrated = cal.calibrated_hardware(hw, found, name)
+    cal.write_hardware(calibrated, output, force=True)
+    if costs:
+        cal.write_costs(found, costs, force=True)
+    click.echo(f"{found.device} (torch {found.torch_version}), measured:")
+    link = calibrated.host_link
+    for label, value in (("device to host", link.d2h_bandwidth),
+                         ("host to device", link.h2d_bandwidth),
+                         ("both at once, device to host", link.duplex_d2h_bandwidth),
+                         ("both at once, host to device", link.duplex_h2d_bandwidth)):
+        click.echo(f"  {label:30s} {value / 1e9:6.1f} GB/s")
+    click.echo(f"  {'eager dispatch per op':30s} {found.dispatch_s * 1e6:6.1f} us")
+    click.echo(f"wrote {_plain(output)} ({calibrated.name}; other figures from {hw.name}): "
+               f"pass it as --hardware {_plain(output)}")
+
+
 @main.command("hardware")
 @click.option("--template", is_flag=True,
               help="Print a commented hardware file to fill in for your own GPU (save it, "

@@ -1,8 +1,15 @@
-"""``slackswap hardware --template``: a hardware file to fill in for one's own GPU."""
+"""Hardware files as text: ``slackswap hardware --template``, a file to fill in for one's
+own GPU, and :func:`hardware_toml`, a :class:`Hardware` written as a file."""
 
 from __future__ import annotations
 
-__all__ = ["HARDWARE_TEMPLATE"]
+import json
+import math
+from typing import Any
+
+from slackswap.core.hardware import Hardware
+
+__all__ = ["HARDWARE_TEMPLATE", "hardware_toml"]
 
 # Valid as printed (its figures are the a100-80gb preset's, to be replaced), so a user
 # can change one figure at a time and plan with it after each.
@@ -57,3 +64,49 @@ dispatch_s = 7e-6                  # host time to issue one eager PyTorch op
 # where each figure comes from, by TABLE.FIELD, e.g.
 # "memory.hbm_bandwidth" = "vendor datasheet, 2,039 GB/s"
 '''
+
+
+def _value(value: Any) -> str:
+    """One TOML value: a string, a number, an array, or an inline table."""
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)  # a JSON string is a TOML basic string
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return "inf" if value == math.inf else _float(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{_key(k)} = {_value(v)}" for k, v in value.items()) + " }"
+    raise TypeError(f"no TOML value for {value!r}")
+
+
+def _float(value: float) -> str:
+    """The shortest form that reads back as ``value`` (``5.53e+10``), a float in TOML."""
+    text = next(t for t in (f"{value:.{p}g}" for p in range(1, 18)) if float(t) == value) \
+        if value == value else repr(value)
+    return text if any(c in text for c in ".en") else f"{text}.0"
+
+
+def _key(key: str) -> str:
+    return key if key.replace("_", "").replace("-", "").isalnum() and key.isascii() \
+        else json.dumps(key)
+
+
+def hardware_toml(hw: Hardware) -> str:
+    """``hw`` as a hardware file that :func:`~slackswap.core.hardware.load_hardware`
+    reads back equal (every field written, ``[sources]`` last)."""
+    data = hw.model_dump(exclude_none=True)
+    lines, tables = [], []
+    for key, value in data.items():
+        if isinstance(value, dict) and key != "sources":
+            tables.append((key, value))
+        elif key != "sources":
+            lines.append(f"{_key(key)} = {_value(value)}")
+    tables.append(("sources", data.get("sources", {})))
+    for name, table in tables:
+        lines += ["", f"[{name}]"]
+        lines += [f"{_key(k)} = {_value(v)}" for k, v in table.items()]
+    return "\n".join(lines) + "\n"

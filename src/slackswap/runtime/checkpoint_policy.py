@@ -171,7 +171,7 @@ class PlanPolicy:
                              "torch.compile use slackswap.compile")
         if getattr(ctx, "is_recompute", False):
             raise SlackSwapError("this PyTorch asks the checkpoint policy again in "
-                                 "recompute; PlanPolicy supports PyTorch 2.13 and 2.14")
+                                 "recompute; PlanPolicy supports PyTorch 2.11 to 2.15")
         if not is_recorded(func):
             return _RECOMPUTE  # views and metadata: nothing of their own to hold
         step = self._step
