@@ -30,6 +30,7 @@ from slackswap import InputError, Plan, StepProfile
 from slackswap.core.hardware import load_hardware
 from slackswap.planners import smallest_feasible_budget
 from slackswap.planners.context import PlanContext
+from slackswap.runtime import recording
 
 assert not zoo.MODELS.keys() & edge_cases.MODELS.keys()
 MODELS: dict[str, Callable[[], Any]] = {**zoo.MODELS, **edge_cases.MODELS}
@@ -451,3 +452,23 @@ def test_plans_under_autocast(name: str, decision: str) -> None:
                  for i, n in enumerate(names)}
     plan = Plan(fingerprint=profile.fingerprint, strategy="x", decisions=decisions)
     _assert_same(_autocast_step(name, plan, profile), _autocast_step(name))
+
+
+@pytest.mark.parametrize("name", ["t5", "deberta", "perceiver", "unet"])
+def test_later_steps_of_one_model_are_exact_with_the_learned_module_events(name: str) -> None:
+    """NOTE [hooks only where watching changes]: the other tests here copy the model for
+    every step, so each step learns its module events anew; here one model takes three
+    steps under one plan, the later ones with only the modules where watching changes
+    hooked, each bit for bit the step without slackswap."""
+    c = case(name)
+    plan = mixed(name)
+    model, batch = copy.deepcopy(c.model), copy.deepcopy(c.batch)
+    for step in range(3):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(step)
+        with slackswap.apply(model, plan, profile=c.profile):
+            loss = _loss(_call(model, batch), c.loss_fn)
+        got = {**_finish(model, loss, "backward"), **_state(model, batch),
+               "modes": _modes(model)}
+        _assert_same(got, reference(name, "backward", step), f"step {step}: ")
+    assert any(e.model() is model for e in recording._EVENTS.values())
