@@ -146,14 +146,16 @@ class Recorder:
             stack.enter_context(tracker)
             stack.enter_context(self.tracer)
         elif any(self.watch.segments):  # nothing to count when nothing is watched
-            events = _learned(self.watch, model, self._sparse_event)
-            if events is None:  # every module event, learning which module makes which
+            events = _EVENTS.get((id(self.watch), id(model)))
+            handles = (events.hook(self._sparse_event)
+                       if events is not None and events.of(self.watch, model) else None)
+            if handles is None:  # every module event, learning which module makes which
                 self.learning = []
                 stack.enter_context(module_events(self.module_event))
-                stack.callback(self._learned, model)
+                stack.callback(self._remember_events, model)
             else:  # NOTE [hooks only where watching changes]
                 self.events = events
-                for handle in events.hooks:
+                for handle in handles:
                     stack.callback(handle.remove)
             if self.watch.segments[0]:
                 self.tracer.on()
@@ -211,7 +213,7 @@ class Recorder:
         if segment > 0:  # 0: an event where watching does not change
             self._begin_segment(segment)
 
-    def _learned(self, model: torch.nn.Module) -> None:
+    def _remember_events(self, model: torch.nn.Module) -> None:
         """The step saw every module event its profile has: which module made each is
         kept for the next steps of this plan on this model."""
         learning, watch = self.learning, self.watch
@@ -408,7 +410,7 @@ class Recorder:
 class _Events:
     """The module events of one plan's step on one model, learned (see the note)."""
 
-    __slots__ = ("model", "watch", "modules", "segments", "hooks")
+    __slots__ = ("model", "watch", "modules", "segments")
 
     def __init__(self, model: torch.nn.Module, watch: Watch,
                  learned: list[tuple[torch.nn.Module, bool]]) -> None:
@@ -423,15 +425,18 @@ class _Events:
         # (module, starts) -> the segment each of its calls begins (0: nothing changes)
         self.segments = {key: events for key, events in calls.items() if any(events)}
         self.modules = [weakref.ref(modules[i]) for i in {i for i, _ in self.segments}]
-        self.hooks: list[Any] = []
 
-    def hook(self, event: Any) -> bool:
-        """Hooks on the modules whose events change what is watched (``hooks``: their
-        handles); False when one of them is gone."""
+    def of(self, watch: Watch, model: torch.nn.Module) -> bool:
+        """Learned for this watch on this model (not others that took their ids)."""
+        return self.watch() is watch and self.model() is model
+
+    def hook(self, event: Any) -> list[Any] | None:
+        """Hooks calling ``event`` on the modules whose events change what is watched,
+        their handles; None when one of those modules is gone."""
         modules = [ref() for ref in self.modules]
         if any(m is None for m in modules):
-            return False
-        handles = self.hooks = []
+            return None
+        handles = []
         for m in modules:
             if (id(m), True) in self.segments:
                 handles.append(m.register_forward_pre_hook(
@@ -440,19 +445,10 @@ class _Events:
                 handles.append(m.register_forward_hook(
                     lambda module, args, out: event(module, False), prepend=True,
                     always_call=True))
-        return True
+        return handles
 
 
 _EVENTS: dict[tuple[int, int], _Events] = {}
-
-
-def _learned(watch: Watch, model: torch.nn.Module, event: Any) -> _Events | None:
-    """The events learned for ``watch`` on ``model``, hooked to call ``event``; None when
-    they are still to learn."""
-    events = _EVENTS.get((id(watch), id(model)))
-    if events is None or events.watch() is not watch or events.model() is not model:
-        return None
-    return events if events.hook(event) else None
 
 
 def _remember(watch: Watch, model: torch.nn.Module,

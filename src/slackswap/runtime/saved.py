@@ -31,6 +31,7 @@ from slackswap.runtime.recipes import (
     Node,
     detached,
     geometry,
+    plain_strided,
     view_of,
 )
 from slackswap.runtime.recording import Recorder, copy_storage
@@ -42,8 +43,6 @@ from slackswap.runtime.watch import Watch
 
 __all__ = ["SavedValues"]
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)  # as ``recipes.plain_strided`` reads them
-_STRIDED = torch.strided
 _KEEP = Decision.KEEP
 
 
@@ -158,15 +157,13 @@ class SavedValues:
     # -- forward -----------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> Any:
         # the hottest path of forward (a call per saved tensor, about 340 a step of
-        # gpt2-xl@12): attribute lookups hoisted, the common cases first, no helper calls
-        # where an expression does (``benchmarks/host_work.py`` times it)
+        # gpt2-xl@12): attribute lookups hoisted, the common cases first
+        # (``benchmarks/host_work.py`` times it)
         recorder, state, copies = self.recorder, self.state, self.copies
         if copies.undated:  # NOTE [buffers held by events]
             copies.poll()
         name = recorder.next_pack() if recorder is not None else None
-        # plain_strided(t), inlined
-        if (type(t) not in _PLAIN or t.layout != _STRIDED or t.is_quantized
-                or t.is_nested):  # kept as autograd saved it
+        if not plain_strided(t):  # kept as autograd saved it
             return _Saved(t)
         storage = t.untyped_storage()
         key, nbytes = storage._cdata, storage.nbytes()  # storage_key(t), its bytes
