@@ -219,6 +219,8 @@ def _read_ops(ordered: list[fx.Node], info: Any, tensors: list[TensorRecord],
             key = f"{base.name}#{node.args[1]}"
             if key in tensor_of:
                 tensor_of[node.name] = tensor_of[key]
+            elif base.name in tensor_of:  # one view of a view op with several (split)
+                tensor_of[node.name] = tensor_of[base.name]
             continue
         if _is_alias(node):
             src = node.args[0]
