@@ -206,27 +206,68 @@ class CompiledPlan:
         return fw, bw
 
     def _plan(self, joint: JointGraph) -> Plan:
-        """The strategy's plan under the offloading pass's rules (NOTE [compiled offload])."""
+        """The strategy's plan under the offloading pass's rules (NOTE [compiled offload]),
+        with the RNG states its rebuilt random ops save held within the budget too (NOTE
+        [RNG states in the budget])."""
         if self.strategy not in STRATEGIES:
             raise InputError(f"unknown strategy '{self.strategy}'; strategies: "
                              f"{', '.join(STRATEGIES)}")
         profile = joint.profile
         budget = resolve_fit(self.budget, profile, self.hardware)
-        ctx = PassContext(profile, self.hardware,
-                          resolve_budget(budget, profile.keep_all_peak), joint.offloadable)
+        total = resolve_budget(budget, profile.keep_all_peak)
+        each = rng_state_size(profile.device)
+        states = 0
+        for _ in range(3):  # each plan may rebuild other random ops than the last
+            ctx = PassContext(profile, self.hardware, total - states, joint.offloadable)
+            attempt = self._attempt(ctx, joint)
+            if attempt is None:
+                break
+            held = each * len(rebuilt_random_ops(profile, attempt[0]))
+            if attempt[1].peak_bytes + held <= total:
+                return attempt[0].model_copy(update={"budget_bytes": total})
+            states = held
+        if states == 0:
+            plan_profile(profile, budget, self.hardware, self.strategy)  # its error, if any
+        raise InputError(
+            f"budget {format_bytes(total)} is out of reach of '{self.strategy}' when only "
+            f"what PyTorch's offloading pass can offload is offloaded "
+            f"({len(joint.offloadable)} of {len(profile.by_name)} saved activations)"
+            + (f" and the RNG states of rebuilt random ops ({format_bytes(states)}) are "
+               f"held too" if states else ""))
+
+    def _attempt(self, ctx: PassContext, joint: JointGraph) -> Any:
+        """The strategy's feasible plan and its simulation in ``ctx``, or None."""
         attempt = plan_in_context(ctx, self.strategy)
         if attempt is not None and Decision.OFFLOAD in attempt[0].decisions.values():
             # a strategy may write its own reload starts, or none: the pass's are these
             plan = ctx.plan(attempt[0].strategy, attempt[0].decisions)
             attempt = plan, ctx.simulate(plan)
         if attempt is None or not attempt[1].feasible:
-            plan_profile(profile, budget, self.hardware, self.strategy)  # its error, if any
-            raise InputError(
-                f"budget {format_bytes(ctx.budget)} is out of reach of '{self.strategy}' "
-                f"when only what PyTorch's offloading pass can offload is offloaded "
-                f"({len(joint.offloadable)} of {len(profile.by_name)} saved activations)")
+            return None
         check_offloadable(joint, attempt[0])
-        return attempt[0]
+        return attempt
+
+
+# NOTE [RNG states in the budget]
+#     A random op the plan rebuilds saves the RNG state it drew from, from forward to its
+#     rebuild in backward (NOTE [compiled recompute]): bytes no activation of the profile
+#     holds (5056 per op on a CPU generator, 16 on a CUDA one). They are counted as held
+#     for the whole step, on top of the plan's simulated peak (an upper bound: each is
+#     made in forward and let go at its rebuild): a plan whose peak and states exceed the
+#     budget is made again within the budget less the states, and refused, naming them,
+#     when no such plan fits. The plan keeps the budget it was asked for.
+def rng_state_size(device: str) -> int:
+    """Bytes of one saved RNG state on ``device``'s generator: a CPU generator's whole
+    state, a CUDA one's seed and offset."""
+    if device.startswith("cpu"):
+        return torch.get_rng_state().numel()
+    return 16
+
+
+def rebuilt_random_ops(profile: StepProfile, plan: Plan) -> set[int]:
+    """The random forward ops with an output ``plan`` recomputes (each saves an RNG state)."""
+    return {t.producer for n, t in profile.by_name.items()
+            if t.random and t.producer is not None and plan.decisions.get(n) == Decision.RECOMPUTE}
 
 
 def _batch_inputs(gm: fx.GraphModule, static: list[int]) -> list[torch.Tensor]:
