@@ -941,3 +941,55 @@ def test_the_runtime_package_names_the_block_whatever_was_imported_first() -> No
 
     assert block is slackswap.apply and isinstance(block, type)
     assert Stats is RuntimeStats
+
+
+def test_the_model_is_checked_every_step_after_the_walk_is_cached() -> None:
+    """NOTE [the model checked in one walk]: what a block learned of a model in an earlier
+    step is reused only while nothing the checks read has changed; each change between
+    steps is still refused, and a parameter replaced by another of its shape is the one
+    this step trains."""
+    from slackswap.profiling.step import model_state
+    from slackswap.runtime.block import _Walk
+
+    model, batch = _build("gpt2-xl-tiny", fake=False)
+    # the one walk gives what named_modules() and model_state give, in their order
+    walk = _Walk(model)
+    assert [m for _, m in model.named_modules()] == walk.modules
+    state = model_state(model, list(model.named_modules()))
+    assert [id(t) for t in state.values()] == [id(t) for t in walk.tensors]
+    profile = slackswap.profile(model, batch, kernels="native")
+    names = [t.name for t in profile.saved_activations if t.producer is not None]
+    plan = Plan(fingerprint=profile.fingerprint, strategy="x",
+                decisions={n: "recompute" for n in names[:3]})
+    run(model, batch, plan)  # the walk is cached now
+    attention = model.transformer.h[0].attn
+
+    def untied() -> None:
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+
+    changes = {
+        "which parameters train": lambda: attention.c_attn.weight.requires_grad_(False),
+        "parameter shapes": lambda: setattr(attention.c_attn, "bias", torch.nn.Parameter(
+            torch.zeros(attention.c_attn.bias.numel() + 1))),
+        "its modules": lambda: setattr(model.transformer.h[0], "mlp", torch.nn.Identity()),
+        "tied weights": untied,
+        "train/eval mode": lambda: model.eval(),
+    }
+    for change in changes.values():  # (the keys say what changed)
+        model, batch = _build("gpt2-xl-tiny", fake=False)
+        run(model, batch, plan)
+        attention = model.transformer.h[0].attn
+        change()
+        with pytest.raises(InputError, match="different model"), slackswap.apply(model, plan):
+            model(**batch)
+    # the same shapes, another tensor: this step's parameter gets the gradient
+    model, batch = _build("gpt2-xl-tiny", fake=False)
+    run(model, batch, plan)
+    weight = model.transformer.h[1].mlp.c_fc.weight
+    model.transformer.h[1].mlp.c_fc.weight = torch.nn.Parameter(weight.detach() * 0.5)
+    weight.grad = None
+    expected_loss, expected = run(model, batch)
+    loss, grads = run(model, batch, plan)
+    assert weight.grad is None  # the old parameter is not this step's
+    assert torch.equal(loss, expected_loss) and expected.keys() == grads.keys()
+    assert all(torch.equal(expected[n], grads[n]) for n in expected)

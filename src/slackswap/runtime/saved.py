@@ -174,8 +174,9 @@ class SavedValues:
             return _Saved(state.kept(t, key, node))
         decisions = self.decisions
         if node is None:
-            if state.is_external(key):
-                return _Saved(detached(t))
+            if state.is_external(key):  # a parameter, a buffer, the batch: mostly leaves,
+                # which hold no node, so no cycle to break (the detach costs 2 to 5 us)
+                return _Saved(t if t.grad_fn is None else detached(t))
             if name is None:
                 return _Saved(state.kept(t, key, None))
         if name is not None and decisions:  # an activation: NOTE [saves named by their order]
