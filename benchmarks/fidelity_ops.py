@@ -436,7 +436,9 @@ def what_it_says(f: Figures) -> list[str]:  # long because it is the section's p
         f"(the last column is the preset as shipped; {sources}):", "",
         *steps_table(f), "",
         "  gpt2-xl@12 is the workload the terms were read from; llama-7b@8 is judged "
-        "unfitted (no trace of it yet: `benchmarks/gpu_session.sh` saves one).",
+        "unfitted, by its timed step only: no trace of llama-7b or bert-large exists yet "
+        "(`benchmarks/gpu_session.sh` saves them; it needs a GPU), so no op class of theirs "
+        "is judged, and bert-large judges nothing here.",
         f"- **The LM head.** Its three GEMMs have the vocabulary, 50257, as one "
         "dimension, odd (cuBLAS's fast kernels want multiples of 8): cuBLAS ran them on "
         "CUTLASS's Turing kernels "

@@ -36,8 +36,9 @@ def _memory_s(moved: float, hw: Hardware) -> float:
 
 
 # NOTE [reductions]
-#     A reduction kernel (a sum or mean over a dimension, LayerNorm and its backward) reads a tensor to write a smaller one, and does not stream HBM as an
-#     elementwise kernel does: each row or column is a dependent chain of loads, partial
+#     A reduction kernel (a sum or mean over a dimension, LayerNorm and its backward)
+#     reads a tensor to write a smaller one, and does not stream HBM as an elementwise
+#     kernel does: each row or column is a dependent chain of loads, partial
 #     sums and block-wide synchronisations, so fewer bytes are in flight at a time. On the
 #     H200 trace of gpt2-xl@12 (docs/results-gpu/traces/, docs/fidelity.md "Op by op on
 #     the H200") LayerNorm forward (vectorized_layer_norm_kernel, rows of 1600) ran at
