@@ -122,6 +122,30 @@ def test_presets_offloading_under_aot_eager_are_bit_identical_to_torch_compile(
     _assert_steps_as_torch_compile(compiled, model, reference, batch)
 
 
+def test_a_rebuilt_dropout_reading_an_offloaded_input_is_found_through_its_reload(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dropout rebuilt in backward (with its RNG state) from an input the pass offloaded
+    reads the reload, not the forward node: the partition is still read as the plan
+    (it was refused as "did not follow the plan"), and trains as torch.compile."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Dropout(0.3), nn.Linear(256, 1),
+                          nn.Flatten(0)).train()
+    x, reference = torch.randn(1, 64), copy.deepcopy(model)
+
+    def offload_tanh_rebuild_dropout(self: api.CompiledPlan, joint: Any) -> slackswap.Plan:
+        names = joint.profile.by_name
+        return slackswap.Plan.keep_all(joint.profile).model_copy(update={"decisions": {
+            n: Decision.OFFLOAD if ":tanh:" in n else Decision.RECOMPUTE
+            if ":native_dropout:" in n else Decision.KEEP for n in names}})
+
+    monkeypatch.setattr(api.CompiledPlan, "_plan", offload_tanh_rebuild_dropout)
+    compiled = slackswap.compile(model, x, backend="aot_eager")
+    summary = compiled.slackswap.applied()
+    assert summary["offloaded"] == 1 and summary["recomputed"] == 2  # mask and output
+    assert summary["rng_states"] == 1
+    _assert_steps_as_torch_compile(compiled, model, reference, x)
+
+
 def test_inductor_offloads_as_planned() -> None:
     torch.manual_seed(0)
     model, x = _MLP(depth=2), torch.randn(64, 64)

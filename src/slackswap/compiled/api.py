@@ -146,12 +146,15 @@ class CompiledPlan:
     """``compiled.slackswap``: the plans of the graphs compiled so far and what each applied."""
 
     def __init__(self, budget: str | int | float, hardware: Hardware, strategy: str,
-                 model: torch.nn.Module, fingerprint: str) -> None:
+                 model: torch.nn.Module, fingerprint: str | None = None) -> None:
         self.budget, self.hardware, self.strategy = budget, hardware, strategy
         self.graphs: list[PlannedGraph] = []
         self._model_name = module_class(model).__name__
         self._layers = transformer_blocks(model)
+        # the model's and the batch's; None: the model's now, the batch's read from each
+        # graph's inputs (a model compiled before any batch is seen, as attach does)
         self._fingerprint = fingerprint
+        self._model_fingerprint = model_fingerprint(model) if fingerprint is None else ""
 
     @property
     def plan(self) -> Plan:
@@ -184,7 +187,9 @@ class CompiledPlan:
             gm.graph = fx_graph_cse(gm.graph)
         gm.recompile()
         joint = read_joint(gm, num_fwd_outputs, static, self.hardware, model=self._model_name,
-                           fingerprint=self._fingerprint, layers=self._layers)
+                           fingerprint=self._fingerprint or self._model_fingerprint
+                           + batch_fingerprint(_batch_inputs(gm, static)),
+                           layers=self._layers)
         plan = uniform_per_op(joint, self._plan(joint))
         check_offloadable(joint, plan)
         tag_joint(gm, joint, plan)
@@ -222,6 +227,20 @@ class CompiledPlan:
                 f"({len(joint.offloadable)} of {len(profile.by_name)} saved activations)")
         check_offloadable(joint, attempt[0])
         return attempt[0]
+
+
+def _batch_inputs(gm: fx.GraphModule, static: list[int]) -> list[torch.Tensor]:
+    """The joint graph's inputs that are the batch: not the model's state, no tangent."""
+    primals = gm.graph.find_nodes(op="placeholder")
+    batch = [n.meta["val"] for i, n in enumerate(primals) if i not in static
+             and "tangents" not in n.name and isinstance(n.meta.get("val"), torch.Tensor)]
+    if any(isinstance(s, torch.SymInt) for t in batch for s in t.shape):
+        raise InputError(
+            "slackswap.compile plans static shapes only, and an input's size is dynamic: "
+            "compile with dynamic=False (the default here), and pass tensors no "
+            "torch.compile has marked dynamic (torch._dynamo.mark_dynamic, or a compile "
+            "that saw their size change: pass x.clone())")
+    return batch
 
 
 class PassContext(PlanContext):
@@ -317,6 +336,26 @@ def _backend(name: str, state: CompiledPlan, options: dict[str, Any]) -> Any:
                         keep_inference_input_mutations=True), None
 
 
+def check_compile_args(backend: str, compile_kwargs: dict[str, Any]) -> None:
+    """Refuse a backend, or ``torch.compile`` keywords, that one planned graph cannot take."""
+    if backend not in _BACKENDS:
+        raise InputError(f"unknown backend '{backend}'; use one of {', '.join(_BACKENDS)}")
+    if compile_kwargs.get("fullgraph", True) is not True:
+        raise InputError("slackswap.compile plans one graph: fullgraph=False is not supported")
+    if "backend" in compile_kwargs:
+        raise InputError("pass the backend as slackswap.compile(..., backend=...)")
+
+
+def planned_compile(fn: Callable[..., Any], state: CompiledPlan, backend: str,
+                    compile_kwargs: dict[str, Any]) -> Any:
+    """``torch.compile(fn)`` (a model or its call) to one graph of static shapes per
+    batch shape, each partitioned as ``state`` plans it."""
+    kwargs = {k: v for k, v in compile_kwargs.items() if k not in ("fullgraph", "options")}
+    compiler, options = _backend(backend, state, compile_kwargs.get("options") or {})
+    kwargs.setdefault("dynamic", False)
+    return torch.compile(fn, backend=compiler, fullgraph=True, options=options, **kwargs)
+
+
 def compile(  # noqa: A001 - slackswap.compile mirrors torch.compile
     model: torch.nn.Module,
     batch: Batch,
@@ -340,23 +379,14 @@ def compile(  # noqa: A001 - slackswap.compile mirrors torch.compile
     activation-offloading pass, and only activations it can offload are planned to be
     (NOTE [compiled offload]).
     """
-    if backend not in _BACKENDS:
-        raise InputError(f"unknown backend '{backend}'; use one of {', '.join(_BACKENDS)}")
-    if compile_kwargs.pop("fullgraph", True) is not True:
-        raise InputError("slackswap.compile plans one graph: fullgraph=False is not supported")
-    if "backend" in compile_kwargs:
-        raise InputError("pass the backend as slackswap.compile(..., backend=...)")
+    check_compile_args(backend, compile_kwargs)
     hw = resolve_hardware(hardware)  # NOTE [assumed hardware]
     fingerprint = model_fingerprint(model) + batch_fingerprint(
         t for _, t in batch_tensors(batch))
     state = CompiledPlan(budget, hw, strategy, model, fingerprint)
-    compiler, options = _backend(backend, state, compile_kwargs.pop("options", None) or {})
-    compile_kwargs.setdefault("dynamic", False)
-    compiled = torch.compile(model, backend=compiler, fullgraph=True, options=options,
-                             **compile_kwargs)
+    compiled = planned_compile(model, state, backend, compile_kwargs)
     compiled.slackswap = state
-    if fallbacks := _falling_back(model):  # NOTE [a loss resolved before the graph]
-        compiled.forward = _with_losses_resolved(compiled.forward, fallbacks)
+    compiled.forward = with_losses_resolved(compiled.forward, model)
     with leaves_no_trace(model), torch.enable_grad():
         try:
             _call(compiled, batch)
@@ -397,10 +427,14 @@ def _known_loss(module: torch.nn.Module) -> bool:
     return getattr(module, "loss_type", None) in LOSS_MAPPING
 
 
-def _with_losses_resolved(forward: Callable[..., Any], modules: list[torch.nn.Module]
-                          ) -> Callable[..., Any]:
-    """``forward`` run with the modules' ``loss_type`` set to the fallback's for the
-    call, and put back after (NOTE [a loss resolved before the graph])."""
+def with_losses_resolved(forward: Callable[..., Any], model: torch.nn.Module
+                         ) -> Callable[..., Any]:
+    """``forward`` run with the ``loss_type`` of ``model``'s modules that would fall back
+    set to the fallback's for the call, and put back after; ``forward`` itself when none
+    would (NOTE [a loss resolved before the graph])."""
+    modules = _falling_back(model)
+    if not modules:
+        return forward
 
     @functools.wraps(forward)
     def call(*args: Any, **kwargs: Any) -> Any:
@@ -431,6 +465,17 @@ def _call(model: Any, batch: Batch) -> Any:
 
 def _compile_error(e: Exception) -> SlackSwapError:
     """A one-line error from what dynamo raised: the graph break, or the planner's error."""
+    planning = planning_error(e)
+    if planning is not None:
+        return planning
+    return SlackSwapError(f"torch.compile failed: {type(e).__name__}: "
+                          f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+
+
+def planning_error(e: BaseException) -> SlackSwapError | None:
+    """The one-line error of a graph the plan cannot cover (a graph break) or of its
+    planning (the planner's error, raised inside dynamo), or None: an error of the
+    model's own."""
     cause: BaseException | None = e
     while cause is not None:
         if isinstance(cause, SlackSwapError):
@@ -443,5 +488,4 @@ def _compile_error(e: Exception) -> SlackSwapError:
         return InputError(f"the model has a graph break{where}: {lines[0]}; "
                           "slackswap.compile plans one graph: remove the break or train "
                           "with slackswap.attach")
-    return SlackSwapError(f"torch.compile failed: {type(e).__name__}: "
-                          f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+    return None

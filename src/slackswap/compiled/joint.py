@@ -219,6 +219,8 @@ def _read_ops(ordered: list[fx.Node], info: Any, tensors: list[TensorRecord],
             key = f"{base.name}#{node.args[1]}"
             if key in tensor_of:
                 tensor_of[node.name] = tensor_of[key]
+            elif base.name in tensor_of:  # one view of a view op with several (split)
+                tensor_of[node.name] = tensor_of[base.name]
             continue
         if _is_alias(node):
             src = node.args[0]
@@ -446,8 +448,20 @@ def applied_partition(joint: JointGraph, fw: fx.GraphModule, bw: fx.GraphModule,
 
 
 def _call_key(target: Any, args: Any) -> tuple[Any, ...]:
-    """An op and its arguments, by node name (the cut graphs keep the joint's names)."""
-    return (target, *(a.name if isinstance(a, fx.Node) else repr(a) for a in args))
+    """An op and its arguments, by node name (the cut graphs keep the joint's names; an
+    offloaded argument is read back in backward by its reload, named by the forward node
+    it copies)."""
+    return (target, *(_forward_name(a) if isinstance(a, fx.Node) else repr(a) for a in args))
+
+
+def _forward_name(node: fx.Node) -> str:
+    """The joint graph's name of what ``node`` holds: a reload's is the forward node the
+    offloading pass copied (``gpu_reload_<name>`` of ``cpu_offload_<name>``)."""
+    if node.target is torch.ops.prims.device_put.default and node.name.startswith(
+            GPU_RELOAD_PREFIX) and isinstance(copy := node.args[0], fx.Node) \
+            and copy.name.startswith(CPU_OFFLOAD_PREFIX):
+        return copy.name.removeprefix(CPU_OFFLOAD_PREFIX)
+    return node.name
 
 
 def _is_rng_state(node: fx.Node) -> bool:

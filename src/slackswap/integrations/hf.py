@@ -10,8 +10,10 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
+import slackswap
+from slackswap.compiled.attach import CompiledAttached
 from slackswap.core.hardware import Hardware
-from slackswap.runtime.attach import Attached, attach
+from slackswap.runtime.attach import Attached
 
 __all__ = ["SlackSwapCallback"]
 
@@ -23,15 +25,18 @@ class SlackSwapCallback(TrainerCallback):
 
     def __init__(self, budget: str | int | float = 0.5, hardware: str | Hardware | None = None,
                  strategy: str = "slackswap",
-                 loss_fn: Callable[[Any], torch.Tensor] | None = None) -> None:
+                 loss_fn: Callable[[Any], torch.Tensor] | None = None, *,
+                 compile: bool = False, backend: str = "inductor",  # noqa: A002
+                 **compile_kwargs: Any) -> None:
         self.options = {"budget": budget, "hardware": hardware, "strategy": strategy,
-                        "loss_fn": loss_fn}
-        self.attached: Attached | None = None
+                        "loss_fn": loss_fn, "compile": compile, "backend": backend,
+                        **compile_kwargs}
+        self.attached: Attached | CompiledAttached | None = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: torch.nn.Module,
                        **kwargs: Any) -> None:
         self._detach()  # an earlier train() that raised did not reach on_train_end
-        self.attached = attach(model, **self.options)
+        self.attached = slackswap.attach(model, **self.options)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._detach()

@@ -18,8 +18,10 @@ try:
 except ImportError:
     from pytorch_lightning import Callback
 
+import slackswap
+from slackswap.compiled.attach import CompiledAttached
 from slackswap.core.hardware import Hardware
-from slackswap.runtime.attach import Attached, attach
+from slackswap.runtime.attach import Attached
 
 __all__ = ["SlackSwapCallback"]
 
@@ -34,15 +36,18 @@ class SlackSwapCallback(Callback):
 
     def __init__(self, budget: str | int | float = 0.5, module: str = "",
                  hardware: str | Hardware | None = None, strategy: str = "slackswap",
-                 loss_fn: Callable[[Any], torch.Tensor] | None = None) -> None:
+                 loss_fn: Callable[[Any], torch.Tensor] | None = None, *,
+                 compile: bool = False, backend: str = "inductor",  # noqa: A002
+                 **compile_kwargs: Any) -> None:
         self.module = module
         self.options = {"budget": budget, "hardware": hardware, "strategy": strategy,
-                        "loss_fn": loss_fn}
-        self.attached: Attached | None = None
+                        "loss_fn": loss_fn, "compile": compile, "backend": backend,
+                        **compile_kwargs}
+        self.attached: Attached | CompiledAttached | None = None
 
     def on_train_start(self, trainer: Any, pl_module: torch.nn.Module) -> None:
         self._detach()
-        self.attached = attach(pl_module.get_submodule(self.module), **self.options)
+        self.attached = slackswap.attach(pl_module.get_submodule(self.module), **self.options)
 
     def on_train_end(self, trainer: Any, pl_module: torch.nn.Module) -> None:
         self._detach()

@@ -8,6 +8,7 @@ import hashlib
 import json
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Literal
 
@@ -19,7 +20,10 @@ from torch.func import functional_call
 from slackswap.core.costmodel import step_times
 from slackswap.core.hardware import Hardware
 from slackswap.core.profile import StepProfile
+from slackswap.core.units import resolve_budget
+from slackswap.device_budget import is_fit
 from slackswap.errors import InputError, ProfileError, SlackSwapError
+from slackswap.planners import STRATEGIES
 from slackswap.profiling.kernels import TargetKernels
 from slackswap.profiling.machine import resolve_hardware
 from slackswap.profiling.naming import ActivationNamer, module_events, module_path
@@ -218,6 +222,23 @@ def refusing_own_checkpoint_calls() -> Iterator[None]:
         yield
     finally:
         tuc._infer_device_type = original
+
+
+# The models a SlackSwap attachment holds, eager (runtime.attach) or compiled
+# (compiled.attach): one attachment a model, whichever kind.
+ATTACHED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+
+def check_attach(model: torch.nn.Module, budget: str | int | float, strategy: str) -> None:
+    """Refuse, when ``attach`` is called rather than at the first training forward, a
+    model attached already, a budget or a strategy that cannot be planned with."""
+    if model in ATTACHED:
+        raise InputError("slackswap.attach: this model is attached already; call .detach() "
+                         "on the first attachment before attaching again")
+    if not is_fit(budget):
+        resolve_budget(budget, 1)
+    if strategy not in STRATEGIES:
+        raise InputError(f"unknown strategy '{strategy}'; strategies: {', '.join(STRATEGIES)}")
 
 
 def fingerprint(model: torch.nn.Module, batch: Batch) -> str:

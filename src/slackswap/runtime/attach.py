@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import inspect
 import sys
-import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -31,19 +30,15 @@ from torch.utils import _pytree
 
 from slackswap.core.hardware import Hardware
 from slackswap.core.plan import Plan
-from slackswap.core.units import resolve_budget
-from slackswap.device_budget import is_fit
 from slackswap.errors import InputError, SlackSwapError
-from slackswap.planners import STRATEGIES
 from slackswap.profiling.machine import resolve_hardware
-from slackswap.profiling.step import model_fingerprint
+from slackswap.profiling.step import ATTACHED, check_attach, model_fingerprint
 from slackswap.runtime.block import apply
 from slackswap.runtime.oneshot import autocast_state, plan_model
 from slackswap.runtime.stats import RuntimeStats
 
 __all__ = ["Attached", "attach"]
 
-_ATTACHED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 _SCALARS = (bool, int, float, str, type(None), torch.dtype, torch.device)
 
 
@@ -67,14 +62,7 @@ def attach(model: torch.nn.Module, budget: str | int | float = 0.5,
     called from compiled code is refused. ``.detach()`` (or leaving ``with
     slackswap.attach(...):``) undoes it.
     """
-    if model in _ATTACHED:
-        raise InputError("slackswap.attach: this model is attached already; call .detach() "
-                         "on the first attachment before attaching again")
-    # refused now, not at the first training forward
-    if not is_fit(budget):
-        resolve_budget(budget, 1)
-    if strategy not in STRATEGIES:
-        raise InputError(f"unknown strategy '{strategy}'; strategies: {', '.join(STRATEGIES)}")
+    check_attach(model, budget, strategy)
     # once, here: None (said) or "auto" names one hardware for every batch shape
     return Attached(model, budget, resolve_hardware(hardware), strategy, loss_fn)
 
@@ -95,7 +83,7 @@ class Attached:
         self._closer: Any = None
         self._planning = False
         self._pre = model.register_forward_pre_hook(self._before, with_kwargs=True)
-        _ATTACHED.add(model)
+        ATTACHED.add(model)
 
     def detach(self) -> None:
         """Remove the hooks; the model trains as it would without SlackSwap."""
@@ -103,7 +91,7 @@ class Attached:
             self._pre.remove()
             self._pre = None
         self._close()
-        _ATTACHED.discard(self.model)
+        ATTACHED.discard(self.model)
 
     def __enter__(self) -> Attached:
         return self
