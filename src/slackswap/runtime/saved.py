@@ -421,15 +421,19 @@ class SavedValues:
 def _other_step(nbytes: int, name: str, planned: int, dtype: torch.dtype,
                 profiled: str | None) -> str:
     """NOTE [saves named by their order]: the j-th save of the step is the profile's j-th,
-    as big, or the step is another than the profiled one. Saves of another dtype than
-    the profile's say so: a step under another autocast than its plan's (or a model
-    cast since) saves every activation in another dtype."""
-    if profiled is not None and dtype_name(dtype) != profiled:
-        return (f"the step saved a {dtype_name(dtype)} tensor where its profile saved "
-                f"'{name}' as {profiled}: the step runs under another torch.autocast "
-                "(or the model was cast) than the step the plan was made for; plan it "
-                "under the same autocast and dtype as training runs (slackswap.attach "
-                "and slackswap.auto plan each autocast state once)")
+    as big, or the step is another than the profiled one. A floating-point save in
+    another floating-point dtype than the profile's says autocast first: a step under
+    another torch.autocast than its plan's (or a model cast since) saves every
+    activation so. (The autocast state cannot be read here: a saved-tensor hook runs
+    with autocast's dispatch key excluded.)"""
+    now = dtype_name(dtype)
+    if (dtype.is_floating_point and profiled is not None and profiled != now
+            and profiled.startswith(("fp", "bf"))):
+        return (f"the step saved a {now} tensor where its profile saved '{name}' as "
+                f"{profiled}: the step runs under another torch.autocast (or the model "
+                "was cast) than the step the plan was made for, or takes another code "
+                "path; plan it under the autocast and dtype training runs "
+                "(slackswap.attach and slackswap.auto plan each autocast state once)")
     return (f"the step saved {nbytes} bytes where its profile saved '{name}' "
             f"({planned} bytes): the plan's profile is not of this step (another "
             "batch, code path, routing or kernels); profile it again with "
