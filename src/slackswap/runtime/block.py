@@ -43,7 +43,21 @@ from slackswap.runtime.watch import can_watch, watch_for
 __all__ = ["apply", "RuntimeStats"]
 
 _ACTIVE: list[apply] = []  # the block open now, if any: blocks do not nest
-_OPENING = threading.Lock()  # NOTE [one thread at a time]
+_OPENING = threading.Lock()  # NOTE [compiled code runs eagerly in a block]
+#     A plan names the ops of an eager step, so while a block is open every
+#     ``torch.compile``'d function (the model's wrapper, a compiled submodule) runs as eager
+#     Python: ``torch.compiler.set_stance("force_eager")``, once as the block opens, undone
+#     as it closes. The runtime's dispatch mode alone would not do it: where the plan has
+#     nothing to watch the mode is off (NOTE [watch only what the plan rebuilds]), and
+#     Dynamo would then compile the forward, inlining the block's module hooks and the
+#     runtime's Python they call (breaking its graph on ``TorchDispatchMode.__enter__``,
+#     warning, and dropping a half-built ``StorageWeakRef`` whose ``__del__`` prints an
+#     unraisable traceback), with kernels other than the ones the plan was made for; and
+#     the frames it saw there stayed cached as eager for the rest of training. With the
+#     stance, Dynamo looks at no frame in a block, and compiles after it as it would
+#     without SlackSwap. (Per module call nothing is added: ``torch.compiler.disable`` on
+#     the hooks would cost about 5 us per call.)
+# NOTE [one thread at a time]
 
 
 class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
@@ -165,6 +179,8 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
             stack.callback(self.model.register_forward_hook(
                 self._forward_done, always_call=True).remove)
             stack.enter_context(refusing_own_checkpoint_calls())
+            # NOTE [compiled code runs eagerly in a block]
+            stack.enter_context(torch.compiler.set_stance("force_eager"))
             recorder.enter(self.model, stack)
             # NOTE [FSDP2's hooks are not the step]
             stack.enter_context(fsdp_hooks_apart(self.model, recorder.quieted,
