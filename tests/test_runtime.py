@@ -504,6 +504,30 @@ def test_a_block_compiled_inside_the_model_runs_eagerly_under_the_plan() -> None
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
 
 
+def test_a_block_opened_in_compiled_code_is_refused_in_one_line() -> None:
+    """Opened in a function torch.compile compiles, a block could not make that code eager
+    (NOTE [compiled code runs eagerly in a block]): refused, leaving no block open."""
+    from factories import TinyMLP, WithMSE
+
+    from slackswap.runtime import block
+
+    model, x = WithMSE(TinyMLP(16, 1)), torch.randn(2, 4, 16)
+    profile = slackswap.profile(model, x, kernels="native", hardware="a100-80gb")
+    plan = Plan(fingerprint=profile.fingerprint, strategy="x", decisions={})
+
+    @torch.compile(backend="eager")
+    def step(x: torch.Tensor) -> torch.Tensor:
+        with slackswap.apply(model, plan):
+            return model(x)["loss"]
+
+    torch._dynamo.reset()
+    with pytest.raises(InputError, match="the block is opened in code torch.compile runs"):
+        step(x)
+    assert not block._ACTIVE and gc.isenabled()
+    with slackswap.apply(model, plan):  # and outside compiled code it opens
+        model(x)["loss"].backward()
+
+
 def test_a_distributed_data_parallel_model(tmp_path) -> None:
     """DDP's wrapper names the model inside; its gradient hooks run as without the plan."""
     import torch.distributed as dist

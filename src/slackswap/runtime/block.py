@@ -16,6 +16,7 @@ import threading
 from typing import Any
 
 import torch
+from torch._C._dynamo.eval_frame import get_eval_frame_callback as _get_eval_frame_callback
 
 from slackswap.core.plan import Decision, Plan
 from slackswap.core.profile import StepProfile
@@ -149,6 +150,13 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
     # -- context manager ---------------------------------------------------------------
     def __enter__(self) -> apply:
         _refuse_other_threads()
+        if torch.compiler.is_compiling() or _get_eval_frame_callback() not in (None, False):
+            # NOTE [compiled code runs eagerly in a block]: not from code Dynamo compiles
+            raise InputError(
+                "slackswap.apply: the block is opened in code torch.compile runs, whose ops "
+                "a plan cannot reach; open it outside the compiled function (a compiled "
+                "model then runs eagerly in it), or use slackswap.compile"
+            )
         if _ACTIVE:
             raise InputError(
                 "slackswap.apply blocks do not nest: a block already runs "
