@@ -44,21 +44,7 @@ from slackswap.runtime.watch import can_watch, watch_for
 __all__ = ["apply", "RuntimeStats"]
 
 _ACTIVE: list[apply] = []  # the block open now, if any: blocks do not nest
-_OPENING = threading.Lock()  # NOTE [compiled code runs eagerly in a block]
-#     A plan names the ops of an eager step, so while a block is open every
-#     ``torch.compile``'d function (the model's wrapper, a compiled submodule) runs as eager
-#     Python: ``torch.compiler.set_stance("force_eager")``, once as the block opens, undone
-#     as it closes. The runtime's dispatch mode alone would not do it: where the plan has
-#     nothing to watch the mode is off (NOTE [watch only what the plan rebuilds]), and
-#     Dynamo would then compile the forward, inlining the block's module hooks and the
-#     runtime's Python they call (breaking its graph on ``TorchDispatchMode.__enter__``,
-#     warning, and dropping a half-built ``StorageWeakRef`` whose ``__del__`` prints an
-#     unraisable traceback), with kernels other than the ones the plan was made for; and
-#     the frames it saw there stayed cached as eager for the rest of training. With the
-#     stance, Dynamo looks at no frame in a block, and compiles after it as it would
-#     without SlackSwap. (Per module call nothing is added: ``torch.compiler.disable`` on
-#     the hooks would cost about 5 us per call.)
-# NOTE [one thread at a time]
+_OPENING = threading.Lock()  # NOTE [one thread at a time]
 
 
 class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
@@ -282,6 +268,23 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
 # what to do about a batch the plan was not made for
 _REPLAN = ("re-plan for this batch, or let slackswap.auto(model, budget) (or "
            "slackswap.attach) plan each new batch shape once")
+
+
+# NOTE [compiled code runs eagerly in a block]
+#     A plan names the ops of an eager step, so while a block is open every
+#     ``torch.compile``'d function (the model's wrapper, a compiled submodule) runs as eager
+#     Python: ``torch.compiler.set_stance("force_eager")``, once as the block opens, undone
+#     as it closes. The runtime's dispatch mode alone would not do it: where the plan has
+#     nothing to watch the mode is off (NOTE [watch only what the plan rebuilds]), and
+#     Dynamo would then compile the forward, inlining the block's module hooks and the
+#     runtime's Python they call (breaking its graph on ``TorchDispatchMode.__enter__``,
+#     warning, and dropping a half-built ``StorageWeakRef`` whose ``__del__`` prints an
+#     unraisable traceback), with kernels other than the ones the plan was made for; and
+#     the frames it saw there stayed cached as eager for the rest of training. With the
+#     stance, Dynamo looks at no frame in a block, and compiles after it as it would
+#     without SlackSwap. (Per module call nothing is added: ``torch.compiler.disable`` on
+#     the hooks would cost about 5 us per call.) A block opened in code Dynamo compiles
+#     could not make that code eager (torch refuses a stance set there): refused.
 
 
 # NOTE [one thread at a time]
