@@ -17,6 +17,7 @@ import weakref
 from typing import Any, NamedTuple
 
 import torch
+from torch._C._dynamo.eval_frame import get_eval_frame_callback as _get_eval_frame_callback
 
 from slackswap.core.plan import Decision, Plan
 from slackswap.core.profile import StepProfile
@@ -137,6 +138,13 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
     # -- context manager ---------------------------------------------------------------
     def __enter__(self) -> apply:
         _refuse_other_threads()
+        if torch.compiler.is_compiling() or _get_eval_frame_callback() not in (None, False):
+            # NOTE [compiled code runs eagerly in a block]: not from code Dynamo compiles
+            raise InputError(
+                "slackswap.apply: the block is opened in code torch.compile runs, whose ops "
+                "a plan cannot reach; open it outside the compiled function (a compiled "
+                "model then runs eagerly in it), or use slackswap.compile"
+            )
         if _ACTIVE:
             raise InputError(
                 "slackswap.apply blocks do not nest: a block already runs "
@@ -167,6 +175,8 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
             stack.callback(self.model.register_forward_hook(
                 self._forward_done, always_call=True).remove)
             stack.enter_context(refusing_own_checkpoint_calls())
+            # NOTE [compiled code runs eagerly in a block]
+            stack.enter_context(torch.compiler.set_stance("force_eager"))
             recorder.enter(self.model, stack)
             # NOTE [FSDP2's hooks are not the step]
             stack.enter_context(fsdp_hooks_apart(self.model, recorder.quieted,
@@ -341,6 +351,23 @@ class _Walk:
 # what to do about a batch the plan was not made for
 _REPLAN = ("re-plan for this batch, or let slackswap.auto(model, budget) (or "
            "slackswap.attach) plan each new batch shape once")
+
+
+# NOTE [compiled code runs eagerly in a block]
+#     A plan names the ops of an eager step, so while a block is open every
+#     ``torch.compile``'d function (the model's wrapper, a compiled submodule) runs as eager
+#     Python: ``torch.compiler.set_stance("force_eager")``, once as the block opens, undone
+#     as it closes. The runtime's dispatch mode alone would not do it: where the plan has
+#     nothing to watch the mode is off (NOTE [watch only what the plan rebuilds]), and
+#     Dynamo would then compile the forward, inlining the block's module hooks and the
+#     runtime's Python they call (breaking its graph on ``TorchDispatchMode.__enter__``,
+#     warning, and dropping a half-built ``StorageWeakRef`` whose ``__del__`` prints an
+#     unraisable traceback), with kernels other than the ones the plan was made for; and
+#     the frames it saw there stayed cached as eager for the rest of training. With the
+#     stance, Dynamo looks at no frame in a block, and compiles after it as it would
+#     without SlackSwap. (Per module call nothing is added: ``torch.compiler.disable`` on
+#     the hooks would cost about 5 us per call.) A block opened in code Dynamo compiles
+#     could not make that code eager (torch refuses a stance set there): refused.
 
 
 # NOTE [one thread at a time]
