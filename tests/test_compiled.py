@@ -12,7 +12,7 @@ import zoo
 import slackswap
 from slackswap.compiled import api
 from slackswap.core.plan import Decision
-from slackswap.errors import InputError
+from slackswap.errors import InputError, SlackSwapError
 from slackswap.models.presets import MODEL_PRESETS, build_model
 
 
@@ -121,11 +121,33 @@ def test_labels_in_the_batch_compile_to_one_graph_that_trains_as_eager(name: str
     assert "labels" in batch and model.training
     reference = copy.deepcopy(model)
     loss_types = {n: vars(m).get("loss_type", "-") for n, m in model.named_modules()}
-    compiled = slackswap.compile(model, batch, budget=0.8, backend="aot_eager")
+    try:
+        compiled = slackswap.compile(model, batch, budget=0.8, backend="aot_eager")
+    except SlackSwapError as e:
+        _not_one_graph_for_torch_compile_either(name, reference, batch, e)
     for _ in range(2):
         _assert_steps_as_torch_compile(compiled, model, reference, batch)
     assert len(compiled.slackswap.graphs) == 1
     assert {n: vars(m).get("loss_type", "-") for n, m in model.named_modules()} == loss_types
+
+
+def _not_one_graph_for_torch_compile_either(name: str, model: nn.Module, batch: dict,
+                                            error: SlackSwapError) -> None:
+    """Some transformers releases write a model that no graph holds: 5.17's BART draws
+    its LayerDrop in forward at any rate and branches on the draw, its Funnel sizes an
+    ``arange`` from tensors (later releases do neither). Then ``torch.compile`` without
+    SlackSwap fails too, and slackswap.compile says so in one line: skip, else fail."""
+    import transformers
+
+    assert "\n" not in str(error), str(error)
+    torch._dynamo.reset()
+    try:
+        torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=False)(**batch)
+    except Exception:  # noqa: BLE001 - any failure: torch.compile cannot trace it either
+        torch._dynamo.reset()
+        pytest.skip(f"torch.compile makes no one graph of {name} under transformers "
+                    f"{transformers.__version__} either: {error}")
+    raise error
 
 
 def test_a_model_with_no_loss_type_keeps_its_own_fallback_outside_the_compiled_call() -> None:

@@ -29,6 +29,10 @@ def test_presets_shipped() -> None:
 
 
 COPY_COSTS = ("offload_s", "reload_s")
+# fields a preset may leave unset, then absent from it and its JSON
+OPTIONAL = ("matmul_unaligned_efficiency", "attention_reference_seq",
+            "attention_causal_forward_overhead", "attention_causal_backward_overhead",
+            "reduction_bandwidth_efficiency")
 
 
 @pytest.mark.parametrize("name", PRESETS)
@@ -41,8 +45,7 @@ def test_every_field_cites_a_source(name: str) -> None:
         for field in type(getattr(hw, section)).model_fields:
             if section == "host" and field in COPY_COSTS and not getattr(hw.host, field):
                 continue  # not counted: absent from the preset and its JSON (NOTE [copy costs])
-            if (section, field) == ("compute", "matmul_unaligned_efficiency") and \
-                    hw.compute.matmul_unaligned_efficiency is None:
+            if field in OPTIONAL and getattr(getattr(hw, section), field) is None:
                 continue  # unset: absent from the preset and its JSON
             source = hw.sources.get(f"{section}.{field}", "")
             assert len(source) > 20, f"{name}: {section}.{field} has no source"
@@ -265,6 +268,81 @@ def test_an_unaligned_gemm_runs_at_the_presets_figure_for_it() -> None:
         assert step_times([op], ts, h200) == [op_time(op, h200)]
     assert step_times([head], tensors, a100) == [op_time(head, a100)]
     assert "unaligned" not in a100.model_dump_json()  # unset: the preset's JSON is as it was
+
+
+def _attention(category: str, seq: int, heads: int = 25, dim: int = 64,
+               batch: int = 8) -> tuple[OpRecord, list[TensorRecord]]:
+    """A causal fused attention kernel as the profiler records it: its first output is
+    [batch, heads, seq, dim] (the output forward, the query's gradient backward)."""
+    flops = 4.0 * batch * heads * seq * seq * dim / 2 * (2.5 if "backward" in category else 1)
+    op = OpRecord(index=0, name="slackswap.fused_attention.default", kind="fused_attention",
+                  phase="forward", module="", category=category, dtype="bf16", flops=flops,
+                  bytes_read=4 * 2 * batch * heads * seq * dim, bytes_written=0, time_s=0,
+                  inputs=[], outputs=[0])
+    out = TensorRecord(id=0, kind="activation", bytes=2 * batch * heads * seq * dim,
+                       dtype="bf16", shape=[batch, heads, seq, dim], producer=0)
+    return op, [out]
+
+
+def test_causal_attention_slows_as_its_sequence_shortens() -> None:
+    """NOTE [causal attention by sequence]: on h200 a causal kernel at sequence S runs at
+    its causal figure times g(S) / g(8192), g(S) = n / (n + 1 + 2c) with n = S / 128 key
+    blocks; at 8192 tokens at the figure itself; non-causal kernels, and every kernel on a
+    preset without the overhead, as before."""
+    h200, h100 = load_hardware("h200"), load_hardware("h100-sxm")
+    c = h200.compute
+    assert c.attention_reference_seq == 8192 and h100.compute.attention_reference_seq is None
+    for category, figure, overhead in (
+            ("attention_forward", c.attention_causal_forward_efficiency,
+             c.attention_causal_forward_overhead),
+            ("attention_backward", c.attention_causal_backward_efficiency,
+             c.attention_causal_backward_overhead)):
+        assert figure is not None and overhead is not None
+        for seq in (1024, 4096, 8192):
+            op, tensors = _attention(category, seq)
+            n = seq / 128
+            scale = (n / (n + 1 + 2 * overhead)) / (64 / (65 + 2 * overhead))
+            assert step_times([op], tensors, h200, [OpDetail(causal=True)]) == [
+                pytest.approx(op.flops / (989e12 * figure * scale))]
+            assert step_times([op], tensors, h100, [OpDetail(causal=True)]) == [
+                op_time(op, h100, causal=True)]
+            plain = step_times([op], tensors, h200, [OpDetail(causal=False)])
+            assert plain == [op_time(op, h200)]  # the non-causal figure, at any sequence
+        short = _attention(category, 1024)
+        assert step_times([short[0]], short[1], h200, [OpDetail(causal=True)])[0] > (
+            1.2 * op_time(short[0], h200, causal=True))
+    assert "attention_reference_seq" not in h100.model_dump_json()  # unset: left out
+    with pytest.raises(ValueError, match="attention_reference_seq"):
+        type(c).model_validate({**c.model_dump(), "attention_reference_seq": None})
+
+
+def _reduction(kind: str, read: int, written: int) -> OpRecord:
+    return OpRecord(index=0, name=f"aten.{kind}.default", kind=kind, phase="backward",
+                    module="", category="memory", dtype="bf16", flops=0, bytes_read=read,
+                    bytes_written=written, time_s=0, inputs=[], outputs=[])
+
+
+def test_reductions_read_at_the_presets_reduction_rate() -> None:
+    """NOTE [reductions]: on h200 a sum, a mean or a LayerNorm moves its bytes at
+    ``reduction_bandwidth_efficiency`` of HBM bandwidth, LayerNorm's backward reading its
+    inputs twice; an elementwise op, and a reduction on a preset without the table, as
+    before."""
+    h200, a100 = load_hardware("h200"), load_hardware("a100-80gb")
+    table = h200.memory.reduction_bandwidth_efficiency
+    assert table == [(0, 0.3), (1e6, 0.316), (1e8, 0.405)]
+    assert a100.memory.reduction_bandwidth_efficiency is None
+    mb = 10**6
+    column_sum = _reduction("sum", 40 * mb, 3200)
+    assert op_time(column_sum, h200) == pytest.approx((40 * mb + 3200) / (4.8e12 * 0.316))
+    norm_backward = _reduction("native_layer_norm_backward", 52 * mb, 26 * mb)
+    assert op_time(norm_backward, h200) == pytest.approx(130 * mb / (4.8e12 * 0.405))
+    norm = _reduction("native_layer_norm", 26 * mb, 26 * mb)
+    assert op_time(norm, h200) == pytest.approx(52 * mb / (4.8e12 * 0.316))
+    for op in (column_sum, norm_backward, norm):
+        assert op_time(op, a100) == op_time(op.model_copy(update={"kind": "add"}), a100)
+        assert op_time(op, h200) > 2 * op_time(op.model_copy(update={"kind": "add"}), h200)
+    add = _reduction("add", 40 * mb, 20 * mb)
+    assert op_time(add, h200) == pytest.approx(60 * mb / (4.8e12 * 0.75))
 
 
 def test_step_efficiency() -> None:

@@ -8,6 +8,7 @@ import json
 import warnings
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 import slackswap
@@ -46,11 +47,13 @@ def _digest(name: str) -> str:
 def test_the_existing_presets_are_unchanged() -> None:
     """The figures stored optima and the paper reproduction depend on (their content
     digests before the new presets came; h200's since its unaligned-GEMM cap, NOTE
-    [unaligned matmuls], measured on its trace)."""
+    [unaligned matmuls], its causal attention by sequence and its reduction table, NOTE
+    [causal attention by sequence] and NOTE [reductions], measured on its trace)."""
     assert load_hardware("a100-80gb").peak("bf16") == 312e12
     assert {n: _digest(n) for n in ("a100-80gb", "h100-sxm", "h200")} == {
-        "a100-80gb": "715416bcf2ad9c48", "h100-sxm": "a68371582c8efea0", "h200": "a475c56eb6960d05"}
+        "a100-80gb": "715416bcf2ad9c48", "h100-sxm": "a68371582c8efea0", "h200": "c2ad46f68df91c9c"}
     assert load_hardware("h200").compute.matmul_unaligned_efficiency == 0.119
+    assert load_hardware("h200").compute.attention_causal_forward_overhead == 5.54
 
 
 @pytest.mark.parametrize("name", NEW)
@@ -117,6 +120,84 @@ def test_auto_takes_the_file_written_for_this_machine(tmp_path, monkeypatch) -> 
         assert machine.resolve_hardware("auto").name == "my-gpu"
 
 
+def _on_a_gpu(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """This process sees one CUDA GPU called ``name`` (torch's own answers replaced)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+
+
+@pytest.mark.parametrize(("device", "preset"), [
+    ("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100-sxm"),
+    ("NVIDIA A100-SXM4-80GB", "a100-80gb"), ("NVIDIA L4", "l4"),
+    ("NVIDIA GeForce RTX 4090", "rtx-4090"),
+])
+def test_auto_asks_torch_for_the_gpu_and_says_its_preset(monkeypatch, device: str,
+                                                         preset: str) -> None:
+    _on_a_gpu(monkeypatch, device)
+    described = load_hardware(preset).description
+    with pytest.warns(HardwareNotice) as caught:
+        assert machine.resolve_hardware("auto") == load_hardware(preset)
+    assert [str(w.message) for w in caught] == [
+        f"hardware 'auto': this machine's GPU, {device}, is preset {preset} ({described})"]
+
+
+def test_cli_auto_on_a_gpu_plans_for_its_preset(monkeypatch) -> None:
+    """``--hardware auto`` on an L4 says so in one note, and plans as ``--hardware l4``."""
+    _on_a_gpu(monkeypatch, "NVIDIA L4")
+    args = ["plan", "gpt2-xl-tiny", "--budget", "0.8"]
+    result = CliRunner().invoke(main, [*args, "--hardware", "auto"])
+    assert result.exit_code == 0, result.output
+    assert result.stderr == (f"note: hardware 'auto': this machine's GPU, NVIDIA L4, is "
+                             f"preset l4 ({load_hardware('l4').description})\n")
+    named = CliRunner().invoke(main, [*args, "--hardware", "l4"])
+    assert named.exit_code == 0 and named.stderr == "" and "on l4" in named.stdout
+    assert result.stdout == named.stdout
+
+
+def test_cli_auto_on_an_unknown_gpu_is_refused_in_one_line(monkeypatch) -> None:
+    """A GPU no preset describes is not planned for as another GPU: the one line says so,
+    lists the presets, and how to describe it."""
+    _on_a_gpu(monkeypatch, "NVIDIA GeForce RTX 3090")
+    result = CliRunner().invoke(main, ["plan", "gpt2-xl-tiny", "--budget", "0.8",
+                                       "--hardware", "auto"])
+    assert result.exit_code == 2 and result.stdout == "" and "Traceback" not in result.stderr
+    assert result.stderr.count("\n") == 1
+    assert result.stderr.startswith("error: hardware 'auto': this machine's GPU, NVIDIA "
+                                    "GeForce RTX 3090, matches no preset (")
+    assert all(p in result.stderr for p in hardware_presets())
+    assert "slackswap hardware --template" in result.stderr
+
+
+def test_cli_auto_takes_a_calibrated_file_from_the_environment(tmp_path, monkeypatch) -> None:
+    """On an H200 with ``$SLACKSWAP_HARDWARE`` naming the file ``slackswap calibrate``
+    wrote, ``auto`` plans for the file, measured link and all, not for the preset."""
+    from slackswap.runtime.calibrate import Calibration, calibrated_hardware, write_hardware
+
+    measured = Calibration(device="NVIDIA H200", torch_version="2.13.0+cu128",
+                           date="2026-12-04", d2h_bandwidth=8e9, h2d_bandwidth=7e9,
+                           duplex_d2h_bandwidth=5e9, duplex_h2d_bandwidth=4e9,
+                           dispatch_s=30e-6)
+    path = tmp_path / "h200.toml"
+    write_hardware(calibrated_hardware(load_hardware("h200"), measured), path)
+    _on_a_gpu(monkeypatch, "NVIDIA H200")
+    monkeypatch.setenv(machine.HARDWARE_ENV, str(path))
+    args = ["plan", "gpt2-xl-tiny", "--budget", "0.8"]
+    result = CliRunner().invoke(main, [*args, "--hardware", "auto"])
+    assert result.exit_code == 0, result.output
+    assert result.stderr == (f"note: hardware 'auto': h200-calibrated from "
+                             f"${machine.HARDWARE_ENV} ({path})\n")
+    named = CliRunner().invoke(main, [*args, "--hardware", str(path)])
+    assert "on h200-calibrated" in result.stdout and result.stdout == named.stdout
+    hardware_module._NOTICED.clear()  # (said once per process: by the command above)
+    with pytest.warns(HardwareNotice, match="h200-calibrated from"):
+        hw = machine.resolve_hardware("auto")
+    assert hw == load_hardware(path) and hw.host_link.d2h_bandwidth == 8e9
+    monkeypatch.setenv(machine.HARDWARE_ENV, str(tmp_path / "missing.toml"))
+    result = CliRunner().invoke(main, [*args, "--hardware", "auto"])
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1
+    assert "missing.toml" in result.stderr and "Traceback" not in result.stderr
+
+
 def test_auto_where_no_step_runs_is_refused_in_one_line() -> None:
     with pytest.raises(InputError, match="hardware 'auto' is this machine's GPU"):
         load_hardware("auto")
@@ -142,6 +223,8 @@ def test_the_template_round_trips(tmp_path) -> None:
     assert "on my-gpu" in result.stdout
 
 
+# shown as a user's process shows it (pyproject's filterwarnings hides the default's notice)
+@pytest.mark.filterwarnings("default::slackswap.errors.HardwareNotice")
 def test_cli_auto_and_default_say_which_hardware(monkeypatch) -> None:
     monkeypatch.setattr(machine, "gpu_name", lambda: None)
     result = CliRunner().invoke(main, ["plan", "gpt2-xl-tiny", "--budget", "0.8",

@@ -931,3 +931,31 @@ def test_a_recompute_released_by_offloads_that_alone_change_nothing() -> None:
     assert result.retention >= 0.7600
     assert found.decisions.get("bert.encoder.layer.1.attention.self.query:addmm:0",
                                "keep") == "keep"
+
+
+
+def _too_small_to_move() -> StepProfile:
+    """Three Linear(16, 16) layers with tanh on a batch of 8: every saved activation is
+    512 bytes, under MIN_PLANNED_BYTES."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[m for _ in range(3) for m in (torch.nn.Linear(16, 16),
+                                                                 torch.nn.Tanh())])
+    return slackswap.profile(model, torch.randn(8, 16), mode="traced",
+                             loss_fn=lambda out: out.square().mean())
+
+
+@pytest.mark.parametrize("strategy", sorted(slackswap.STRATEGIES))
+def test_a_step_with_nothing_to_move_is_refused_under_its_peak(strategy: str) -> None:
+    """No candidate at all (a tiny model: every activation under 1 KiB): a budget under
+    the keep-all peak is refused as out of reach, in one line, never a crash of the
+    planner (SlackSwap's joint cover once built its program from empty float arrays);
+    the peak itself is planned, keeping everything."""
+    profile = _too_small_to_move()
+    assert not PlanContext(profile, slackswap.load_hardware(profile.hardware),
+                           profile.keep_all_peak).candidates
+    with pytest.raises(InputError, match="fits no plan"):
+        slackswap.plan(profile, 0.7, strategy=strategy)
+    plan = slackswap.plan(profile, 1.0, strategy=strategy)
+    assert set(plan.decisions.values()) <= {"keep"}

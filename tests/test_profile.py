@@ -179,6 +179,55 @@ def test_forward_error_names_the_model() -> None:
         slackswap.profile(model, x, name="mine")
 
 
+class _LayerDrop(torch.nn.Module):
+    """Skips each layer when a draw falls under ``rate``, as OPT's LayerDrop does under
+    transformers 5.17 (which draws at any rate, 0 included)."""
+
+    def __init__(self, rate: float) -> None:
+        super().__init__()
+        self.rate = rate
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        for layer in self.layers:
+            if torch.rand([]) < self.rate:
+                continue
+            x = torch.tanh(layer(x))
+        return {"loss": x.sum()}
+
+
+class _PositivePart(torch.nn.Module):
+    """A boolean mask index: an output whose shape depends on the values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.lin(x)
+        return {"loss": h[h > 0].sum()}
+
+
+@pytest.mark.parametrize(("factory", "line"), [
+    (functools.partial(_LayerDrop, 0.0), "if torch.rand([]) < self.rate:"),
+    (_PositivePart, 'return {"loss": h[h > 0].sum()}'),
+])
+def test_a_value_read_in_forward_is_refused_analytic_and_traced(factory, line: str) -> None:
+    """NOTE [a model that reads a value]: analytic names the line and the mode that can
+    profile it, in one line; traced runs the step and records the ops it took."""
+    torch.manual_seed(0)
+    model, x = factory(), torch.randn(3, 4)
+    with pytest.raises(ProfileError) as e:
+        slackswap.profile(model, x, "a100-80gb", name="mine")
+    message = str(e.value)
+    assert message.startswith("model 'mine' reads a tensor's value in forward (test_profile.py:")
+    assert line in message and "mode='traced'" in message and "\n" not in message
+    traced = slackswap.profile(model, x, "a100-80gb", mode="traced", kernels="native")
+    forward = [op.name for op in traced.ops if op.phase == "forward"]
+    assert forward.count("aten.addmm.default") == len([m for m in model.modules()
+                                          if isinstance(m, torch.nn.Linear)])
+
+
 @pytest.mark.parametrize("factory", [no_loss, frozen])
 def test_no_differentiable_loss(factory) -> None:
     model, x = factory()

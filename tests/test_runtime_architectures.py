@@ -1,6 +1,7 @@
 """The runtime on Hugging Face architectures that are not presets, as they come: ids from
-a fake-tensor profile find their tensors in the real step, and gradients are bit-identical
-with every saved activation offloaded, recomputed, or a mix, dropout on."""
+a fake-tensor profile (a traced one where the model reads a value in forward) find their
+tensors in the real step, and gradients are bit-identical with every saved activation
+offloaded, recomputed, or a mix, dropout on."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import slackswap
 from slackswap.core.plan import Plan
+from slackswap.errors import ProfileError
 
 _SMALL = dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
               intermediate_size=128)
@@ -33,7 +35,7 @@ ARCHITECTURES = {
     "falcon": ("FalconConfig", "FalconForCausalLM",
                dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                     hidden_dropout=0.1, attention_dropout=0.1)),
-    "bloom": ("BloomConfig", "BloomForCausalLM",  # no SDPA support: eager attention
+    "bloom": ("BloomConfig", "BloomForCausalLM",
               dict(vocab_size=300, hidden_size=64, n_layer=2, n_head=4, hidden_dropout=0.1,
                    attention_dropout=0.1)),
     "roberta": ("RobertaConfig", "RobertaForMaskedLM",
@@ -52,9 +54,10 @@ def test_architecture_is_bit_identical_under_any_plan(name: str) -> None:
         pytest.skip(f"transformers {transformers.__version__} has no {model_class}")
     transformers.logging.set_verbosity_error()
     config = getattr(transformers, config_class)(**kwargs)
-    config._attn_implementation = "eager" if name == "bloom" else "sdpa"
-    config.use_cache = False
     cls = getattr(transformers, model_class)
+    # SDPA where this transformers has it for the class (not Bloom; not GPT-J under 5.17)
+    config._attn_implementation = "sdpa" if cls._supports_sdpa else "eager"
+    config.use_cache = False
     ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(1))
     batch = {"input_ids": ids, "labels": ids.clone()}
     with FakeTensorMode():
@@ -63,7 +66,14 @@ def test_architecture_is_bit_identical_under_any_plan(name: str) -> None:
     model = cls(config)
     fake.train()
     model.train()
-    profile = slackswap.profile(fake, batch, kernels="native", name=name)
+    try:
+        profile = slackswap.profile(fake, batch, kernels="native", name=name)
+    except ProfileError as e:
+        # NOTE [a model that reads a value]: OPT's LayerDrop under transformers 5.17 draws
+        # and compares in forward, which fake tensors cannot answer: a traced profile can
+        if "reads a tensor's value in forward" not in str(e):
+            raise
+        profile = slackswap.profile(model, batch, mode="traced", kernels="native", name=name)
     names = [t.name for t in profile.saved_activations if t.producer is not None]
     reference = run(model, batch)
     mixes = [{n: d for n in names} for d in ("offload", "recompute")]

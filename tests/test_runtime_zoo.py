@@ -42,10 +42,12 @@ RANDOM = ["lstm", "gru", "cnn_bn_inplace", "vit", "unet", "t5", "bart", "mixtral
           "wav2vec2", "hubert", "perceiver", "funnel", "switch", "longformer", "bigbird_full",
           "bigbird_sparse", "gnn", "lora", "parametrizations", "diffusers_unet",
           "multihead_attention",
-          "custom_function", "targets_loss_fn", "random_in_function"]
+          "custom_function", "targets_loss_fn", "random_in_function", "segformer", "swin",
+          "bloom", "efficientnet_channels_last"]
 # steps PyTorch has no double backward for (a CTC loss; CPU flash attention, which
-# diffusers' attention processor calls through SDPA): their "double" steps are skipped
-NO_DOUBLE = {"wav2vec2", "hubert", "diffusers_unet"}
+# diffusers' attention processor and SegFormer call through SDPA; hardsigmoid's backward,
+# in squeeze and excite): their "double" steps are skipped
+NO_DOUBLE = {"wav2vec2", "hubert", "diffusers_unet", "segformer", "efficientnet_channels_last"}
 # models whose saved shapes follow their random draws (Switch routes tokens to experts after
 # dropout and router jitter): profiled under the step's seed, so the plan's shapes are the
 # step's; a step with other draws is test_a_plan_meets_other_routing's
@@ -452,6 +454,22 @@ def test_plans_under_autocast(name: str, decision: str) -> None:
                  for i, n in enumerate(names)}
     plan = Plan(fingerprint=profile.fingerprint, strategy="x", decisions=decisions)
     _assert_same(_autocast_step(name, plan, profile), _autocast_step(name))
+
+
+@pytest.mark.parametrize("name", ["vit", "segformer"])
+def test_a_step_under_another_autocast_than_its_plan_is_refused_saying_so(name: str) -> None:
+    """A plan made outside autocast, its step run under bf16 autocast: every activation is
+    saved in another dtype, so the step is refused in one line that names autocast (not
+    a generic "another batch or code path"), leaving model, batch and RNG as they were."""
+    c = case(name)
+    model, batch = copy.deepcopy(c.model), copy.deepcopy(c.batch)
+    torch.manual_seed(SEED)
+    before = _state(model, batch)
+    with pytest.raises(InputError, match="saved a bf16 tensor .* as fp32: .* another "
+                       "torch.autocast"), torch.autocast("cpu", dtype=torch.bfloat16), \
+            slackswap.apply(model, uniform(name, "offload"), profile=c.profile):
+        _loss(_call(model, batch), c.loss_fn)
+    _assert_same(_state(model, batch), before, "refused but changed ")
 
 
 @pytest.mark.parametrize("name", ["t5", "deberta", "perceiver", "unet"])

@@ -273,3 +273,66 @@ def test_a_cache_the_profiled_step_made_goes_with_it() -> None:
     assert not hasattr(model, "cached_len") and not hasattr(model, "cache")
     model(x).backward()
     assert model.cached_len == 4
+
+
+class _HooksOnFirstCall(torch.nn.Module):
+    """Registers a forward hook on each block on its first call and marks itself hooked,
+    as transformers' ``capture_outputs`` does; the hooks collect the blocks' outputs,
+    which the loss reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(3))
+        self.outputs: list[torch.Tensor] = []
+
+    def _collect(self, module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
+        self.outputs.append(out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not getattr(self, "_hooked", False):
+            for block in self.blocks:
+                block.register_forward_hook(self._collect)
+            self._hooked = True
+        for block in self.blocks:
+            x = block(x).tanh()
+        loss = sum(o.square().mean() for o in self.outputs)
+        self.outputs.clear()
+        return loss
+
+
+def _hooks_on_first_call():
+    torch.manual_seed(0)
+    return _HooksOnFirstCall(), torch.randn(64, 16), None
+
+
+def _segformer():
+    import zoo
+
+    return zoo.segformer()
+
+
+def _loss_of(model, batch, loss_fn):
+    out = model(**batch) if isinstance(batch, dict) else model(batch)
+    return loss_fn(out) if loss_fn else getattr(out, "loss", out)
+
+
+@pytest.mark.parametrize("build", [_hooks_on_first_call, _segformer])
+def test_hooks_the_profiled_step_registered_go_with_its_flags(build) -> None:
+    """The profiled step registers hooks and sets the flag that says so: both are
+    undone, never the flag alone (the next call would register every hook twice). So
+    ``slackswap.plan(model, batch)`` then training that model, under the plan or not,
+    is plain PyTorch's training bit for bit."""
+    model, batch, loss_fn = build()
+    twin = copy.deepcopy(model)
+    hooks = [len(m._forward_hooks) for m in model.modules()]
+    plan = slackswap.plan(model, batch, 0.85, loss_fn=loss_fn)
+    assert [len(m._forward_hooks) for m in model.modules()] == hooks
+    for under_plan in (False, True):
+        for m in (model, twin):
+            m.zero_grad(set_to_none=True)
+            torch.manual_seed(1)
+            with slackswap.apply(model, plan) if under_plan and m is model \
+                    else contextlib.nullcontext():
+                loss = _loss_of(m, batch, loss_fn)
+            loss.backward()
+        assert _same(_grads(model), _grads(twin))

@@ -738,6 +738,114 @@ def diffusers_unet() -> Case:
     return _DiffusersUNet().train(), batch, None
 
 
+
+def segformer() -> Case:
+    """SegformerForSemanticSegmentation from a tiny config: attention over a sequence
+    reduced by a strided convolution, Mix-FFN with a depthwise convolution, drop path,
+    and a decode head that upsamples every stage (bilinear) and concatenates them. Its
+    stages' outputs reach the head through forward hooks transformers registers on the
+    first call (``capture_outputs``)."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.SegformerConfig(
+        num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[8, 16],
+        num_attention_heads=[1, 2], patch_sizes=[7, 3], strides=[4, 2], mlp_ratios=[2, 2],
+        decoder_hidden_size=16, drop_path_rate=0.2, hidden_dropout_prob=0.1, num_labels=5,
+    )
+    torch.manual_seed(0)
+    model = transformers.SegformerForSemanticSegmentation(config).train()
+    batch = {"pixel_values": torch.randn(2, 3, 32, 32),
+             "labels": torch.randint(0, 5, (2, 32, 32))}
+    return model, batch, None
+
+
+def swin() -> Case:
+    """SwinForImageClassification from a tiny config: attention in windows shifted by
+    ``torch.roll`` with a mask between them, patch merging, and drop path."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.SwinConfig(
+        image_size=16, patch_size=2, embed_dim=16, depths=[2, 1], num_heads=[2, 2],
+        window_size=4, drop_path_rate=0.2, hidden_dropout_prob=0.1,
+        attention_probs_dropout_prob=0.1, num_labels=10,
+    )
+    torch.manual_seed(0)
+    model = transformers.SwinForImageClassification(config).train()
+    return model, {"pixel_values": torch.randn(2, 3, 16, 16),
+                   "labels": torch.randint(0, 10, (2,))}, None
+
+
+def bloom() -> Case:
+    """BloomForCausalLM from a tiny config: ALiBi position biases added to the scores by
+    ``baddbmm``, and dropout fused with the residual add."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.BloomConfig(vocab_size=100, hidden_size=32, n_layer=2, n_head=4,
+                                      hidden_dropout=0.1, attention_dropout=0.1)
+    torch.manual_seed(0)
+    model = transformers.BloomForCausalLM(config).train()
+    ids = torch.randint(0, 100, (2, 12))
+    return model, {"input_ids": ids, "labels": ids}, None
+
+
+class _SqueezeExcite(nn.Module):
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.reduce = nn.Conv2d(channels, channels // 4, 1)
+        self.expand = nn.Conv2d(channels // 4, channels, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = self.expand(F.relu(self.reduce(F.adaptive_avg_pool2d(x, 1))))
+        return x * F.hardsigmoid(scale)
+
+
+class _MBConv(nn.Module):
+    """MobileNetV3 / EfficientNet's inverted residual: expand, depthwise, squeeze and
+    excite, project, with stochastic depth on the residual branch."""
+
+    def __init__(self, channels: int, expand: int, path: float) -> None:
+        super().__init__()
+        wide = channels * expand
+        self.expand = nn.Sequential(nn.Conv2d(channels, wide, 1, bias=False),
+                                    nn.BatchNorm2d(wide), nn.Hardswish(inplace=True))
+        self.depthwise = nn.Sequential(
+            nn.Conv2d(wide, wide, 3, padding=1, groups=wide, bias=False),
+            nn.BatchNorm2d(wide), nn.SiLU(inplace=True))
+        self.excite = _SqueezeExcite(wide)
+        self.project = nn.Sequential(nn.Conv2d(wide, channels, 1, bias=False),
+                                     nn.BatchNorm2d(channels))
+        self.path = path
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.project(self.excite(self.depthwise(self.expand(x))))
+        return x + drop_path(h, self.path, self.training)
+
+
+class _EfficientNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, 2, 1, bias=False), nn.BatchNorm2d(8),
+                                  nn.SiLU(inplace=True))
+        self.blocks = nn.Sequential(_MBConv(8, 4, 0.1), _MBConv(8, 4, 0.2))
+        self.drop = nn.Dropout(0.2)
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.drop(self.blocks(self.stem(x)).mean((2, 3))))
+
+
+def efficientnet_channels_last() -> Case:
+    """EfficientNet-style inverted residuals (depthwise convolutions, squeeze and excite,
+    in-place Hardswish and SiLU, stochastic depth), model and batch in ``channels_last``
+    memory format: every saved activation is strided NHWC."""
+    torch.manual_seed(0)
+    model = _EfficientNet().train().to(memory_format=torch.channels_last)
+    x = torch.randn(4, 3, 32, 32).contiguous(memory_format=torch.channels_last)
+    return model, x, _first_class_loss
+
 MODELS: dict[str, Callable[[], Case]] = {
     "lstm": lstm,
     "gru": gru,
@@ -765,4 +873,8 @@ MODELS: dict[str, Callable[[], Case]] = {
     "multihead_attention": multihead_attention,
     "custom_function": custom_function,
     "targets_loss_fn": targets_loss_fn,
+    "segformer": segformer,
+    "swin": swin,
+    "bloom": bloom,
+    "efficientnet_channels_last": efficientnet_channels_last,
 }

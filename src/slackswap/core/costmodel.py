@@ -7,10 +7,11 @@ from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from slackswap.core.hardware import Hardware
+from slackswap.core.hardware import Compute, Hardware
 from slackswap.core.profile import OpRecord, TensorRecord
 
-__all__ = ["OpDetail", "op_time", "step_efficiency", "step_times", "unaligned"]
+__all__ = ["OpDetail", "op_time", "step_efficiency", "step_times", "unaligned", "attention_seq",
+           "REDUCTIONS", "ATTENTION_BLOCK"]
 
 
 def step_efficiency(table: list[tuple[float, float]], size: float) -> float:
@@ -32,6 +33,74 @@ class OpDetail:
 def _memory_s(moved: float, hw: Hardware) -> float:
     m = hw.memory
     return moved / (m.hbm_bandwidth * step_efficiency(m.bandwidth_efficiency, moved))
+
+
+# NOTE [reductions]
+#     A reduction kernel (a sum or mean over a dimension, LayerNorm and its backward)
+#     reads a tensor to write a smaller one, and does not stream HBM as an elementwise
+#     kernel does: each row or column is a dependent chain of loads, partial
+#     sums and block-wide synchronisations, so fewer bytes are in flight at a time. On the
+#     H200 trace of gpt2-xl@12 (docs/results-gpu/traces/, docs/fidelity.md "Op by op on
+#     the H200") LayerNorm forward (vectorized_layer_norm_kernel, rows of 1600) ran at
+#     1.77 TB/s and the bias gradients' column sums (reduce_kernel) at 1.35 TB/s (10-100
+#     MB) and 2.52 TB/s (105 MB), where elementwise kernels of those sizes ran at 2.6 to
+#     4.5 TB/s. A preset's ``reduction_bandwidth_efficiency`` (a step table by bytes moved,
+#     as ``bandwidth_efficiency``) prices these ops; without one they are priced as
+#     elementwise ops, as before.
+#     Passes: LayerNorm's backward is two kernels on CUDA, one for the input's gradient
+#     (layer_norm_grad_input_kernel) and one for the weight's and bias's
+#     (GammaBetaBackwardCUDAKernel), and each reads the input and the output's gradient:
+#     on the trace, 28.6 + 44.8 us for 52 MB read twice and 26 MB written, 1.79 TB/s
+#     counted so, the rate of LayerNorm's forward. A reduction table's rates are per pass,
+#     so with one such an op reads its inputs ``_PASSES`` times. Under the fused stack a
+#     reduction inside a run of memory-bound ops is priced with its run (NOTE [stacks]).
+#     Left out, priced as before: softmax and log-softmax (on the trace the loss's
+#     log-softmax ran at 0.46 of HBM bandwidth forward and 0.59 backward, between this
+#     table and the elementwise one: a row of 50257 streams as an elementwise op does),
+#     and the embedding's backward (a sort and a scatter-add, not a reduction kernel).
+REDUCTIONS = frozenset({
+    "sum", "mean", "amax", "amin", "max", "min", "prod", "norm", "linalg_vector_norm",
+    "var", "var_mean", "std", "std_mean", "native_layer_norm", "native_layer_norm_backward",
+    "_fused_rms_norm", "_fused_rms_norm_backward"})
+_PASSES = {"native_layer_norm_backward": 2}
+
+
+def _reduction_s(op: OpRecord, hw: Hardware) -> float:
+    """A reduction's memory time on a preset with a reduction table (NOTE [reductions])."""
+    table = hw.memory.reduction_bandwidth_efficiency
+    assert table is not None
+    moved = op.bytes_read * _PASSES.get(op.kind, 1) + op.bytes_written
+    return moved / (hw.memory.hbm_bandwidth * step_efficiency(table, moved))
+
+
+# NOTE [causal attention by sequence]
+#     A fused attention kernel (FlashAttention, cuDNN's) splits the queries into blocks of
+#     ``ATTENTION_BLOCK`` rows; each block walks the key blocks it sees, and pays a fixed
+#     cost besides: loading its queries, the pipeline's fill and drain, the last rescale,
+#     writing its output and log-sum-exp. With a causal mask a block sees on average
+#     (n + 1) / 2 of the n key blocks, the diagonal one computed in full and masked, for
+#     n / 2 of useful work, so the fixed cost, c key blocks' worth, weighs more as the
+#     sequence shortens: a kernel reaches n / (n + 1 + 2c) of its rate over long
+#     sequences. A preset that gives c for forward and backward prices a causal kernel
+#     at sequence S at its causal figure times g(S) / g(reference), the figure being
+#     measured at ``attention_reference_seq``. h200's c is this project's trace: the
+#     figures are FlashAttention-2's at 8192 tokens and head dimension 128 (28.7% and
+#     29.0% of peak), and cuDNN's kernels on gpt2-xl@12 (1024 tokens, head dimension 64)
+#     reached 13.6% forward and 19.9% backward (docs/fidelity.md "Op by op on the H200"),
+#     so c = 5.54 forward and 1.75 backward. One point cannot tell sequence from head
+#     dimension (64 here, 128 in the figures; FlashAttention's tables show both lower
+#     the rate): c holds both, and a kernel at head dimension 128 and a short sequence
+#     may run faster than priced. Non-causal kernels keep their figures at any sequence
+#     (no measurement of them).
+ATTENTION_BLOCK = 128
+
+
+def _causal_scale(seq: int, overhead: float, reference: int) -> float:
+    """g(seq) / g(reference) of NOTE [causal attention by sequence]."""
+    def g(s: int) -> float:
+        n = max(-(-s // ATTENTION_BLOCK), 1)
+        return n / (n + 1 + 2 * overhead)
+    return g(seq) / g(reference)
 
 
 # NOTE [unaligned matmuls]
@@ -69,12 +138,15 @@ def unaligned(op: OpRecord, tensors: Sequence[TensorRecord]) -> bool:
 
 
 def op_time(op: OpRecord, hw: Hardware, *, causal: bool = False,
-            aligned: bool = True) -> float:
+            aligned: bool = True, seq: int | None = None) -> float:
     """Seconds ``op`` takes on ``hw`` as a kernel of its own: the slower of its compute and
     memory roofs. ``causal``: an attention kernel ran with a causal mask (its FLOPs are
     already halved; the preset says how much of the peak such a kernel reaches).
     ``aligned``: false for a matmul :func:`unaligned` finds so, which runs at most at the
-    preset's ``matmul_unaligned_efficiency`` where it has one.
+    preset's ``matmul_unaligned_efficiency`` where it has one. ``seq``: a causal attention
+    kernel's query sequence, which scales its figure on a preset that says how (NOTE
+    [causal attention by sequence]); reductions are priced by the preset's reduction
+    table where it has one (NOTE [reductions]).
 
     Every kernel takes at least the preset's minimum kernel time; views and bare
     allocations launch no kernel and take none.
@@ -82,21 +154,45 @@ def op_time(op: OpRecord, hw: Hardware, *, causal: bool = False,
     if op.category == "free":
         return 0.0
     c = hw.compute
-    memory_s = _memory_s(op.bytes_read + op.bytes_written, hw)
+    if op.kind in REDUCTIONS and hw.memory.reduction_bandwidth_efficiency is not None:
+        memory_s = _reduction_s(op, hw)
+    else:
+        memory_s = _memory_s(op.bytes_read + op.bytes_written, hw)
     if op.category == "matmul":
         eff = min(step_efficiency(c.matmul_efficiency, op.flops), c.matmul_efficiency_cap)
         if not aligned and c.matmul_unaligned_efficiency is not None:
             eff = min(eff, c.matmul_unaligned_efficiency)
-    elif op.category == "attention_forward":
-        eff = (c.attention_causal_forward_efficiency if causal else None) or (
-            c.attention_forward_efficiency)
-    elif op.category == "attention_backward":
-        eff = (c.attention_causal_backward_efficiency if causal else None) or (
-            c.attention_backward_efficiency)
+    elif op.category in ("attention_forward", "attention_backward"):
+        eff = _attention_efficiency(op.category == "attention_forward", c, causal, seq)
     else:  # memory-bound: elementwise and reductions are priced by bytes moved
         eff = 0.0
     compute_s = op.flops / (hw.peak(op.dtype) * eff) if eff > 0 else 0.0
     return max(compute_s, memory_s, c.min_kernel_time_s)
+
+
+def _attention_efficiency(forward: bool, c: Compute, causal: bool, seq: int | None) -> float:
+    """The fraction of peak an attention kernel reaches (NOTE [causal attention by
+    sequence])."""
+    if forward:
+        figure = c.attention_causal_forward_efficiency if causal else None
+        eff, overhead = figure or c.attention_forward_efficiency, \
+            c.attention_causal_forward_overhead
+    else:
+        figure = c.attention_causal_backward_efficiency if causal else None
+        eff, overhead = figure or c.attention_backward_efficiency, \
+            c.attention_causal_backward_overhead
+    if not causal or seq is None or overhead is None or c.attention_reference_seq is None:
+        return eff
+    return min(eff * _causal_scale(seq, overhead, c.attention_reference_seq), 1.0)
+
+
+def attention_seq(op: OpRecord, tensors: Sequence[TensorRecord]) -> int | None:
+    """An attention kernel's query sequence: its first output's second-to-last dimension
+    (the output [batch, heads, seq, dim] forward, the query's gradient backward)."""
+    if not op.category.startswith("attention") or not op.outputs:
+        return None
+    shape = tensors[op.outputs[0]].shape
+    return shape[-2] if len(shape) >= 2 and shape[-2] > 0 else None
 
 
 # NOTE [stacks]
@@ -129,7 +225,7 @@ def step_times(ops: Sequence[OpRecord], tensors: Sequence[TensorRecord], hw: Har
         raise ValueError(f"{len(details)} op details for {len(ops)} ops")
     causal = [d.causal for d in details] if details is not None else [False] * len(ops)
     times = [op_time(op, hw, causal=c, aligned=hw.compute.matmul_unaligned_efficiency is None
-                     or not unaligned(op, tensors))
+                     or not unaligned(op, tensors), seq=attention_seq(op, tensors))
              for op, c in zip(ops, causal, strict=True)]
     if hw.stack == "eager" or details is None:
         return times

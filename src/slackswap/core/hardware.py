@@ -78,8 +78,26 @@ class Compute(_Strict):
     # an odd dimension reaches; None: priced as any other (left out of the file when unset)
     matmul_unaligned_efficiency: Fraction | None = Field(default=None,
                                                          exclude_if=lambda v: v is None)
+    # NOTE [causal attention by sequence]: the query sequence the causal figures above
+    # were measured at, and each kernel's fixed cost per query block in key blocks of
+    # work; None: the causal figures at every sequence (left out of the file when unset)
+    attention_reference_seq: Annotated[int, Field(ge=1)] | None = Field(
+        default=None, exclude_if=lambda v: v is None)
+    attention_causal_forward_overhead: Annotated[float, Field(ge=0, le=1e3)] | None = Field(
+        default=None, exclude_if=lambda v: v is None)
+    attention_causal_backward_overhead: Annotated[float, Field(ge=0, le=1e3)] | None = Field(
+        default=None, exclude_if=lambda v: v is None)
 
     _table = pydantic.field_validator("matmul_efficiency")(_check_table)
+
+    @pydantic.model_validator(mode="after")
+    def _reference(self) -> Compute:
+        if self.attention_reference_seq is None and (
+                self.attention_causal_forward_overhead is not None
+                or self.attention_causal_backward_overhead is not None):
+            raise ValueError("attention_causal_*_overhead needs attention_reference_seq, the "
+                             "sequence the causal attention figures were measured at")
+        return self
 
     @pydantic.field_validator("peak_flops")
     @classmethod
@@ -93,8 +111,17 @@ class Memory(_Strict):
     capacity_bytes: Positive
     hbm_bandwidth: Positive
     bandwidth_efficiency: StepTable
+    # NOTE [reductions] in slackswap.core.costmodel: the fraction of bandwidth a reduction
+    # kernel reaches, by bytes moved; None: reductions priced as elementwise ops
+    reduction_bandwidth_efficiency: StepTable | None = Field(default=None,
+                                                            exclude_if=lambda v: v is None)
 
     _table = pydantic.field_validator("bandwidth_efficiency")(_check_table)
+
+    @pydantic.field_validator("reduction_bandwidth_efficiency")
+    @classmethod
+    def _reduction_table(cls, table: StepTable | None) -> StepTable | None:
+        return None if table is None else _check_table(table)
 
 
 class HostLink(_Strict):

@@ -61,6 +61,8 @@ def choose_joint(ctx: PlanContext, points: list[Pressure], depth: int
     cands = ctx.candidates
     if not rows:
         return {}
+    if not cands:  # nothing to move (every activation under MIN_PLANNED_BYTES): no cover
+        return None
     k = len(cands)
     ops = np.array([pt.op for pt in rows])
     forward = ops < ctx.first_backward
@@ -71,7 +73,7 @@ def choose_joint(ctx: PlanContext, points: list[Pressure], depth: int
                       first_use[None, :] > ops[:, None])  # as ``evicted_at``
     away_o = np.where(forward[:, None],
                       np.maximum(_landed(ctx), freed)[None, :] < ops[:, None], away_x)
-    recomputable = np.array([c.name in ctx.profile.recomputable for c in cands])
+    recomputable = np.array([c.name in ctx.profile.recomputable for c in cands], dtype=bool)
     link = ctx.hw.host_link
     d2h = np.array([1e3 * (link.latency_s + c.bytes / link.d2h_bandwidth) for c in cands])
     h2d = np.array([1e3 * (link.latency_s + c.bytes / link.h2d_bandwidth) for c in cands])

@@ -27,12 +27,15 @@ __all__ = ["rank_prefix", "fsdp_module_class", "module_class", "fsdp_units", "un
 _FSDP = "torch.distributed.fsdp."
 
 
-def fsdp_units(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The modules of ``model`` that ``fully_shard`` was applied to."""
+def fsdp_units(model: torch.nn.Module,
+               modules: list[torch.nn.Module] | None = None) -> list[torch.nn.Module]:
+    """The modules of ``model`` (or of ``modules``, its modules when the caller has them)
+    that ``fully_shard`` was applied to."""
     classes = fsdp_module_class()
     if classes is None:
         return []
-    return [m for m in model.modules() if isinstance(m, classes)]
+    return [m for m in (model.modules() if modules is None else modules)
+            if isinstance(m, classes)]
 
 
 @functools.cache
@@ -59,13 +62,14 @@ def module_class(module: torch.nn.Module) -> type:
 
 @contextlib.contextmanager
 def fsdp_hooks_apart(model: torch.nn.Module, quiet: Callable[[], Any],
-                     gathered: Callable[[torch.Tensor, torch.nn.Module], None]
-                     ) -> Iterator[None]:
+                     gathered: Callable[[torch.Tensor, torch.nn.Module], None],
+                     units: list[torch.nn.Module] | None = None) -> Iterator[None]:
     """Every FSDP2 forward hook in ``model`` runs inside ``quiet()``; after a unit's
     pre-forward hook, ``gathered(parameter, unit)`` is called for each parameter it
-    registered (NOTE [FSDP2's hooks are not the step]). The hooks are put back on exit."""
+    registered (NOTE [FSDP2's hooks are not the step]). The hooks are put back on exit.
+    ``units``: ``fsdp_units(model)``, when the caller has them."""
     with _fsdp_hooks_swapped(model, lambda hook, unit, pre: _apart(
-            hook, unit, quiet, gathered if pre else None)):
+            hook, unit, quiet, gathered if pre else None), units):
         yield
 
 
@@ -79,12 +83,13 @@ def fsdp_hooks_off(model: torch.nn.Module) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _fsdp_hooks_swapped(model: torch.nn.Module,
-                        swap: Callable[[Any, torch.nn.Module, bool], Any]) -> Iterator[None]:
+                        swap: Callable[[Any, torch.nn.Module, bool], Any],
+                        units: list[torch.nn.Module] | None = None) -> Iterator[None]:
     """Each FSDP2 forward hook of each unit replaced by ``swap(hook, unit, is_pre_hook)``
     for the duration."""
     swapped: list[tuple[dict, int, Any]] = []
     try:
-        for unit in fsdp_units(model):
+        for unit in fsdp_units(model) if units is None else units:
             for hooks, pre in ((unit._forward_pre_hooks, True), (unit._forward_hooks, False)):
                 for key, hook in list(hooks.items()):
                     if getattr(hook, "__module__", "").startswith(_FSDP):

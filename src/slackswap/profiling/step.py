@@ -6,6 +6,8 @@ import contextlib
 import functools
 import hashlib
 import json
+import linecache
+import os
 import time
 import warnings
 import weakref
@@ -13,9 +15,15 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Literal
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+)
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.func import functional_call
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from slackswap.core.costmodel import step_times
 from slackswap.core.hardware import Hardware
@@ -338,7 +346,37 @@ def _call(model: torch.nn.Module, batch: Batch, name: str) -> Any:
                 "the model is not supported (Hugging Face Reformer's reversible layers, "
                 "which rebuild their own activations in backward, fail so)"
             ) from e
+        if isinstance(e, _VALUE_READS):
+            raise ProfileError(
+                f"model '{name}' reads a tensor's value in forward ({_model_line(e)}), which "
+                "an analytic profile cannot know: it traces fake tensors, which hold no "
+                "data; profile the real model with mode='traced' (--mode traced), which "
+                "runs one step and prices its ops as analytic does"
+            ) from e
         raise ProfileError(f"model '{name}' raised in forward: {type(e).__name__}: {e}") from e
+
+
+# NOTE [a model that reads a value]: ``.item()``, ``bool(t)`` or ``if t < x:`` on a tensor
+# (OPT's LayerDrop under transformers 5.17 compares ``torch.rand([])`` with its rate
+# whatever the rate), or an op whose output shape depends on values (``nonzero``), has
+# no answer under FakeTensorMode; a traced profile runs the step, so it has one.
+_VALUE_READS = (DataDependentOutputException, DynamicOutputShapeException,
+                GuardOnDataDependentSymNode)
+
+
+def _model_line(e: BaseException) -> str:
+    """Where the model's own code was when ``e`` was raised: the innermost frame outside
+    torch and this package, as ``file:line: source``."""
+    inside = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
+    where = "its code"
+    tb = e.__traceback__
+    while tb is not None:
+        file, line = tb.tb_frame.f_code.co_filename, tb.tb_lineno
+        if not file.startswith(inside):
+            source = linecache.getline(file, line).strip()
+            where = f"{os.path.basename(file)}:{line}" + (f": {source}" if source else "")
+        tb = tb.tb_next
+    return where
 
 
 def _raised_in_mod_tracker(e: BaseException) -> bool:

@@ -15,9 +15,13 @@ NOTE [a profiled step leaves no trace]
       step (``slackswap.compile``) runs no dispatch mode: its writes to these are not
       put back,
     - the modules' Python attributes: a call counter, a flag, a tensor rebound to a new
-      one. Scalars and tensors are rebound as they were, public lists, dicts and sets
-      refilled, scalar and tensor attributes the step added (a lazily made cache)
-      removed,
+      one. Scalars and tensors are rebound as they were, lists, dicts and sets refilled,
+      scalar and tensor attributes the step added (a lazily made cache) removed. The
+      module's own registries are among the dicts refilled (hooks, parameters, buffers,
+      submodules): a flag the step set goes together with the hooks it registered
+      (transformers' ``capture_outputs`` registers its output hooks on the first call
+      and marks the model; the flag removed alone, the next call registers them twice
+      and collects every hidden state twice),
     - the RNG streams: the CPU's, every CUDA device's, and any ``torch.Generator`` a
       module holds.
     Not put back, and so not promised: writes by no op at all (through a NumPy array
@@ -103,8 +107,10 @@ class _Attributes:
             for name, value in attrs.items():
                 if isinstance(value, (*_SCALARS, tuple, torch.Tensor)):
                     kept[name] = value  # rebound after the step: the same object back
-                elif isinstance(value, _CONTAINERS) and not name.startswith("_"):
-                    kept[name] = _Contents(value)  # refilled in place
+                elif isinstance(value, _CONTAINERS):
+                    # refilled in place; the registries too (``_forward_hooks``,
+                    # ``_buffers``, ...): what the step registered goes with its flags
+                    kept[name] = _Contents(value)
                 elif isinstance(value, torch.Generator):
                     kept[name] = _GeneratorState(value)
             self.saved.append((module, set(attrs), kept))

@@ -13,15 +13,17 @@ import contextlib
 import gc
 import sys
 import threading
-from typing import Any
+import weakref
+from typing import Any, NamedTuple
 
 import torch
+from torch._C._dynamo.eval_frame import get_eval_frame_callback as _get_eval_frame_callback
 
 from slackswap.core.plan import Decision, Plan
 from slackswap.core.profile import StepProfile
 from slackswap.errors import InputError, SlackSwapError
 from slackswap.profiling.recorder import dtype_name
-from slackswap.profiling.sharding import fsdp_hooks_apart, rank_prefix
+from slackswap.profiling.sharding import fsdp_hooks_apart, fsdp_units, rank_prefix
 from slackswap.profiling.step import (
     batch_fingerprint,
     batch_tensors,
@@ -84,6 +86,7 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         self._fingerprint, self._profile = plan.fingerprint, profile
         self._state: dict[str, torch.Tensor] = {}  # the model's parameters and buffers
         self._buffers: list[torch.Tensor] = []
+        self._units: list[torch.nn.Module] = []  # FSDP2's
         self._before: StateBefore | None = None  # NOTE [refusals leave no trace]
         self._handling: BaseException | None = None  # handled as the model was called
         if batch is not None:
@@ -135,6 +138,13 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
     # -- context manager ---------------------------------------------------------------
     def __enter__(self) -> apply:
         _refuse_other_threads()
+        if torch.compiler.is_compiling() or _get_eval_frame_callback() not in (None, False):
+            # NOTE [compiled code runs eagerly in a block]: not from code Dynamo compiles
+            raise InputError(
+                "slackswap.apply: the block is opened in code torch.compile runs, whose ops "
+                "a plan cannot reach; open it outside the compiled function (a compiled "
+                "model then runs eagerly in it), or use slackswap.compile"
+            )
         if _ACTIVE:
             raise InputError(
                 "slackswap.apply blocks do not nest: a block already runs "
@@ -165,10 +175,12 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
             stack.callback(self.model.register_forward_hook(
                 self._forward_done, always_call=True).remove)
             stack.enter_context(refusing_own_checkpoint_calls())
+            # NOTE [compiled code runs eagerly in a block]
+            stack.enter_context(torch.compiler.set_stance("force_eager"))
             recorder.enter(self.model, stack)
             # NOTE [FSDP2's hooks are not the step]
             stack.enter_context(fsdp_hooks_apart(self.model, recorder.quieted,
-                                                 self.state.gathered))
+                                                 self.state.gathered, self._units))
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(
                 self.values.pack, self.values.unpack))
             # NOTE [no cyclic GC in forward]: the runtime keeps a small record per forward
@@ -202,17 +214,26 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
 
     # -- what the plan was made for ----------------------------------------------------
     def _check_model(self, model: torch.nn.Module) -> None:
-        modules = list(model.named_modules())  # one walk serves every check
-        self._state = model_state(model, modules)
-        self._buffers = list({id(b): b for _, m in modules for b in m._buffers.values()
-                              if b is not None}.values())
-        refuse_own_checkpointing(model, modules)
-        if model_fingerprint(model, modules, self._state) != self._fingerprint[:32]:
+        # NOTE [the model checked in one walk]
+        walk = _Walk(model)
+        seen = _CHECKED.get(model)
+        if seen is None or seen.key != walk.key:
+            named = list(model.named_modules())
+            state = model_state(model, named)
+            digest = model_fingerprint(model, named, state)
+            units = {id(u) for u in fsdp_units(model, walk.modules)}
+            seen = _CHECKED[model] = _Checked(walk.key, list(state), digest, [
+                i for i, m in enumerate(walk.modules) if id(m) in units])
+        refuse_own_checkpointing(model, walk.named_as_seen())
+        if seen.digest != self._fingerprint[:32]:
             raise InputError(
                 f"{rank_prefix()}plan was made for a different model (its modules, "
                 "parameter shapes, which parameters train, or train/eval mode differ); "
                 "re-plan for this model"
             )
+        self._state = dict(zip(seen.names, walk.tensors, strict=True))
+        self._buffers = walk.buffers
+        self._units = [walk.modules[i] for i in seen.units]
 
     def _check_call(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         """Before the model runs: it runs once in the block, on the plan's batch."""
@@ -255,9 +276,98 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         raise InputError(f"{rank_prefix()}{shapes_differ(self._profile, given)}; {_REPLAN}")
 
 
+# NOTE [the model checked in one walk]
+#     The block checks the model every step (its fingerprint against the plan's, no
+#     gradient checkpointing of its own, FSDP2's units) and takes its parameters and
+#     buffers by name. Those checks walk the module tree five times, with names built
+#     for every module: about 0.3 ms a step on gpt2-xl@12 on this CPU
+#     (``benchmarks/host_work.py``). One walk without names gives everything they read:
+#     each module's class and child, parameter and buffer names, each tensor's shape,
+#     dtype and requires_grad (and which tensors appear twice), the train mode. When
+#     that key is the one last seen for this model, the names, fingerprint and FSDP2
+#     units found then still hold; the tensors themselves come from this walk, so a
+#     parameter replaced by another of its shape is this step's. The key holds no module
+#     or tensor (a model dropped is not kept alive by it).
+
+
+class _Checked(NamedTuple):
+    """What the full checks found for a model whose walk gave ``key``."""
+
+    key: list[Any]
+    names: list[str]  # model_state's names, in the walk's tensor order
+    digest: str  # model_fingerprint
+    units: list[int]  # FSDP2 units, as positions in the walk's modules
+
+
+_CHECKED: weakref.WeakKeyDictionary[torch.nn.Module, _Checked] = weakref.WeakKeyDictionary()
+
+
+class _Walk:
+    """The model's modules as ``named_modules()`` orders them (each once); its
+    parameters then buffers as ``model_state`` orders them; the key of NOTE [the model
+    checked in one walk]."""
+
+    __slots__ = ("key", "modules", "tensors", "buffers")
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        modules: list[torch.nn.Module] = []
+        params: list[torch.Tensor] = []
+        buffers: list[torch.Tensor] = []
+        seen: set[int] = set()
+        # tensor -> its position in the key, for a repeat; parameters and buffers apart
+        firsts: tuple[dict[int, int], dict[int, int]] = ({}, {})
+        key: list[Any] = [model.training]
+        add, stack = key.append, [model]
+        while stack:
+            m = stack.pop()
+            if id(m) in seen:
+                continue
+            seen.add(id(m))
+            modules.append(m)
+            attrs = m.__dict__
+            children = attrs["_modules"]
+            add((type(m), tuple(children)))
+            for held, kind, first in ((params, attrs["_parameters"], firsts[0]),
+                                      (buffers, attrs["_buffers"], firsts[1])):
+                add(tuple(kind))
+                for t in kind.values():
+                    if t is None:
+                        continue
+                    if id(t) in first:  # tied: model_state names it once
+                        add(first[id(t)])
+                        continue
+                    first[id(t)] = len(key)
+                    add((t.shape, t.dtype, t.requires_grad))
+                    held.append(t)
+            if children:
+                stack.extend([c for c in reversed(children.values()) if c is not None])
+        self.key, self.modules, self.buffers = key, modules, buffers
+        self.tensors = params + buffers
+
+    def named_as_seen(self) -> list[tuple[str, torch.nn.Module]]:
+        return [("", m) for m in self.modules]
+
+
 # what to do about a batch the plan was not made for
 _REPLAN = ("re-plan for this batch, or let slackswap.auto(model, budget) (or "
            "slackswap.attach) plan each new batch shape once")
+
+
+# NOTE [compiled code runs eagerly in a block]
+#     A plan names the ops of an eager step, so while a block is open every
+#     ``torch.compile``'d function (the model's wrapper, a compiled submodule) runs as eager
+#     Python: ``torch.compiler.set_stance("force_eager")``, once as the block opens, undone
+#     as it closes. The runtime's dispatch mode alone would not do it: where the plan has
+#     nothing to watch the mode is off (NOTE [watch only what the plan rebuilds]), and
+#     Dynamo would then compile the forward, inlining the block's module hooks and the
+#     runtime's Python they call (breaking its graph on ``TorchDispatchMode.__enter__``,
+#     warning, and dropping a half-built ``StorageWeakRef`` whose ``__del__`` prints an
+#     unraisable traceback), with kernels other than the ones the plan was made for; and
+#     the frames it saw there stayed cached as eager for the rest of training. With the
+#     stance, Dynamo looks at no frame in a block, and compiles after it as it would
+#     without SlackSwap. (Per module call nothing is added: ``torch.compiler.disable`` on
+#     the hooks would cost about 5 us per call.) A block opened in code Dynamo compiles
+#     could not make that code eager (torch refuses a stance set there): refused.
 
 
 # NOTE [one thread at a time]

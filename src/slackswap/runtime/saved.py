@@ -26,6 +26,7 @@ import torch
 
 from slackswap.core.plan import MIN_PLANNED_BYTES, Decision
 from slackswap.errors import NESTED_BACKWARD, InputError, VerifyError
+from slackswap.profiling.recorder import dtype_name
 from slackswap.runtime.copies import HostCopies
 from slackswap.runtime.recipes import (
     Node,
@@ -174,15 +175,17 @@ class SavedValues:
             return _Saved(state.kept(t, key, node))
         decisions = self.decisions
         if node is None:
-            if state.is_external(key):
-                return _Saved(detached(t))
+            if state.is_external(key):  # a parameter, a buffer, the batch: mostly leaves,
+                # which hold no node, so no cycle to break (the detach costs 2 to 5 us)
+                return _Saved(t if t.grad_fn is None else detached(t))
             if name is None:
                 return _Saved(state.kept(t, key, None))
         if name is not None and decisions:  # an activation: NOTE [saves named by their order]
             assert self.watch is not None
             planned = self.watch.bytes.get(name)
             if planned is not None and planned != nbytes:
-                raise InputError(_other_step(nbytes, name, planned))
+                raise InputError(_other_step(nbytes, name, planned, t.dtype,
+                                             self.watch.dtypes.get(name)))
         if node is None:
             if name in decisions:
                 node = self._saved_node(t, key, name, nbytes)
@@ -416,9 +419,22 @@ class SavedValues:
                 self._drop_host_checkpoint(vkey)
 
 
-def _other_step(nbytes: int, name: str, planned: int) -> str:
+def _other_step(nbytes: int, name: str, planned: int, dtype: torch.dtype,
+                profiled: str | None) -> str:
     """NOTE [saves named by their order]: the j-th save of the step is the profile's j-th,
-    as big, or the step is another than the profiled one."""
+    as big, or the step is another than the profiled one. A floating-point save in
+    another floating-point dtype than the profile's says autocast first: a step under
+    another torch.autocast than its plan's (or a model cast since) saves every
+    activation so. (The autocast state cannot be read here: a saved-tensor hook runs
+    with autocast's dispatch key excluded.)"""
+    now = dtype_name(dtype)
+    if (dtype.is_floating_point and profiled is not None and profiled != now
+            and profiled.startswith(("fp", "bf"))):
+        return (f"the step saved a {now} tensor where its profile saved '{name}' as "
+                f"{profiled}: the step runs under another torch.autocast (or the model "
+                "was cast) than the step the plan was made for, or takes another code "
+                "path; plan it under the autocast and dtype training runs "
+                "(slackswap.attach and slackswap.auto plan each autocast state once)")
     return (f"the step saved {nbytes} bytes where its profile saved '{name}' "
             f"({planned} bytes): the plan's profile is not of this step (another "
             "batch, code path, routing or kernels); profile it again with "

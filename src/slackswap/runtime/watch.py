@@ -42,6 +42,7 @@ class Watch:
     op_kinds: dict[int, str]  # watched op index -> its kind, checked as it runs
     bytes: dict[str, int]  # id -> storage bytes, checked as it is saved (NOTE [saves named
     # by their order] in ``runtime/saved.py``)
+    dtypes: dict[str, str]  # id -> dtype name: a refusal says when the step's differs
 
     @property
     def watched_ops(self) -> int:
@@ -79,4 +80,5 @@ def _watch_for(profile: StepProfile, plan: Plan) -> Watch:
         op_kinds={i: ops[i].kind for i in op_names},
         # activations a forward op made (a batch view's record has the view's bytes)
         bytes={n: tensors[t].bytes for n, t in ids.items() if tensors[t].producer is not None},
+        dtypes={n: tensors[t].dtype for n, t in ids.items() if tensors[t].producer is not None},
     )
