@@ -1,0 +1,139 @@
+"""slackswap.compile on budget as measured: the compiled step's activation memory, taken
+with PyTorch's memory tracker inside the compiled forward and backward, against the
+plan's budget and its simulation (NOTE [inputs freed at last use])."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+import zoo
+from memory_tracking import ActivationMemory
+
+import slackswap
+from slackswap.compiled import api
+from tests.test_compiled import _MLP
+
+
+class _GraphMemory(ActivationMemory):
+    """Higher-order ops (a recomputed dropout's ``run_and_save_rng_state``) run whole,
+    their outputs tracked as any op's: the graph's recomputed dropouts are one op each."""
+
+    supports_higher_order_operators = True
+
+
+class _Measured:
+    """Wraps the compilers ``slackswap.compile`` hands AOTAutograd: each compiled graph
+    runs as compiled (the same argument list, which it may clear), inside one
+    ``ActivationMemory`` once ``memory`` is set; the backward's outputs (the weight
+    gradients, which the profile leaves out) are left out of the peak."""
+
+    def __init__(self, aot_autograd: Callable[..., Any]) -> None:
+        self._aot_autograd = aot_autograd
+        self.memory: _GraphMemory | None = None
+        self.gradients: set[int] = set()
+
+    def aot_autograd(self, **kwargs: Any) -> Any:
+        for key in ("fw_compiler", "bw_compiler"):
+            kwargs[key] = self._measuring(kwargs[key], backward=key == "bw_compiler")
+        return self._aot_autograd(**kwargs)
+
+    def _measuring(self, compiler: Callable[..., Any], backward: bool) -> Callable[..., Any]:
+        def compile_graph(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+            inner = compiler(gm, example_inputs)
+            assert getattr(inner, "_boxed_call", False)
+
+            def run(args: list[Any]) -> Any:
+                if self.memory is None:
+                    return inner(args)
+                with self.memory:
+                    out = inner(args)
+                if backward:
+                    self.gradients.update(self.memory._serials(out))
+                return out
+
+            run._boxed_call = True  # type: ignore[attr-defined]
+            return run
+
+        return compile_graph
+
+    @property
+    def peak(self) -> int:
+        assert self.memory is not None and self.gradients
+        events = self.memory._events
+        self.memory._events = [e for e in events if e[1] not in self.gradients]
+        try:
+            return self.memory.peak
+        finally:
+            self.memory._events = events
+
+
+def _call(model: nn.Module, batch: Any) -> torch.Tensor:
+    out = model(**batch) if isinstance(batch, dict) else model(batch)
+    return out.loss if hasattr(out, "loss") else out
+
+
+def _measured_step(model: nn.Module, batch: Any, budget: float,
+                   monkeypatch: pytest.MonkeyPatch) -> tuple[int, int, int, int]:
+    """(measured activation peak, simulated peak, budget, bytes of the RNG states the
+    partition saved for recomputed random ops) of one compiled step."""
+    torch._dynamo.reset()
+    measured = _Measured(api.aot_autograd)
+    monkeypatch.setattr(api, "aot_autograd", measured.aot_autograd)
+    compiled = slackswap.compile(model, batch, budget=budget, strategy="recompute-only",
+                                 backend="aot_eager")
+    _call(compiled, batch).backward()  # compiled on the first call: measure a second
+    model.zero_grad(set_to_none=True)
+    measured.memory = _GraphMemory(model, batch)
+    _call(compiled, batch).backward()
+    state = compiled.slackswap
+    assert len(state.graphs) == 1
+    graph = state.graphs[0]
+    simulated = slackswap.simulate(graph.profile, graph.plan, state.hardware)
+    assert simulated.feasible
+    return (measured.peak, simulated.peak_bytes, graph.plan.budget_bytes,
+            graph.applied.rng_state_bytes)
+
+
+def _mlp() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return _MLP(depth=2), torch.randn(256, 64)
+
+
+def _t5() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    model, batch, _ = zoo.t5()  # dropout on: at 0.6 it recomputes dropouts
+    return model, batch
+
+
+# what the tracker counts that the profile does not: the loss (4 bytes, the allocator's 8)
+_LOSS = 8
+
+
+@pytest.mark.parametrize("budget", [1.0, 0.6])
+@pytest.mark.parametrize("case", [_mlp, _t5], ids=["mlp", "t5"])
+def test_the_compiled_backward_frees_saved_activations_as_simulated(
+        case: Callable[[], tuple[nn.Module, Any]], budget: float,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Saved activations are freed at their last backward use, as simulated (a backward
+    that held them all to its end peaked 21% and 71% above the simulation on the MLP at
+    1.0 and 0.6): the measured peak is the simulated one, plus at most the RNG states
+    saved for recomputed dropouts, which the plan does not count (none at 1.0)."""
+    model, batch = case()
+    peak, simulated, budget_bytes, rng_states = _measured_step(model, batch, budget,
+                                                               monkeypatch)
+    assert simulated <= peak <= simulated + rng_states + _LOSS, (peak, simulated, rng_states)
+    if not rng_states:
+        assert peak <= budget_bytes + _LOSS, (peak, budget_bytes)
+
+
+@pytest.mark.xfail(strict=True, reason="the RNG states saved for recomputed dropouts "
+                   "(5056 bytes each on a CPU generator) are not in the plan")
+def test_a_plan_recomputing_dropouts_holds_its_budget_as_measured(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    model, batch = _t5()
+    peak, _, budget_bytes, rng_states = _measured_step(model, batch, 0.6, monkeypatch)
+    assert rng_states > 0
+    assert peak <= budget_bytes * 1.01, (peak, budget_bytes)
