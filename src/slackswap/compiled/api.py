@@ -240,6 +240,12 @@ class CompiledPlan:
             if attempt[1].peak_bytes + held <= total:
                 return attempt[0].model_copy(update={"budget_bytes": total})
             states = held
+        if states:  # NOTE [RNG states in the budget]: random ops' outputs kept, no state
+            random = frozenset(n for n, t in profile.by_name.items() if t.random)
+            ctx = PassContext(profile, self.hardware, total, joint.offloadable, random)
+            attempt = self._attempt(ctx, joint)
+            if attempt is not None:
+                return attempt[0].model_copy(update={"budget_bytes": total})
         if states == 0:
             plan_profile(profile, budget, self.hardware, self.strategy)  # its error, if any
         raise InputError(
@@ -247,7 +253,7 @@ class CompiledPlan:
             f"what PyTorch's offloading pass can offload is offloaded "
             f"({len(joint.offloadable)} of {len(profile.by_name)} saved activations)"
             + (f" and the RNG states of rebuilt random ops ({format_bytes(states)}) are "
-               f"held too" if states else ""))
+               f"held too, or their outputs kept" if states else ""))
 
     def _attempt(self, ctx: PassContext, joint: JointGraph) -> Any:
         """The strategy's feasible plan and its simulation in ``ctx``, or None."""
@@ -268,8 +274,10 @@ class CompiledPlan:
 #     holds (5056 per op on a CPU generator, 16 on a CUDA one). They are counted as held
 #     for the whole step, on top of the plan's simulated peak (an upper bound: each is
 #     made in forward and let go at its rebuild): a plan whose peak and states exceed the
-#     budget is made again within the budget less the states, and refused, naming them,
-#     when no such plan fits. The plan keeps the budget it was asked for.
+#     budget is made again within the budget less the states; when none fits there, with
+#     the random ops' outputs kept rather than rebuilt (no state saved, their bytes in the
+#     simulation), and refused, naming the states, when that does not fit either. The plan
+#     keeps the budget it was asked for.
 def rng_state_size(device: str) -> int:
     """Bytes of one saved RNG state on ``device``'s generator: a CPU generator's whole
     state, a CUDA one's seed and offset."""
@@ -305,19 +313,24 @@ class PassContext(PlanContext):
     run on the compute stream, as the pass's synchronous path runs them."""
 
     def __init__(self, profile: StepProfile, hardware: Hardware, budget: int,
-                 offloadable: frozenset[str]) -> None:
+                 offloadable: frozenset[str], not_rebuilt: frozenset[str] = frozenset()
+                 ) -> None:
         # the pass's copies run on the compute stream, and no runtime of ours runs Python
         # per op: no packs, watches, replays or unpacks on the host (NOTE [host costs])
         super().__init__(profile, with_overrides(hardware, {"host_link.stream": "compute"} | {
             f"host.{cost}": 0.0 for cost in ("pack_s", "watch_s", "replay_s", "unpack_s")}),
             budget)
         self.offloadable = offloadable
+        self.not_rebuilt = not_rebuilt  # kept where a plan would rebuild them
 
     def plan(self, strategy: str, decisions: dict[str, str],
              prefetch: dict[str, int] | None = None) -> Plan:
-        """The plan with offloads the pass cannot make kept, and the pass's reload points."""
-        decisions = {n: Decision.KEEP if d == Decision.OFFLOAD and n not in self.offloadable
-                     else d for n, d in decisions.items()}
+        """The plan with offloads the pass cannot make kept (and rebuilds of
+        ``not_rebuilt``), and the pass's reload points."""
+        decisions = {n: Decision.KEEP if (
+            d == Decision.OFFLOAD and n not in self.offloadable) or (
+            d == Decision.RECOMPUTE and n in self.not_rebuilt) else d
+            for n, d in decisions.items()}
         saved = self.profile.by_name
         reloads = {n: saved[n].first_backward_use for n, d in decisions.items()
                    if d == Decision.OFFLOAD and saved[n].first_backward_use is not None}
