@@ -17,7 +17,7 @@ measured step, which is the step the estimate predicts; SlackSwap's simulator's 
 peak for its plan stand beside it.
 
     python benchmarks/partitioner_estimate.py --model gpt2-xl --layers 6 --out OUT
-    python benchmarks/partitioner_estimate.py --model llama-7b-tiny --budgets 0.5 --smoke
+    python benchmarks/partitioner_estimate.py --model llama-7b-tiny --budgets 0.5,1.0
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import json
 import operator
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -60,13 +61,14 @@ class _Capture(CustomPartitionerFn):
 
     def __init__(self, work: Callable[[fx.GraphModule, Any, dict[str, Any]], Any]) -> None:
         self.work, self.result, self.done = work, None, False
+        self._uuid = uuid.uuid4().hex  # never a cached partition
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
         self.result, self.done = self.work(gm, joint_inputs, kwargs), True
         raise _Traced
 
     def uuid(self) -> str:
-        return "partitioner-estimate-capture"
+        return self._uuid
 
 
 def on_joint(model: torch.nn.Module, batch: dict[str, torch.Tensor],
