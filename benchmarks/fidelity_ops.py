@@ -532,7 +532,11 @@ def what_it_says(f: Figures) -> list[str]:  # long because it is the section's p
         "fp32 and scales it by a broadcast reciprocal and a broadcast weight, the rotary "
         "embedding multiplies queries and keys by broadcast cos and sin, and their "
         "gradients do the same; they move llama-7b@8 more than gpt2-xl@12 (the keep-all "
-        "table above, last column).",
+        "table above, last column). Not priced so: an operand that is a strided view but no "
+        "broadcast (the rotary embedding's halves, negated and concatenated; a slice's "
+        "backward writing into a strided view) runs the same slow kernels, but the profile "
+        "resolves views to their bases and does not see it, so llama-7b's may run slower "
+        "than priced.",
         "- **The loss, by its kernels' passes** (NOTE [kernel passes]; h200): "
         "log-softmax over rows of 50257 fp32 is longer than a block's shared memory, so "
         "`cunn_SoftMaxForward` reads each row three times (its maximum, the sum of "
