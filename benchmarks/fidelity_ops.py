@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import slackswap
-from slackswap.core.costmodel import op_time, unaligned, unvectorized_elements
+from slackswap.core.costmodel import kernel_bytes, op_time, unaligned, unvectorized_elements
 from slackswap.core.hardware import Hardware, load_hardware
 from slackswap.core.jsonio import atomic_write_text
 from slackswap.core.plan import Plan
@@ -167,7 +167,9 @@ def table_rows(profile: StepProfile, trace: KernelTrace,
         r.ops += 1
         r.analytic_s += p.time_s
         r.flops += p.flops
-        r.moved += p.bytes_read + p.bytes_written
+        # what the CUDA kernels move (NOTE [kernel passes]), so 'achieved' is their rate
+        passes = kernel_bytes(p, profile.tensors)
+        r.moved += p.bytes_read + p.bytes_written if passes is None else passes
         seen.add(m)
     for p in profile.ops:
         if p.category != "free" and p.index not in seen:
@@ -370,8 +372,10 @@ def intro(f: Figures) -> list[str]:
         "`src/slackswap/profiling/gpu_trace.py`). **Analytic** is a model: SlackSwap's "
         f"analytic profile of the same workload on preset `{f.hardware.name}` as shipped "
         "(FakeTensorMode trace priced by the roofline cost model), not a measurement. "
-        f"Analytic / measured below 1: the model is optimistic. {mode[0].upper()}"
-        f"{mode[1:]}.", ""]
+        f"Analytic / measured below 1: the model is optimistic. Bytes ('each', and "
+        "'achieved' over the measured time) are what the op's kernels move: its record's, "
+        "or its passes where NOTE [kernel passes] counts them (the loss). "
+        f"{mode[0].upper()}{mode[1:]}.", ""]
 
 
 def steps_table(f: Figures) -> list[str]:
