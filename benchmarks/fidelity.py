@@ -495,7 +495,7 @@ def _what_it_says(outcomes: list[Outcome]) -> list[str]:
         f"stays, marked. The terms the H200 kernel trace calibrated (next to last section) "
         f"do not move it: its GEMMs are aligned, its causal attention runs at 8192 tokens, "
         f"the sequence of the preset's attention figures, and under the fused stack a "
-        f"reduction, a kernel that loads one element at a time or a loss kernel inside a "
+        f"reduction, a kernel that loads one element at a time, dropout or a loss kernel inside a "
         f"run of memory-bound ops is priced with its run (its simulated "
         f"step did not change at a tenth of a millisecond). No other "
         f"row runs on the h200 preset, so these rows judge none of those terms.",
@@ -524,7 +524,8 @@ def _what_it_says(outcomes: list[Outcome]) -> list[str]:
         "(NOTE [reductions]; the op-by-op section below). On H200 only too, elementwise "
         "kernels that load one element at a time (a bf16 to fp32 upcast, a pointwise op "
         "with a broadcast operand) at most 343e9 elements/s, from the same trace (NOTE "
-        "[unvectorized kernels]), and softmax over rows longer than 48 KiB reading its "
+        "[unvectorized kernels]), dropout at most 528e9 random numbers/s (NOTE [random "
+        "kernels]), and softmax over rows longer than 48 KiB reading its "
         "input three times, its backward the gradient twice, the loss's `nll_loss` kernels "
         "the bytes they touch, read from PyTorch's kernels and checked on the trace (NOTE "
         "[kernel passes]).",

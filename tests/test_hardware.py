@@ -32,7 +32,8 @@ COPY_COSTS = ("offload_s", "reload_s")
 # fields a preset may leave unset, then absent from it and its JSON
 OPTIONAL = ("matmul_unaligned_efficiency", "attention_reference_seq",
             "attention_causal_forward_overhead", "attention_causal_backward_overhead",
-            "reduction_bandwidth_efficiency", "unvectorized_elements_per_s", "kernel_passes")
+            "reduction_bandwidth_efficiency", "unvectorized_elements_per_s", "kernel_passes",
+            "random_elements_per_s")
 
 
 @pytest.mark.parametrize("name", PRESETS)
@@ -420,6 +421,25 @@ def test_unvectorized_kernels_are_bound_by_elements() -> None:
         _elementwise_s(bcast[0][0].bytes_read + bcast[0][0].bytes_written, "a100-80gb"))
     plain = _one_op("add", [([8, 1024, 1600], "bf16")] * 2, ([8, 1024, 1600], "bf16"))
     assert step_times(*plain, h200)[0] == pytest.approx(_elementwise_s(3 * 2 * m))
+
+
+def test_dropout_is_bound_by_its_random_numbers() -> None:
+    """NOTE [random kernels]: on h200 dropout's forward writes at most
+    ``random_elements_per_s`` elements a second; its backward, and dropout on a preset
+    without the figure, are priced by their bytes."""
+    h200, a100 = load_hardware("h200"), load_hardware("a100-80gb")
+    assert h200.memory.random_elements_per_s == 528e9
+    assert a100.memory.random_elements_per_s is None
+    m = 8 * 1024 * 1600
+    ops, ts = _one_op("native_dropout", [([8, 1024, 1600], "bf16")], ([8, 1024, 1600], "bf16"))
+    ops = [ops[0].model_copy(update={"random": True})]
+    assert step_times(ops, ts, h200)[0] == pytest.approx(m / 528e9)
+    assert m / 528e9 > _elementwise_s(ops[0].bytes_read + ops[0].bytes_written)
+    assert step_times(ops, ts, a100)[0] == pytest.approx(
+        _elementwise_s(ops[0].bytes_read + ops[0].bytes_written, "a100-80gb"))
+    back = [ops[0].model_copy(update={"kind": "native_dropout_backward"})]
+    assert step_times(back, ts, h200)[0] == pytest.approx(
+        _elementwise_s(ops[0].bytes_read + ops[0].bytes_written))
 
 
 def test_step_efficiency() -> None:

@@ -11,7 +11,8 @@ from slackswap.core.hardware import Compute, Hardware
 from slackswap.core.profile import OpRecord, TensorRecord
 
 __all__ = ["OpDetail", "op_time", "step_efficiency", "step_times", "unaligned", "attention_seq",
-           "REDUCTIONS", "ATTENTION_BLOCK", "kernel_bytes", "unvectorized_elements"]
+           "REDUCTIONS", "ATTENTION_BLOCK", "kernel_bytes", "unvectorized_elements",
+           "random_elements"]
 
 
 def step_efficiency(table: list[tuple[float, float]], size: float) -> float:
@@ -186,6 +187,28 @@ def unvectorized_elements(op: OpRecord, tensors: Sequence[TensorRecord]) -> int:
     return 0
 
 
+# NOTE [random kernels]
+#     Dropout's forward (``fused_dropout_kernel_vec``) draws a Philox random number for
+#     every element it writes, ten rounds of 32-bit multiplies and xors for four numbers,
+#     and is bound by that arithmetic rather than by HBM: on the H200 trace of gpt2-xl@12
+#     (docs/results-gpu/traces/, docs/fidelity.md "Op by op on the H200") its 25 kernels
+#     wrote 25 x 13.1 M elements (with their masks, 65.5 MB each) in 0.62 ms, 528 G
+#     elements/s and 2.64 TB/s, where the elementwise kernels of that size ran at 4.0 to
+#     4.5 TB/s. A preset's ``random_elements_per_s`` prices a memory-bound op that draws
+#     random numbers (the profile marks it) at the slower of its bytes and its output's
+#     elements at that rate; without one, by its bytes as before. Its backward draws
+#     nothing (it reads the saved mask) and is priced by its bytes.
+
+
+def random_elements(op: OpRecord, tensors: Sequence[TensorRecord]) -> int:
+    """The random numbers ``op`` draws, one an output element (NOTE [random kernels]); 0
+    for an op that draws none."""
+    if not op.random or op.category != "memory" or not op.outputs \
+            or op.kind.endswith("_backward"):
+        return 0
+    return _numel(tensors[op.outputs[0]])
+
+
 # NOTE [causal attention by sequence]
 #     A fused attention kernel (FlashAttention, cuDNN's) splits the queries into blocks of
 #     ``ATTENTION_BLOCK`` rows; each block walks the key blocks it sees, and pays a fixed
@@ -252,7 +275,7 @@ def unaligned(op: OpRecord, tensors: Sequence[TensorRecord]) -> bool:
 
 def op_time(op: OpRecord, hw: Hardware, *, causal: bool = False,  # noqa: PLR0913
             aligned: bool = True, seq: int | None = None, moved: float | None = None,
-            unvectorized: int = 0) -> float:
+            unvectorized: int = 0, drawn: int = 0) -> float:
     """Seconds ``op`` takes on ``hw`` as a kernel of its own: the slower of its compute and
     memory roofs. ``causal``: an attention kernel ran with a causal mask (its FLOPs are
     already halved; the preset says how much of the peak such a kernel reaches).
@@ -263,7 +286,9 @@ def op_time(op: OpRecord, hw: Hardware, *, causal: bool = False,  # noqa: PLR091
     table where it has one (NOTE [reductions]). ``moved``: the bytes its kernels move
     where they are not its record's (:func:`kernel_bytes`). ``unvectorized``: the
     elements it writes one a load (:func:`unvectorized_elements`), at most the preset's
-    ``unvectorized_elements_per_s`` (NOTE [unvectorized kernels]).
+    ``unvectorized_elements_per_s`` (NOTE [unvectorized kernels]). ``drawn``: the random
+    numbers it draws (:func:`random_elements`), at most the preset's
+    ``random_elements_per_s`` (NOTE [random kernels]).
 
     Every kernel takes at least the preset's minimum kernel time; views and bare
     allocations launch no kernel and take none.
@@ -277,6 +302,8 @@ def op_time(op: OpRecord, hw: Hardware, *, causal: bool = False,  # noqa: PLR091
         memory_s = _memory_s(op.bytes_read + op.bytes_written if moved is None else moved, hw)
     if unvectorized and hw.memory.unvectorized_elements_per_s is not None:
         memory_s = max(memory_s, unvectorized / hw.memory.unvectorized_elements_per_s)
+    if drawn and hw.memory.random_elements_per_s is not None:
+        memory_s = max(memory_s, drawn / hw.memory.random_elements_per_s)
     if op.category == "matmul":
         eff = min(step_efficiency(c.matmul_efficiency, op.flops), c.matmul_efficiency_cap)
         if not aligned and c.matmul_unaligned_efficiency is not None:
@@ -348,7 +375,8 @@ def step_times(ops: Sequence[OpRecord], tensors: Sequence[TensorRecord], hw: Har
     times = [op_time(op, hw, causal=c, aligned=hw.compute.matmul_unaligned_efficiency is None
                      or not unaligned(op, tensors), seq=attention_seq(op, tensors),
                      moved=kernel_bytes(op, tensors) if passes else None,
-                     unvectorized=unvectorized_elements(op, tensors) if cuda else 0)
+                     unvectorized=unvectorized_elements(op, tensors) if cuda else 0,
+                     drawn=random_elements(op, tensors) if cuda else 0)
              for op, c in zip(ops, causal, strict=True)]
     if hw.stack == "eager" or details is None:
         return times
