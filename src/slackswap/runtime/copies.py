@@ -127,6 +127,8 @@ class HostCopies:
         """A host copy nobody needs any more: its buffer may serve the next offload."""
         nbytes = host.numel()
         self._out_bytes -= nbytes
+        if self._waiting:  # its copy had not been issued: nobody needs it now
+            self._waiting = [w for w in self._waiting if w[1] is not host]
         limit = None if self.capacity is None else max(self.capacity, self._most_out)
         if limit is not None and self._free_bytes + nbytes > limit:
             self._busy.pop(id(host), None)
