@@ -54,7 +54,7 @@ def test_the_existing_presets_are_unchanged() -> None:
     host cost since they are issued in groups, NOTE [offloads issued in groups])."""
     assert load_hardware("a100-80gb").peak("bf16") == 312e12
     assert {n: _digest(n) for n in ("a100-80gb", "h100-sxm", "h200")} == {
-        "a100-80gb": "715416bcf2ad9c48", "h100-sxm": "a68371582c8efea0", "h200": "fda0aac0371406a5"}
+        "a100-80gb": "715416bcf2ad9c48", "h100-sxm": "a68371582c8efea0", "h200": "726a7177c7f69321"}
     assert load_hardware("h200").compute.matmul_unaligned_efficiency == 0.119
     assert load_hardware("h200").compute.attention_causal_forward_overhead == 5.54
 

@@ -9,74 +9,58 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from stepgraphs import random_step
-from test_simulate import NO_HOST, _chain, link_hardware
 
-from slackswap.core.offloads import OFFLOAD_DELAY_S, OFFLOAD_WINDOW, forward_packs, offload_issues
+from slackswap.core.hardware import Host
+from slackswap.core.offloads import forward_packs, offload_issues
 from slackswap.core.plan import Plan
-from slackswap.sim.simulate import simulate
+from slackswap.sim.host import host_times
+from slackswap.sim.schedule import build_schedule
 
 
 @settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 10_000), n=st.integers(2, 14), share=st.floats(0.1, 1.0),
-       window=st.integers(0, 6), delay=st.sampled_from([0.0, 1e-4, 1e-3, 1.0]))
-def test_groups_are_runs_of_offloads_within_the_window(seed: int, n: int, share: float,
-                                                       window: int, delay: float) -> None:
-    """Every offload is issued by one pack: the first pack of its group's last offload,
-    at or after its own; groups are runs in pack order, each within ``window`` ops and
-    ``delay`` seconds of compute of its first offload's pack, and a group closes only
-    where the next offload would break one of the two."""
+@given(seed=st.integers(0, 10_000), n=st.integers(2, 14), share=st.floats(0.1, 1.0))
+def test_a_group_is_the_offloads_packed_before_one_op(seed: int, n: int,
+                                                      share: float) -> None:
+    """Every offload is issued by the last first pack of an offloaded tensor before the
+    same op as its own (no compute issued between): at or after its own pack, and
+    offloads packed before different ops never share a group."""
     rng = random.Random(seed)
     profile = random_step(rng, n)
     packs = forward_packs(profile)
-    saved = sorted({t for t, _ in packs if t >= 0})
-    offloaded = {t for t in saved if rng.random() < share}
-    issues = offload_issues(profile, offloaded, window, delay)
-    first = {}
+    offloaded = {t for t in {t for t, _ in packs if t >= 0} if rng.random() < share}
+    issues = offload_issues(profile, offloaded)
+    first: dict[int, int] = {}
     for j, (t, _) in enumerate(packs):
         first.setdefault(t, j)
-    assert set(issues) == offloaded & set(first)
-    ends = [0.0]
-    for op in profile.ops:
-        ends.append(ends[-1] + op.time_s)
-    order = sorted(issues, key=first.get)
-    groups: list[list[int]] = []
-    for t in order:
-        if groups and issues[groups[-1][0]] == issues[t]:
-            groups[-1].append(t)
-        else:
-            groups.append([t])
-    assert len({issues[g[0]] for g in groups}) == len(groups)  # runs, never interleaved
-    for k, group in enumerate(groups):
-        j = issues[group[0]]
-        assert j == first[group[-1]] and all(first[t] <= j for t in group)
-        start = packs[first[group[0]]][1]
-        for t in group:
-            before = packs[first[t]][1]
-            assert before <= start + window and ends[before] - ends[start] <= delay
-        if k + 1 < len(groups):  # the next one would have broken this one's bounds
-            before = packs[first[groups[k + 1][0]]][1]
-            assert before > start + window or ends[before] - ends[start] > delay
+    assert set(issues) == offloaded
+    for t, j in issues.items():
+        before = packs[first[t]][1]
+        assert j >= first[t] and packs[j][1] == before
+        assert j == max(first[u] for u in offloaded if packs[first[u]][1] == before)
 
 
-def _two_offloads(f1_time: float) -> tuple[float, float]:
-    """A packed before op 1, B before op 2 (after f1): when A's copy starts, and B's."""
-    profile = _chain(f1_time, b_bytes=1_200_000)
+def test_the_host_pays_for_a_group_at_its_last_pack() -> None:
+    """With only ``offload_s`` to pay, the host's cost per item is the offloads whose
+    group's last pack runs before it, and a copy is ready once the host has issued its
+    group: the schedule's copies start where they did."""
+    profile = random_step(random.Random(7), 10)
+    planned = [t for t in profile.saved_activations
+               if t.producer is not None and t.bytes >= 1024 and t.name]
     plan = Plan(fingerprint=profile.fingerprint, strategy="hand",
-                decisions={"t0": "offload", "t1": "offload"})
-    hw = link_hardware(0.5e9, 0.5e9, 0.4e9, 0.2e9, 0.0, host=NO_HOST)
-    spans = {(s.stream, s.index): (s.start, s.end)
-             for s in simulate(profile, plan, hw).run.timeline.spans}
-    return spans["d2h", 0][0], spans["d2h", 1][0]
-
-
-def test_a_group_copies_once_the_compute_before_its_last_pack_has_run() -> None:
-    """A's copy waits for B's pack, one op later, when that op is short (within the
-    window and the delay): both start once f1 has run (1 ms + f1); after a longer f1, A
-    goes alone, as f0 ends."""
-    short = OFFLOAD_DELAY_S / 2
-    assert OFFLOAD_WINDOW >= 1
-    assert _two_offloads(short) == pytest.approx((1e-3 + short, 1e-3 + short + 2e-3),
-                                                 rel=1e-9)
-    long = 4 * OFFLOAD_DELAY_S
-    a, _ = _two_offloads(long)
-    assert a == pytest.approx(1e-3, rel=1e-12)
+                decisions={t.name: "offload" for t in planned})
+    sched = build_schedule(profile, plan)
+    offloaded = {c.tensor for c in sched.d2h}
+    assert offloaded
+    host = Host(dispatch_s=0.0, pack_s=0.0, unpack_s=0.0, watch_s=0.0, replay_s=0.0,
+                offload_s=1e-3)
+    times = host_times(profile, plan, sched, host)
+    assert times is not None
+    packs = forward_packs(profile)
+    issues = offload_issues(profile, offloaded)
+    assert sum(times.cost) == pytest.approx(1e-3 * len(offloaded))
+    for copy, ready in zip(sched.d2h, times.d2h_ready, strict=True):
+        if copy.tensor in issues:  # ready when the host has paid for every offload of
+            before = packs[issues[copy.tensor]][1]  # groups up to its own
+            paid = sum(1 for j in set(issues.values()) if packs[j][1] <= before
+                       for t in issues if issues[t] == j)
+            assert ready == pytest.approx(max(1e-3 * paid, times.issued[copy.after_item]))
