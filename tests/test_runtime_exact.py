@@ -6,13 +6,14 @@ import contextlib
 import gc
 import re
 import threading
+import warnings
 
 import pytest
 import torch
 
 import slackswap
 from slackswap.core.plan import Plan
-from slackswap.errors import InputError, VerifyError
+from slackswap.errors import InputError, PathNotice, VerifyError
 from slackswap.runtime import block
 
 
@@ -526,11 +527,12 @@ def _path(model: torch.nn.Module, x: torch.Tensor, seed: int) -> bool:
     return bool(ran)
 
 
-def test_a_refusal_in_forward_puts_back_buffers_and_the_rng() -> None:
-    """A LayerDrop-style skip drawn otherwise than in the profiled step is refused half
-    way through forward, after BatchNorm updated its running statistics and dropout and
-    the skip drew from the RNG: the refusal puts both back (NOTE [refusals leave no
-    trace]), so the loop can go on as if the call had not been made."""
+def test_a_step_off_the_profiled_path_runs_as_plain_pytorch() -> None:
+    """NOTE [a step off the profiled path]: a LayerDrop-style skip drawn otherwise than in
+    the profiled step is found half way through forward, after BatchNorm updated its
+    running statistics and dropout and the skip drew from the RNG; the step runs again
+    as plain PyTorch from the state the model was called in, so its loss, gradients,
+    statistics and the RNG after it are plain PyTorch's; said once per plan."""
     torch.manual_seed(0)
     model, x = _LayerDrop().train(), torch.randn(256, 64)
     torch.manual_seed(1)
@@ -540,13 +542,40 @@ def test_a_refusal_in_forward_puts_back_buffers_and_the_rng() -> None:
     same = next(s for s in range(2, 50) if _path(model, x, s) == profiled)
     plan = _uniform(profile, "recompute", [n for n in _names(profile)
                                            if n in profile.recomputable])
+    with pytest.warns(PathNotice, match="different code path than in the profiled step"):
+        planned = _step(model, x, plan, profile, seed=other)
+    rng = torch.get_rng_state()
+    _assert_same(planned, _step(model, x, seed=other))
+    assert torch.equal(rng, torch.get_rng_state())
+    assert planned[3].stats.off_path and planned[3].stats.recomputed_ops == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        for seed in (other, same):  # the path the profile took runs with the plan
+            planned = _step(model, x, plan, profile, seed=seed, verify=True)
+            _assert_same(planned, _step(model, x, seed=seed))
+            assert planned[3].stats.off_path == (seed == other)
+    assert planned[3].stats.recomputed_ops > 0
+
+
+def test_a_refusal_in_forward_puts_back_buffers_and_the_rng() -> None:
+    """A step refused half way through forward (here under another autocast than its
+    plan's), after BatchNorm updated its running statistics, puts them back and the RNG
+    (NOTE [refusals leave no trace]), so the loop can go on as if the call had not been
+    made."""
+    torch.manual_seed(0)
+    model, x = _LayerDrop().train(), torch.randn(256, 64)
+    torch.manual_seed(1)
+    profile = slackswap.profile(model, x, mode="traced")
+    plan = _uniform(profile, "offload")
+
     def refused() -> None:
-        with pytest.raises(InputError, match="where its profile"), \
-                slackswap.apply(model, plan, profile=profile):
+        with pytest.raises(InputError, match="autocast"), \
+                slackswap.apply(model, plan, profile=profile), \
+                torch.autocast("cpu", dtype=torch.bfloat16):
             model(x)
 
     for outer in (False, True):  # called in an except block too
-        torch.manual_seed(other)
+        torch.manual_seed(2)
         buffers = {n: b.clone() for n, b in model.named_buffers()}
         rng = torch.get_rng_state()
         if outer:
@@ -559,6 +588,3 @@ def test_a_refusal_in_forward_puts_back_buffers_and_the_rng() -> None:
         assert torch.equal(torch.get_rng_state(), rng)
         for name, b in model.named_buffers():
             assert torch.equal(b, buffers[name]), name
-    # the path the profile took runs, and leaves the statistics plain PyTorch does
-    _assert_same(_step(model, x, plan, profile, seed=same, verify=True),
-                 _step(model, x, seed=same))
