@@ -32,14 +32,16 @@ SMALLEST = "smallest"
 # measured on this suite's CPU (2026-12-04): (model, strategy or "keep-all", budget) -> why
 KNOWN: dict[tuple[str, str, object], str] = {
     ("switch", "slackswap", 0.5): "tokens reach experts in other numbers on another step "
-                                  "(dropout, router jitter): refused part way through "
-                                  "forward, as test_runtime_zoo's routing case",
+                                  "(dropout, router jitter): the step leaves the profiled "
+                                  "path and runs as plain PyTorch, keeping every "
+                                  "activation, as test_runtime_zoo's routing case",
 }
 _ROUTING = KNOWN["switch", "slackswap", 0.5]
 # -m full (2026-12-04): measured share of the budget where it is over
 KNOWN.update({
-    # refused since its saves are checked against the profile's bytes (NOTE [saves named
-    # by their order]); before, named by others' names: reloads early, 107.6% of budget
+    # off the profiled path since its saves are checked against the profile's bytes (NOTE
+    # [saves named by their order]); before, named by others' names: reloads early,
+    # 107.6% of budget
     ("switch", "slackswap", 0.7): _ROUTING,
     ("switch", "offload-only", 0.7): _ROUTING,
     **{("switch", strategy, budget): _ROUTING for strategy, budget in (

@@ -588,3 +588,38 @@ def test_a_refusal_in_forward_puts_back_buffers_and_the_rng() -> None:
         assert torch.equal(torch.get_rng_state(), rng)
         for name, b in model.named_buffers():
             assert torch.equal(b, buffers[name]), name
+
+
+def test_a_path_change_after_the_model_returned_is_refused_saying_so() -> None:
+    """A loss that branches on a draw, computed in the block after the model returned:
+    the step cannot run again from inside the model's call, so it is refused in one line
+    that names the code path and what to do, with the model's buffers and the RNG put
+    back (NOTE [a step off the profiled path], NOTE [refusals leave no trace])."""
+    torch.manual_seed(0)
+    model, x = _LayerDrop().train(), torch.randn(256, 64)
+    model.forward = lambda h: torch.tanh(model.bn1(model.l1(h)))  # its first layer only
+
+    def loss_fn(h: torch.Tensor) -> torch.Tensor:
+        wide = torch.cat([h, h], 1) if torch.rand(()) > 0.5 else h
+        return wide.pow(2).mean()
+
+    def wide(seed: int) -> bool:
+        torch.manual_seed(seed)
+        return bool(torch.rand(()) > 0.5)
+
+    torch.manual_seed(1)
+    profile = slackswap.profile(model, x, mode="traced", loss_fn=loss_fn)
+    other = next(s for s in range(2, 50) if wide(s) != wide(1))
+    plan = _uniform(profile, "offload")
+    torch.manual_seed(other)
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    rng = torch.get_rng_state()
+    with pytest.raises(InputError) as refused, slackswap.apply(model, plan, profile=profile):
+        loss_fn(model(x))
+    message = str(refused.value)
+    assert message.startswith("the model took a different code path than in the profiled "
+                              "step (it saved ") and "\n" not in message
+    assert "LayerDrop" in message and "config.layerdrop=0" in message
+    assert torch.equal(torch.get_rng_state(), rng)
+    for name, b in model.named_buffers():
+        assert torch.equal(b, buffers[name]), name

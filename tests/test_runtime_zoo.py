@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 import slackswap
 from slackswap import InputError, Plan, StepProfile
 from slackswap.core.hardware import load_hardware
+from slackswap.errors import PathNotice
 from slackswap.planners import smallest_feasible_budget
 from slackswap.planners.context import PlanContext
 from slackswap.runtime import recording
@@ -333,15 +334,14 @@ def test_a_rebuild_makes_again_an_input_backward_is_done_with() -> None:
     assert runtime is not None and runtime.stats.recomputed_ops > 2
 
 
-@pytest.mark.xfail(strict=True, reason="issue 47: a plan whose step routes tokens to experts "
-                   "in other numbers than its profile's is refused only part way through "
-                   "forward (the experts' saves have other shapes), with the RNG advanced; "
-                   "attach refuses the second training step of a Switch model")
 def test_a_plan_meets_other_routing() -> None:
     """Switch under another seed: other tokens reach each expert, so the saves a plan
-    offloads have other shapes than in its profile. The step must run exactly or be
-    refused before the model runs, leaving the RNG as it was."""
-    check("switch", uniform("switch", "offload"), seed=SEED + 1)
+    offloads have other shapes than in its profile. The step leaves the profiled path
+    part way through forward and runs again as plain PyTorch from the RNG and state the
+    model was called with (NOTE [a step off the profiled path]), said in one line."""
+    with pytest.warns(PathNotice, match="different code path than in the profiled step"):
+        runtime = check("switch", uniform("switch", "offload"), seed=SEED + 1)
+    assert runtime is not None and runtime.stats.off_path
 
 
 @pytest.mark.parametrize("name", ["longformer", "bigbird_sparse"])
