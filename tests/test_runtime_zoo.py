@@ -40,7 +40,8 @@ REFUSED = {"grad_in_forward": "backward inside its forward pass"}
 NAMES = [name for name in MODELS if name not in REFUSED]
 # models whose step draws random numbers (dropout, drop path, noise): a seed changes the loss
 RANDOM = ["lstm", "gru", "cnn_bn_inplace", "vit", "unet", "t5", "bart", "mixtral", "deberta",
-          "wav2vec2", "hubert", "perceiver", "funnel", "switch", "longformer", "bigbird_full",
+          "wav2vec2", "hubert", "wav2vec2_conformer", "perceiver", "funnel", "switch",
+          "longformer", "bigbird_full",
           "bigbird_sparse", "gnn", "lora", "parametrizations", "diffusers_unet",
           "multihead_attention",
           "custom_function", "targets_loss_fn", "random_in_function", "segformer", "swin",
@@ -48,7 +49,8 @@ RANDOM = ["lstm", "gru", "cnn_bn_inplace", "vit", "unet", "t5", "bart", "mixtral
 # steps PyTorch has no double backward for (a CTC loss; CPU flash attention, which
 # diffusers' attention processor and SegFormer call through SDPA; hardsigmoid's backward,
 # in squeeze and excite): their "double" steps are skipped
-NO_DOUBLE = {"wav2vec2", "hubert", "diffusers_unet", "segformer", "efficientnet_channels_last"}
+NO_DOUBLE = {"wav2vec2", "hubert", "wav2vec2_conformer", "diffusers_unet", "segformer",
+             "efficientnet_channels_last"}
 # models whose saved shapes follow their random draws (Switch routes tokens to experts after
 # dropout and router jitter): profiled under the step's seed, so the plan's shapes are the
 # step's; a step with other draws is test_a_plan_meets_other_routing's
