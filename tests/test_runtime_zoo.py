@@ -198,6 +198,9 @@ def planned(name: str, plan: Plan, kind: Kind = "backward", seed: int = SEED
         _assert_same(_state(model, batch), before, f"refused ({e}) but changed ")
         warnings.warn(Refused(f"{name}: {e}"), stacklevel=2)
         return None, None
+    # the profiled draws: a step that left the profiled path (and ran as plain PyTorch)
+    # would compare equal without testing the plan
+    assert seed != SEED or not runtime.stats.off_path, f"{name}: off the profiled path"
     out = _finish(model, loss, kind)
     return {**out, **_state(model, batch), "modes": _modes(model)}, runtime
 

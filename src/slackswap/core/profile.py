@@ -225,6 +225,9 @@ class StepProfile(JsonFile, _Record):
     # fired, the number of ops run.
     saves: list[tuple[Annotated[int, Field(ge=-1)], NonNegativeInt]] = []
     module_events: list[NonNegativeInt] = []
+    # how many of ``saves`` the model's forward made before it returned (the rest: the
+    # loss after it); a step that made fewer took another path. Left out when unknown.
+    model_saves: NonNegativeInt | None = Field(default=None, exclude_if=lambda v: v is None)
 
     @pydantic.model_validator(mode="after")
     def _consistent(self) -> StepProfile:

@@ -23,7 +23,13 @@ from torch._C._dynamo.eval_frame import get_eval_frame_callback as _get_eval_fra
 
 from slackswap.core.plan import Decision, Plan
 from slackswap.core.profile import StepProfile
-from slackswap.errors import InputError, PathChanged, PathNotice, SlackSwapError
+from slackswap.errors import (
+    InputError,
+    PathChanged,
+    PathNotice,
+    SlackSwapError,
+    path_changed,
+)
 from slackswap.profiling.recorder import dtype_name
 from slackswap.profiling.sharding import fsdp_hooks_apart, fsdp_units, rank_prefix
 from slackswap.profiling.step import (
@@ -71,6 +77,11 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
     activation it offloads or drops, and compares every reload and rebuild with it byte
     for byte, raising :class:`~slackswap.VerifyError` on the first difference (it holds
     that copy until backward, so use it for a step, not for training).
+
+    A step that takes another code path than the profiled one (a random LayerDrop skip,
+    a branch on the data) runs again as plain PyTorch from where the model was called,
+    keeping every activation: said once per plan (:class:`~slackswap.PathNotice`), and
+    ``stats.off_path`` marks it (NOTE [a step off the profiled path]).
 
     On CUDA the forward pass is assumed to run on one stream per device, and backward on
     the autograd engine's one thread per device (the usual single-GPU step). One block
@@ -210,7 +221,11 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         """The model's own forward, run again as plain PyTorch when it leaves the
         profiled path before backward began (NOTE [a step off the profiled path])."""
         try:
-            return forward(*args, **kwargs)
+            out = forward(*args, **kwargs)
+            said = self._other_saves()
+            if said is None or self._before is None or self.values.checked:
+                return out
+            del out  # (the first try's graph goes with it)
         except PathChanged as e:
             if self._before is None or self.values.checked or self._exit is None:
                 raise
@@ -229,6 +244,17 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
                           "every activation: over the plan's budget", PathNotice,
                           stacklevel=2)
         return forward(*args, **kwargs)
+
+    def _other_saves(self) -> str | None:
+        """What says the model returned having saved fewer or more tensors than in the
+        profiled step (a layer skipped or run, whose saves matched the next one's, where
+        no watched op tells); None if not."""
+        watch, recorder = self._watch, self.values.recorder
+        if (watch is None or watch.model_packs is None or recorder is None or recorder.quiet
+                or self._exit is None or recorder.packs_seen == watch.model_packs):
+            return None
+        return path_changed(f"it returned after {recorder.packs_seen} saves where the "
+                            f"profiled step made {watch.model_packs}")
 
     def _refused(self, error: BaseException | None) -> None:
         """Put back what the step changed when the runtime refuses it in forward."""
@@ -308,7 +334,10 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
 #     profiled step's sizes and ops. A model that skips layers at random (LayerDrop:
 #     Whisper's encoder_layerdrop, Wav2Vec2's layerdrop, OPT's) or branches on its data
 #     takes another path on some steps; the runtime finds it in forward, at the first
-#     save or op that differs. The model's forward is called through a guard
+#     save or watched op that differs, or as the model returns having saved more or
+#     fewer tensors than the profiled step had by then (``StepProfile.model_saves``: a
+#     skipped layer whose saves matched the next one's). The model's forward is called
+#     through a guard
 #     (``guard_forward``): there, before backward began, the step's changes are put back
 #     (the buffers and the RNG, NOTE [refusals leave no trace]), the runtime steps aside
 #     for the rest of the block, and the model's forward runs again as plain PyTorch,
@@ -353,6 +382,8 @@ def unguard(model: torch.nn.Module) -> None:
     if "_slackswap_own_forward" not in model.__dict__:
         return
     own = model.__dict__.pop("_slackswap_own_forward")
+    if getattr(model.__dict__.get("forward"), "__func__", None) is not _guarded:
+        return  # wrapped again since (accelerate's wrappers call the guard): left as is
     if own is None:
         model.__dict__.pop("forward", None)
     else:

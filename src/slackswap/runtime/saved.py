@@ -361,7 +361,9 @@ class SavedValues:
         if missing:
             raise InputError(
                 f"plan names '{missing[0]}' (and {len(missing) - 1} more) that this step did "
-                "not produce: it was made for another model, batch shape or kernels"
+                "not produce: it was made for another model, batch shape or kernels, or "
+                "the model took a different code path than in the profiled step (a random "
+                "skip such as LayerDrop: set its rate to 0)"
             )
 
     # -- what is resident, and reloads -------------------------------------------------
