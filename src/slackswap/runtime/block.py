@@ -248,9 +248,11 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
     def _other_saves(self) -> str | None:
         """What says the model returned having saved fewer or more tensors than in the
         profiled step (a layer skipped or run, whose saves matched the next one's, where
-        no watched op tells); None if not."""
+        no watched op tells); None if not, or if the plan keeps everything (nothing it
+        does depends on the path)."""
         watch, recorder = self._watch, self.values.recorder
-        if (watch is None or watch.model_packs is None or recorder is None or recorder.quiet
+        if (not self.decisions or watch is None or watch.model_packs is None
+                or recorder is None or recorder.quiet
                 or self._exit is None or recorder.packs_seen == watch.model_packs):
             return None
         return path_changed(f"it returned after {recorder.packs_seen} saves where the "
