@@ -495,7 +495,8 @@ def _what_it_says(outcomes: list[Outcome]) -> list[str]:
         f"stays, marked. The terms the H200 kernel trace calibrated (next to last section) "
         f"do not move it: its GEMMs are aligned, its causal attention runs at 8192 tokens, "
         f"the sequence of the preset's attention figures, and under the fused stack a "
-        f"reduction inside a run of memory-bound ops is priced with its run (its simulated "
+        f"reduction, a kernel that loads one element at a time, dropout or a loss kernel inside a "
+        f"run of memory-bound ops is priced with its run (its simulated "
         f"step did not change at a tenth of a millisecond). No other "
         f"row runs on the h200 preset, so these rows judge none of those terms.",
         "- **Not covered**: BERT on H100 or H200 (no published run with its configuration "
@@ -520,7 +521,14 @@ def _what_it_says(outcomes: list[Outcome]) -> list[str]:
         "bandwidth; each kernel at least 1.3 us. On H200 only, reductions (sums, means, "
         "LayerNorm) at their own rates, 31.6% from 1 MB and 40.5% from 100 MB, LayerNorm's "
         "backward reading its inputs twice: this project's kernel trace of gpt2-xl@12 "
-        "(NOTE [reductions]; the op-by-op section below).",
+        "(NOTE [reductions]; the op-by-op section below). On H200 only too, elementwise "
+        "kernels that load one element at a time (a bf16 to fp32 upcast, a pointwise op "
+        "with a broadcast operand) at most 343e9 elements/s, from the same trace (NOTE "
+        "[unvectorized kernels]), dropout at most 528e9 random numbers/s (NOTE [random "
+        "kernels]), and softmax over rows longer than 48 KiB reading its "
+        "input three times, its backward the gradient twice, the loss's `nll_loss` kernels "
+        "the bytes they touch, read from PyTorch's kernels and checked on the trace (NOTE "
+        "[kernel passes]).",
         "- **Attention, forward and backward, causal or not**: FlashAttention-2 measured per "
         "configuration. A100: 59% forward, 50% causal (head dim 128, sequence 4096; a "
         "third-party benchmark, inside the paper's own 50-73% range); backward 63%, the "

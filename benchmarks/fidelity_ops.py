@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import slackswap
-from slackswap.core.costmodel import op_time, unaligned
+from slackswap.core.costmodel import kernel_bytes, op_time, unaligned, unvectorized_elements
 from slackswap.core.hardware import Hardware, load_hardware
 from slackswap.core.jsonio import atomic_write_text
 from slackswap.core.plan import Plan
@@ -104,10 +104,14 @@ def op_class(op: OpRecord, profile: StepProfile) -> tuple[str, str]:
     if key in LOSS:
         return "loss", key
     if key in COPIES:
-        return "copy", f"{key}, {bucket(moved)}"
+        src, out = (profile.tensors[t].dtype for t in (op.inputs[-1], op.outputs[0])) \
+            if op.inputs and op.outputs else ("", "")
+        cast = f" {src} to {out}" if src != out else ""
+        return "copy", f"{key}{cast}, {bucket(moved)}"
     if key in REDUCTIONS:
         return "reduction", f"{key} {op.phase}, {bucket(moved)}"
-    return "memory-bound", f"{bucket(moved)}: {key}"
+    broadcast = " (broadcast)" if unvectorized_elements(op, profile.tensors) else ""
+    return "memory-bound", f"{bucket(moved)}: {key}{broadcast}"
 
 
 def trace_class(op: TraceOp) -> tuple[str, str]:
@@ -163,7 +167,9 @@ def table_rows(profile: StepProfile, trace: KernelTrace,
         r.ops += 1
         r.analytic_s += p.time_s
         r.flops += p.flops
-        r.moved += p.bytes_read + p.bytes_written
+        # what the CUDA kernels move (NOTE [kernel passes]), so 'achieved' is their rate
+        passes = kernel_bytes(p, profile.tensors)
+        r.moved += p.bytes_read + p.bytes_written if passes is None else passes
         seen.add(m)
     for p in profile.ops:
         if p.category != "free" and p.index not in seen:
@@ -249,6 +255,10 @@ TERMS = (
      {"compute": ("attention_reference_seq", "attention_causal_forward_overhead",
                   "attention_causal_backward_overhead")}),
     ("reductions", "NOTE [reductions]", {"memory": ("reduction_bandwidth_efficiency",)}),
+    ("loss kernels' passes", "NOTE [kernel passes]", {"memory": ("kernel_passes",)}),
+    ("unvectorized kernels", "NOTE [unvectorized kernels]",
+     {"memory": ("unvectorized_elements_per_s",)}),
+    ("random kernels", "NOTE [random kernels]", {"memory": ("random_elements_per_s",)}),
 )
 
 
@@ -363,8 +373,10 @@ def intro(f: Figures) -> list[str]:
         "`src/slackswap/profiling/gpu_trace.py`). **Analytic** is a model: SlackSwap's "
         f"analytic profile of the same workload on preset `{f.hardware.name}` as shipped "
         "(FakeTensorMode trace priced by the roofline cost model), not a measurement. "
-        f"Analytic / measured below 1: the model is optimistic. {mode[0].upper()}"
-        f"{mode[1:]}.", ""]
+        f"Analytic / measured below 1: the model is optimistic. Bytes ('each', and "
+        "'achieved' over the measured time) are what the op's kernels move: its record's, "
+        "or its passes where NOTE [kernel passes] counts them (the loss). "
+        f"{mode[0].upper()}{mode[1:]}.", ""]
 
 
 def steps_table(f: Figures) -> list[str]:
@@ -411,9 +423,20 @@ def what_it_says(f: Figures) -> list[str]:  # long because it is the section's p
     lnb, lnf = pick(rows, "reduction", "native_layer_norm_backward"), pick(
         rows, "reduction", "native_layer_norm forward")
     sums, emb = pick(rows, "reduction", "sum "), pick(rows, "reduction", "embedding_dense")
-    upcast, lsm = pick(rows, "copy", "_to_copy"), pick(rows, "loss", "_log_softmax")
+    upcast, downcast = pick(rows, "copy", "bf16 to fp32"), pick(rows, "copy", "fp32 to bf16")
+    bcast = pick(rows, "memory-bound", ": add (broadcast)")
+    lsm_f, lsm_b = pick(rows, "loss", "_log_softmax", end=True), pick(rows, "loss", "_data")
+    drop = pick(rows, "memory-bound", ": native_dropout", end=True)
     nll_f, nll_b = pick(rows, "loss", "nll_loss_forward"), pick(rows, "loss", "nll_loss_backward")
     acc = pick(rows, "not in the profile", ACCUMULATE)
+
+    def once(r: Row, kind: str) -> str:
+        """A loss op's ratio priced by its record's bytes (before NOTE [kernel passes])."""
+        priced = sum(op_time(op, hw) for op in f.profile.ops if op.kind == kind)
+        return f"{priced / r.measured_s:.2f}"
+
+    lsm_once, lsm_b_once = once(lsm_f, "_log_softmax"), once(lsm_b, "_log_softmax_backward_data")
+    nll_f_once, nll_b_once = once(nll_f, "nll_loss_forward"), once(nll_b, "nll_loss_backward")
     gap = {c: totals[c].measured_s - totals[c].analytic_s for c in totals}
     judged = {with_layers(*w): m for w, (m, _) in MEASURED_KEEP_ALL.items()
               if with_layers(*w) in f.keep_all}
@@ -431,8 +454,9 @@ def what_it_says(f: Figures) -> list[str]:  # long because it is the section's p
                         for n in [with_layers(*w)] if n in f.keep_all)
     return [
         "What it says:", "",
-        "- **Keep-all step, analytic against measured on the H200**, with none of the terms "
-        "this trace calibrated (the cost model before issue 52), then each added in turn "
+        "- **Keep-all step, analytic against measured on the H200**, with none of the preset "
+        "terms this trace calibrated or checked (the cost model before issue 52), then each "
+        "added in turn "
         f"(the last column is the preset as shipped; {sources}):", "",
         *steps_table(f), "",
         "  gpt2-xl@12 is the workload the terms were read from; llama-7b@8 is judged "
@@ -490,24 +514,50 @@ def what_it_says(f: Figures) -> list[str]:  # long because it is the section's p
         f"backward {_x(lnb)}, forward {_x(lnf)}, the sums {_x(sums)}). What is left is the "
         f"embedding's backward ({_x(emb)}, {emb.measured_s * 1e3:.2f} ms measured: a sort "
         "and a scatter-add over the vocabulary, priced as one pass) and the mask's "
-        "cumsum. Softmax is left priced as an elementwise op: the loss's log-softmax ran "
-        "between the two tables (below). llama-7b's RMSNorm is elementwise ops and a "
+        "cumsum. Softmax is priced as an elementwise op, its passes counted (below). "
+        "llama-7b's RMSNorm is elementwise ops and a "
         "`mean` (Hugging Face composes it), and its weights' gradients are column sums, "
         "priced by the same table, unfitted there.",
-        f"- **Elementwise ops are close**: {_x(totals['memory-bound'])} overall; dropout "
-        "forward and GELU run slower than priced, the residual adds and dropout's "
-        "backward faster.",
-        f"- **The loss and its copies**: the fp32 upcast of the logits {_x(upcast)} "
-        f"({_rate(upcast)}: a casting copy, most of the copy class's "
-        f"{_x(totals['copy'])}), log-softmax and its backward {_x(lsm)} "
-        f"({_rate(lsm)}, over rows of 50257 elements), below GELU and its backward "
-        f"({_rate(pick(rows, 'memory-bound', ': gelu', end=True))} to "
-        f"{_rate(pick(rows, 'memory-bound', ': gelu_backward'))}), the step's other "
-        "elementwise kernels of their size. The other way, the cost model prices "
-        "`nll_loss_forward` as reading every log-probability (analytic / measured "
-        f"{_x(nll_f)}: the kernel reads one per row) and `nll_loss_backward` as a full "
-        f"pass ({_x(nll_b)}). Not changed here: one casting copy and one loss are too "
-        "few kernels to read a rate from.",
+        f"- **Elementwise ops are close**: {_x(totals['memory-bound'])} overall; GELU "
+        "runs slower than priced, the residual adds and dropout's backward faster. "
+        f"Dropout's forward ran at {_rate(drop)}: `fused_dropout_kernel_vec` draws a "
+        "Philox random number for each element it writes, bound by that arithmetic, not "
+        f"by HBM, 528 G elements/s; the h200 preset prices it at `random_elements_per_s` "
+        f"(NOTE [random kernels]): {_x(drop)}.",
+        "- **Kernels that load one element at a time**: the logits' bf16 to fp32 upcast ran "
+        "`unrolled_elementwise_kernel` (PyTorch's Copy.cu vectorizes only the copy from fp32 "
+        f"to bf16 or fp16) at {_rate(upcast)}, where the copy back, fp32 to bf16, of the "
+        f"same size ran vectorized at {_rate(downcast)}; the position embedding's add, "
+        f"broadcast over the batch, ran `elementwise_kernel` at {_rate(bcast)}, where "
+        "the residual adds ran at 4.0 TB/s. Counted in elements both ran at 342 and 371 G "
+        "elements/s: the h200 preset prices such ops (a casting copy other than fp32 to "
+        "bf16 or fp16; a pointwise op with a broadcast operand) at no more than "
+        f"`unvectorized_elements_per_s` = {hw.memory.unvectorized_elements_per_s or 0:.3g} "
+        "elements/s, the two pooled (NOTE [unvectorized kernels]): upcast "
+        f"{_x(upcast)}, copy back {_x(downcast)}, broadcast add {_x(bcast)}. llama-7b has "
+        "many such ops that gpt2-xl has one of each of: each RMSNorm upcasts its input to "
+        "fp32 and scales it by a broadcast reciprocal and a broadcast weight, the rotary "
+        "embedding multiplies queries and keys by broadcast cos and sin, and their "
+        "gradients do the same; they move llama-7b@8 more than gpt2-xl@12 (the keep-all "
+        "table above, last column). Not priced so: an operand that is a strided view but no "
+        "broadcast (the rotary embedding's halves, negated and concatenated; a slice's "
+        "backward writing into a strided view) runs the same slow kernels, but the profile "
+        "resolves views to their bases and does not see it, so llama-7b's may run slower "
+        "than priced.",
+        "- **The loss, by its kernels' passes** (NOTE [kernel passes]; h200): "
+        "log-softmax over rows of 50257 fp32 is longer than a block's shared memory, so "
+        "`cunn_SoftMaxForward` reads each row three times (its maximum, the sum of "
+        "exponentials, the output) and `cunn_SoftMaxBackward` reads the output's "
+        "gradient twice; counted so, at the elementwise table's rate, forward "
+        f"{_x(lsm_f)} and backward {_x(lsm_b)} (counted once: {lsm_once} and {lsm_b_once}). "
+        "`nll_loss_backward` is a zero fill of the input's gradient and one value a row, "
+        f"so it writes the gradient and reads only the targets ({_x(nll_b)}; {nll_b_once} "
+        "priced as a full pass). "
+        "`nll_loss_forward` reads one log-probability a row, not the input (priced as "
+        f"reading it: {nll_f_once}): "
+        f"now {_x(nll_f)}, {nll_f.measured_s * 1e6:.0f} us measured against the launch "
+        "floor, as its kernel is a single thread block, which the cost model does not "
+        f"price. The class: {_x(totals['loss'])}.",
         f"- **Not in the profile**: {acc.measured_s * 1e3:.2f} ms of {acc.ops} weight-gradient "
         "additions into `.grad` (`AccumulateGrad`): the measured step follows others whose "
         "gradients were zeroed, not freed, and the profile records a first step. **Not in "
@@ -521,7 +571,7 @@ def what_it_says(f: Figures) -> list[str]:  # long because it is the section's p
         + "; classes beyond 25%: " + (", ".join(
             f"{c_} {_x(t)}" for c_, t in totals.items() if not c_.startswith("not in")
             and t.ratio is not None and abs(t.ratio - 1) > 0.25) or "none") + ". The "
-        "attention and reduction classes are at their measured times by construction "
+        "attention, reduction and copy classes are at their measured times by construction "
         "(their terms were read from this trace); only llama-7b judges them.",
         f"- **Replayed from the trace**, the step simulates at {f.replay_step_s * 1e3:.1f} "
         f"ms against its {f.trace.span_s * 1e3:.1f} ms span and the session's "

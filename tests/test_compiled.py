@@ -233,6 +233,27 @@ def test_the_rng_states_of_rebuilt_dropout_are_held_within_the_budget(budget: fl
     assert graph.plan.budget_bytes == int(budget * graph.profile.keep_all_peak)
 
 
+def test_random_ops_kept_are_not_rebuilt_in_another_activations_rebuild() -> None:
+    """T5 at 0.8, recompute-only: no plan fits with the RNG states, so random ops are kept
+    (NOTE [RNG states in the budget]). A residual add after dropout was still planned to be
+    rebuilt through the dropout (its output is no saved activation), which the partition
+    saved instead: refused as "the partitioner did not follow the plan". Kept random ops
+    end every rebuild: the partition is the plan, saves no RNG state, and the step is
+    bit-identical to torch.compile's."""
+    model, batch, _ = zoo.t5()
+    reference = copy.deepcopy(model)
+    compiled = slackswap.compile(model, batch, budget=0.8, backend="aot_eager",
+                                 strategy="recompute-only", hardware="h200")
+    _assert_applied_is_plan(compiled)
+    graph = compiled.slackswap.graphs[0]
+    assert graph.applied.rng_states == 0
+    random = {n for n, t in graph.profile.by_name.items() if t.random}
+    assert random and not random & set(graph.applied.recomputed)
+    simulated = slackswap.simulate(graph.profile, graph.plan, compiled.slackswap.hardware)
+    assert simulated.feasible and simulated.peak_bytes <= graph.plan.budget_bytes
+    _assert_steps_as_torch_compile(compiled, model, reference, batch)
+
+
 def test_compiling_leaves_buffers_and_the_rng_as_they_were() -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 1))
     x, stats = torch.randn(16, 8), model[1].running_mean.clone()

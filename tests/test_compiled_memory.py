@@ -15,7 +15,6 @@ from memory_tracking import ActivationMemory
 
 import slackswap
 from slackswap.compiled import api
-from slackswap.errors import InputError
 from tests.test_compiled import _MLP
 
 
@@ -134,14 +133,17 @@ def test_the_compiled_step_holds_what_was_simulated_within_its_budget(
 def test_a_plan_recomputing_dropouts_holds_its_budget_with_their_rng_states(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """T5 at 0.9 rebuilds dropouts, each saving a CPU generator's state (5056 bytes): the
-    plan is made within the budget less them (NOTE [RNG states in the budget]), and at 0.6,
-    where the states (49 KiB of a 150 KiB budget) leave no recompute-only plan, refused in
-    one line naming them."""
+    plan is made within the budget less them (NOTE [RNG states in the budget]). At 0.6 the
+    states (49 KiB of a 150 KiB budget) leave no plan that rebuilds dropouts: the random
+    ops are kept whole, and so is every activation whose rebuild would run one again (it
+    was refused here, naming the states, while planning could still rebuild through a kept
+    dropout); no state is saved and the measured peak is within the budget."""
     model, batch = _t5()
     peak, _, budget_bytes, rng_states = _measured_step(model, batch, 0.9, monkeypatch)
     assert rng_states > 0
     assert peak <= budget_bytes + _LOSS, (peak, budget_bytes)
     model, batch = _t5()
-    with pytest.raises(InputError, match="RNG states of rebuilt random ops") as refused:
-        _measured_step(model, batch, 0.6, monkeypatch)
-    assert "\n" not in str(refused.value)
+    peak, simulated, budget_bytes, rng_states = _measured_step(model, batch, 0.6,
+                                                               monkeypatch)
+    assert rng_states == 0
+    assert simulated <= budget_bytes and peak <= budget_bytes + _LOSS, (peak, budget_bytes)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -70,8 +71,9 @@ def test_offloads_go_at_their_deadline_or_when_done() -> None:
         events = [_Event() for _ in range(4)]
         tensors = [torch.zeros(256) for _ in range(4)]
         # deadlines: op 5, op 3, none (freed only when done), op 3
-        for event, t, due in zip(events, tensors, [5, 3, None, 3], strict=True):
-            copies._in_flight(event, t, torch.empty(1024, dtype=torch.uint8), due)
+        for group, (event, t, due) in enumerate(zip(events, tensors, [5, 3, None, 3],
+                                                    strict=True)):
+            copies._in_flight(event, t, torch.empty(1024, dtype=torch.uint8), due, group)
 
         def held() -> list[int]:  # the copies whose device tensor is still held, anywhere
             entries = [*copies._offloads, *(due[2] for due in copies.due)]
@@ -106,3 +108,20 @@ def test_offload_deadlines_are_the_simulators_once_per_plan() -> None:
     assert deadlines and deadlines == offload_frees(profile, plan)
     assert offload_deadlines(profile, plan) is deadlines  # worked out once
     assert offload_deadlines(profile, Plan.keep_all(profile)) == {}
+
+
+@pytest.mark.parametrize("policy", ["behind", "done"])
+def test_a_waiting_offload_given_back_is_never_copied(policy: str) -> None:
+    """NOTE [offloads issued in groups]: an offload whose copy waits for its group and
+    whose handle autograd lets go of first (its graph dropped in forward) is not copied
+    later into a buffer the pool may have handed to the next offload."""
+    calls: Counter = Counter()
+    with stand_ins(calls, policy):
+        copies, stats = HostCopies(), RuntimeStats()
+        a, b = torch.full((256,), 1.0), torch.full((256,), 2.0)
+        host_a = copies.offload(a, stats, issue=False)
+        copies.give_back(host_a)
+        host_b = copies.offload(b, stats, issue=False)
+        assert host_b is host_a  # the pool handed the buffer on
+        copies.issue()
+        assert calls["copy"] == 1 and torch.equal(host_b.view(torch.float32), b)

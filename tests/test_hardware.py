@@ -32,7 +32,8 @@ COPY_COSTS = ("offload_s", "reload_s")
 # fields a preset may leave unset, then absent from it and its JSON
 OPTIONAL = ("matmul_unaligned_efficiency", "attention_reference_seq",
             "attention_causal_forward_overhead", "attention_causal_backward_overhead",
-            "reduction_bandwidth_efficiency")
+            "reduction_bandwidth_efficiency", "unvectorized_elements_per_s", "kernel_passes",
+            "random_elements_per_s")
 
 
 @pytest.mark.parametrize("name", PRESETS)
@@ -343,6 +344,102 @@ def test_reductions_read_at_the_presets_reduction_rate() -> None:
         assert op_time(op, h200) > 2 * op_time(op.model_copy(update={"kind": "add"}), h200)
     add = _reduction("add", 40 * mb, 20 * mb)
     assert op_time(add, h200) == pytest.approx(60 * mb / (4.8e12 * 0.75))
+
+
+_ITEM = {"fp32": 4, "bf16": 2, "int64": 8}
+
+
+def _one_op(kind: str, ins: list[tuple[list[int], str]], out: tuple[list[int], str]
+            ) -> tuple[list[OpRecord], list[TensorRecord]]:
+    """One memory-bound op reading tensors of ``ins`` (shape, dtype) and writing ``out``,
+    its record counting each once."""
+    tensors = []
+    for shape, dtype in [*ins, out]:
+        n = 1
+        for d in shape:
+            n *= d
+        tensors.append(TensorRecord(id=len(tensors), kind="activation", bytes=n * _ITEM[dtype],
+                                    dtype=dtype, shape=shape))
+    op = OpRecord(index=0, name=f"aten.{kind}.default", kind=kind, phase="forward", module="",
+                  category="memory", dtype=out[1], flops=0,
+                  bytes_read=sum(t.bytes for t in tensors[:-1]), bytes_written=tensors[-1].bytes,
+                  time_s=0, inputs=list(range(len(ins))), outputs=[len(ins)])
+    return [op], tensors
+
+
+def _elementwise_s(moved: float, hw_name: str = "h200") -> float:
+    hw = load_hardware(hw_name)
+    eff = step_efficiency(hw.memory.bandwidth_efficiency, moved)
+    return max(moved / (hw.memory.hbm_bandwidth * eff), hw.compute.min_kernel_time_s)
+
+
+def test_softmax_and_loss_kernels_move_their_passes() -> None:
+    """NOTE [kernel passes]: a log-softmax over rows longer than 48 KiB reads its input
+    three times, its backward the output's gradient twice; shorter rows once;
+    ``nll_loss_forward`` reads one 32-byte sector a row and the targets,
+    ``nll_loss_backward`` writes the gradient and reads the targets; on a preset without
+    ``kernel_passes``, as recorded."""
+    h200 = load_hardware("h200")
+    logp = 8192 * 50257 * 4
+    ops, ts = _one_op("_log_softmax", [([8192, 50257], "fp32")], ([8192, 50257], "fp32"))
+    assert step_times(ops, ts, h200)[0] == pytest.approx(_elementwise_s(4 * logp))
+    ops, ts = _one_op("_log_softmax", [([8192, 1024], "fp32")], ([8192, 1024], "fp32"))
+    assert step_times(ops, ts, h200)[0] == pytest.approx(_elementwise_s(2 * 8192 * 1024 * 4))
+    ops, ts = _one_op("_log_softmax_backward_data", [([8192, 50257], "fp32")] * 2,
+                      ([8192, 50257], "fp32"))
+    assert step_times(ops, ts, h200)[0] == pytest.approx(_elementwise_s(4 * logp))
+    ops, ts = _one_op("nll_loss_forward", [([8192, 50257], "fp32"), ([8192], "int64")],
+                      ([], "fp32"))
+    assert step_times(ops, ts, h200)[0] == pytest.approx(_elementwise_s(8192 * 40 + 4))
+    ops, ts = _one_op("nll_loss_backward", [([8192, 50257], "fp32"), ([8192], "int64")],
+                      ([8192, 50257], "fp32"))
+    assert step_times(ops, ts, h200)[0] == pytest.approx(_elementwise_s(8192 * 8 + logp))
+    ops, ts = _one_op("_log_softmax", [([8192, 50257], "fp32")], ([8192, 50257], "fp32"))
+    assert step_times(ops, ts, load_hardware("a100-80gb"))[0] == pytest.approx(
+        _elementwise_s(2 * logp, "a100-80gb"))  # no kernel_passes: the record's bytes
+
+
+def test_unvectorized_kernels_are_bound_by_elements() -> None:
+    """NOTE [unvectorized kernels]: a bf16 to fp32 copy and a pointwise op with a broadcast
+    operand write at most ``unvectorized_elements_per_s`` elements a second on h200; an
+    fp32 to bf16 copy and an add without broadcast are priced by their bytes, and so is
+    every op on a preset without the figure."""
+    h200 = load_hardware("h200")
+    rate = h200.memory.unvectorized_elements_per_s
+    assert rate == 343e9 and load_hardware("a100-80gb").memory.unvectorized_elements_per_s is None
+    n = 8192 * 50257
+    up = _one_op("_to_copy", [([8192, 50257], "bf16")], ([8192, 50257], "fp32"))
+    assert step_times(*up, h200)[0] == pytest.approx(n / rate)
+    assert n / rate > 2 * _elementwise_s(6 * n)
+    down = _one_op("_to_copy", [([8192, 50257], "fp32")], ([8192, 50257], "bf16"))
+    assert step_times(*down, h200)[0] == pytest.approx(_elementwise_s(6 * n))
+    m = 8 * 1024 * 1600
+    bcast = _one_op("add", [([8, 1024, 1600], "bf16"), ([1, 1024, 1600], "bf16")],
+                    ([8, 1024, 1600], "bf16"))
+    assert step_times(*bcast, h200)[0] == pytest.approx(m / rate)
+    assert step_times(*bcast, load_hardware("a100-80gb"))[0] == pytest.approx(
+        _elementwise_s(bcast[0][0].bytes_read + bcast[0][0].bytes_written, "a100-80gb"))
+    plain = _one_op("add", [([8, 1024, 1600], "bf16")] * 2, ([8, 1024, 1600], "bf16"))
+    assert step_times(*plain, h200)[0] == pytest.approx(_elementwise_s(3 * 2 * m))
+
+
+def test_dropout_is_bound_by_its_random_numbers() -> None:
+    """NOTE [random kernels]: on h200 dropout's forward writes at most
+    ``random_elements_per_s`` elements a second; its backward, and dropout on a preset
+    without the figure, are priced by their bytes."""
+    h200, a100 = load_hardware("h200"), load_hardware("a100-80gb")
+    assert h200.memory.random_elements_per_s == 528e9
+    assert a100.memory.random_elements_per_s is None
+    m = 8 * 1024 * 1600
+    ops, ts = _one_op("native_dropout", [([8, 1024, 1600], "bf16")], ([8, 1024, 1600], "bf16"))
+    ops = [ops[0].model_copy(update={"random": True})]
+    assert step_times(ops, ts, h200)[0] == pytest.approx(m / 528e9)
+    assert m / 528e9 > _elementwise_s(ops[0].bytes_read + ops[0].bytes_written)
+    assert step_times(ops, ts, a100)[0] == pytest.approx(
+        _elementwise_s(ops[0].bytes_read + ops[0].bytes_written, "a100-80gb"))
+    back = [ops[0].model_copy(update={"kind": "native_dropout_backward"})]
+    assert step_times(back, ts, h200)[0] == pytest.approx(
+        _elementwise_s(ops[0].bytes_read + ops[0].bytes_written))
 
 
 def test_step_efficiency() -> None:

@@ -16,7 +16,9 @@ import torch
 from test_runtime import assert_identical, assert_runs_as_simulated, planned_step, setup
 
 import slackswap
+from slackswap.core.offloads import offload_issues
 from slackswap.runtime.streams import stand_ins
+from slackswap.sim.schedule import build_schedule
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 from host_work import meta_workload, one_step  # noqa: E402
@@ -82,11 +84,13 @@ def _counted(strategy: str, budget: float, policy: str = "behind") -> dict:
                                                   ("recompute-only", 0.9),
                                                   ("slackswap", 1.0)])
 def test_host_work_per_saved_tensor(strategy: str, budget: float, policy: str) -> None:
-    """Per offload: one poll, one wait for the compute stream, one stream switch, one
-    copy and one event; per reload the same and a device buffer; per stall and per
-    rebuild a pair of timing events; the streams resolved once per block, and nothing
-    per pack or per watched op (NOTE [streams resolved once per block])."""
+    """Per group of offloads (NOTE [offloads issued in groups]): one poll, one wait for
+    the compute stream, one stream switch and one event, and a copy per offload; per
+    reload the same and a device buffer; per stall and per rebuild a pair of timing
+    events; the streams resolved once per block, and nothing per pack or per watched op
+    (NOTE [streams resolved once per block])."""
     step = _counted(strategy, budget, policy)
+    groups = _groups(strategy, budget)
     forward, backward, stats = Counter(step["forward"]), Counter(step["backward"]), step["stats"]
     offloads = forward["copy"]
     reloads = backward["copy"]
@@ -96,10 +100,11 @@ def test_host_work_per_saved_tensor(strategy: str, budget: float, policy: str) -
         assert set(forward) == {"current_stream"} and not backward
         return
     assert forward["current_stream"] <= 2 and backward["current_stream"] == 0
-    assert forward["poll"] == forward["stream_switch"] == offloads
+    assert forward["poll"] == forward["stream_switch"] == groups
     assert backward["poll"] == backward["stream_switch"] == backward["device_empty"] == reloads
-    # an offload: the compute marker and its own event; a wait only at a deadline
-    assert forward["event_record"] == 2 * offloads
+    # a group: the compute marker and its own event; a wait only at a deadline
+    assert forward["event_record"] == 2 * groups
+    assert forward["new_event"] == groups
     rebuilds = stats["recomputed_ops"] and backward["new_event"] - reloads - 2 * stats["stalls"]
     assert rebuilds % 2 == 0 and rebuilds <= 2 * stats["recomputed_ops"]
     assert backward["event_record"] == 2 * reloads + 2 * stats["stalls"] + rebuilds
@@ -107,14 +112,31 @@ def test_host_work_per_saved_tensor(strategy: str, budget: float, policy: str) -
     # copy and the compute stream for the reload, each unless seen done already; the
     # compute stream for an offload that reached its deadline unfinished
     waits = forward["wait_event"] + backward["wait_event"]
-    base = offloads + reloads + stats["offload_waits"]
+    base = groups + reloads + stats["offload_waits"]
     assert base <= waits <= base + 2 * reloads
-    # polling asks each queue's oldest copy: at most one question per copy and poll
-    assert forward["event_query"] <= forward["poll"] + offloads
-    if policy == "behind":
-        assert stats["stalls"] == reloads and stats["offload_waits"] == offloads
+    # polling asks each queue's oldest copy: at most one question per group and poll
+    assert forward["event_query"] <= forward["poll"] + groups
+    if policy == "behind":  # the compute stream waits for a group at most once
+        assert stats["stalls"] == reloads and stats["offload_waits"] <= groups
+        assert stats["offload_waits"] > 0 or not groups
     else:
         assert stats["stalls"] == stats["offload_waits"] == 0
+
+
+@functools.cache
+def _groups(strategy: str, budget: float) -> int:
+    """Groups of offloads the profile's packs make (NOTE [offloads issued in groups])."""
+    _, _, plan, profile = meta_workload("gpt2-xl", 2, budget, strategy)
+    offloaded = {c.tensor for c in build_schedule(profile, plan).d2h}
+    return len(set(offload_issues(profile, offloaded).values()))
+
+
+def test_offloads_a_few_ops_apart_are_issued_together() -> None:
+    """The offload-only plan's saves come a few ops apart: fewer groups than offloads,
+    each of them offloads within ``OFFLOAD_WINDOW`` ops of its first."""
+    step = _counted("offload-only", 0.9)
+    offloads = step["forward"]["copy"]
+    assert 0 < _groups("offload-only", 0.9) < offloads / 2
 
 
 def test_the_counts_are_of_the_step_the_gpu_runs() -> None:

@@ -912,8 +912,9 @@ def test_a_recompute_released_by_offloads_that_alone_change_nothing() -> None:
     the plan the planner's earlier stages end at (75.70%), recompute releases (NOTE
     [starting points]) keep layer 1's query projection and offload two of the tensors
     whose offload alone changes nothing to make room (a dropout mask and the MLM head's
-    GELU output): 76.02%. The planner as a whole, its perturbed search last, reaches 76.43
-    there (``benchmarks/best_known.py --hardware h100-sxm --budgets 0.5``)."""
+    GELU output): 75.94% (76.02% before offloads were issued in groups). The planner
+    as a whole, its perturbed search last, reaches 76.43 there (measured before the
+    groups; ``benchmarks/best_known.py --hardware h100-sxm --budgets 0.5``)."""
     from slackswap.models.presets import with_layers
     from slackswap.planners.slackswap import _recompute_releases, _search_budget
 
@@ -928,7 +929,7 @@ def test_a_recompute_released_by_offloads_that_alone_change_nothing() -> None:
         alone = ctx.simulate(ctx.plan("slackswap", {**BEFORE_RELEASES, name: "offload"}))
         assert alone.retention == pytest.approx(start[1].retention, abs=1e-12)
     found, result = _recompute_releases(ctx, start, _search_budget(ctx))
-    assert result.retention >= 0.7600
+    assert result.retention >= 0.7590
     assert found.decisions.get("bert.encoder.layer.1.attention.self.query:addmm:0",
                                "keep") == "keep"
 

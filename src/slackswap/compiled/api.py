@@ -241,8 +241,8 @@ class CompiledPlan:
                 return attempt[0].model_copy(update={"budget_bytes": total})
             states = held
         if states:  # NOTE [RNG states in the budget]: random ops' outputs kept, no state
-            random = frozenset(n for n, t in profile.by_name.items() if t.random)
-            ctx = PassContext(profile, self.hardware, total, joint.offloadable, random)
+            ctx = PassContext(profile, self.hardware, total, joint.offloadable,
+                              random_kept=True)
             attempt = self._attempt(ctx, joint)
             if attempt is not None:
                 return attempt[0].model_copy(update={"budget_bytes": total})
@@ -278,6 +278,12 @@ class CompiledPlan:
 #     the random ops' outputs kept rather than rebuilt (no state saved, their bytes in the
 #     simulation), and refused, naming the states, when that does not fit either. The plan
 #     keeps the budget it was asked for.
+#     Kept, a random op ends every rebuild, not only its own: an activation whose rebuild
+#     would run it again (a residual add after dropout reads dropout's output, which no
+#     plan saves, as backward never reads it) is kept too. Planning sees the random ops as
+#     not replayable (``random_ops_kept``), so no strategy rebuilds through one; a plan
+#     that did was cut by a partition that saved dropout's output instead, and refused as
+#     "the partitioner did not follow the plan" (T5 at 0.8, recompute-only).
 def rng_state_size(device: str) -> int:
     """Bytes of one saved RNG state on ``device``'s generator: a CPU generator's whole
     state, a CUDA one's seed and offset."""
@@ -290,6 +296,16 @@ def rebuilt_random_ops(profile: StepProfile, plan: Plan) -> set[int]:
     """The random forward ops with an output ``plan`` recomputes (each saves an RNG state)."""
     return {t.producer for n, t in profile.by_name.items()
             if t.random and t.producer is not None and plan.decisions.get(n) == Decision.RECOMPUTE}
+
+
+def random_ops_kept(profile: StepProfile) -> StepProfile:
+    """``profile`` with its random ops not replayable: a plan of it rebuilds none, neither
+    their outputs nor an activation whose rebuild would run one again (its chain passes
+    through an output no plan saves, as dropout's, which backward never reads), so every
+    random op is saved whole and no RNG state is (NOTE [RNG states in the budget])."""
+    return profile.model_copy(update={"ops": [
+        op.model_copy(update={"replayable": False}) if op.random else op
+        for op in profile.ops]})
 
 
 def _batch_inputs(gm: fx.GraphModule, static: list[int]) -> list[torch.Tensor]:
@@ -310,27 +326,27 @@ class PassContext(PlanContext):
     """A planning context held to what the compiled path applies (NOTE [compiled
     offload]): activations PyTorch's offloading pass would not offload are kept, each
     offload's reload starts at its first backward use, as the pass reloads, and copies
-    run on the compute stream, as the pass's synchronous path runs them."""
+    run on the compute stream, as the pass's synchronous path runs them. With
+    ``random_kept``, no random op is rebuilt, alone or in another's rebuild (NOTE [RNG
+    states in the budget])."""
 
     def __init__(self, profile: StepProfile, hardware: Hardware, budget: int,
-                 offloadable: frozenset[str], not_rebuilt: frozenset[str] = frozenset()
-                 ) -> None:
+                 offloadable: frozenset[str], random_kept: bool = False) -> None:
         # the pass's copies run on the compute stream, and no runtime of ours runs Python
         # per op: no packs, watches, replays or unpacks on the host (NOTE [host costs])
-        super().__init__(profile, with_overrides(hardware, {"host_link.stream": "compute"} | {
-            f"host.{cost}": 0.0 for cost in ("pack_s", "watch_s", "replay_s", "unpack_s")}),
-            budget)
+        super().__init__(profile if not random_kept else random_ops_kept(profile),
+                         with_overrides(hardware, {"host_link.stream": "compute"} | {
+                             f"host.{cost}": 0.0
+                             for cost in ("pack_s", "watch_s", "replay_s", "unpack_s")}),
+                         budget)
         self.offloadable = offloadable
-        self.not_rebuilt = not_rebuilt  # kept where a plan would rebuild them
 
     def plan(self, strategy: str, decisions: dict[str, str],
              prefetch: dict[str, int] | None = None) -> Plan:
-        """The plan with offloads the pass cannot make kept (and rebuilds of
-        ``not_rebuilt``), and the pass's reload points."""
-        decisions = {n: Decision.KEEP if (
-            d == Decision.OFFLOAD and n not in self.offloadable) or (
-            d == Decision.RECOMPUTE and n in self.not_rebuilt) else d
-            for n, d in decisions.items()}
+        """The plan with offloads the pass cannot make kept, and the pass's reload
+        points."""
+        decisions = {n: Decision.KEEP if d == Decision.OFFLOAD and n not in self.offloadable
+                     else d for n, d in decisions.items()}
         saved = self.profile.by_name
         reloads = {n: saved[n].first_backward_use for n, d in decisions.items()
                    if d == Decision.OFFLOAD and saved[n].first_backward_use is not None}

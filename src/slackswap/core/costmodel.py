@@ -11,7 +11,8 @@ from slackswap.core.hardware import Compute, Hardware
 from slackswap.core.profile import OpRecord, TensorRecord
 
 __all__ = ["OpDetail", "op_time", "step_efficiency", "step_times", "unaligned", "attention_seq",
-           "REDUCTIONS", "ATTENTION_BLOCK"]
+           "REDUCTIONS", "ATTENTION_BLOCK", "kernel_bytes", "unvectorized_elements",
+           "random_elements"]
 
 
 def step_efficiency(table: list[tuple[float, float]], size: float) -> float:
@@ -71,6 +72,141 @@ def _reduction_s(op: OpRecord, hw: Hardware) -> float:
     assert table is not None
     moved = op.bytes_read * _PASSES.get(op.kind, 1) + op.bytes_written
     return moved / (hw.memory.hbm_bandwidth * step_efficiency(table, moved))
+
+
+# NOTE [kernel passes]
+#     Some CUDA kernels move other bytes than the op's record, which counts each input
+#     read and each output written once. Read from PyTorch's kernels and checked on the
+#     H200 trace of gpt2-xl@12 (docs/results-gpu/traces/, docs/fidelity.md "Op by op on
+#     the H200"); a preset prices them so where its ``kernel_passes`` is true (h200), by
+#     the records' bytes elsewhere. The kernels are the same on other CUDA GPUs, but no
+#     trace checked them there, and turning it on for a100-80gb or h100-sxm changes the
+#     profiles that tests/test_exact.py's stored optima and tests/test_plan.py's plans
+#     were made for (benchmarks/exact_gap.py regenerates the optima, for hours):
+#     - Softmax and log-softmax over rows longer than a block's default shared memory
+#       (48 KiB) run ``cunn_SoftMaxForward`` (aten/src/ATen/native/cuda/SoftMax.cu), one
+#       block a row, which reads the row three times: for its maximum, for the sum of
+#       exponentials, and to write the output. The backward (``cunn_SoftMaxBackward``)
+#       reads the output's gradient twice, to sum it and to write the input's gradient.
+#       On the trace, over rows of 50257 fp32: forward 1.49 ms for 4 x 1.65 GB (4.4 TB/s
+#       counted so) and backward 1.75 ms for 4 x 1.65 GB (3.8 TB/s), where the
+#       elementwise kernels of that size ran at 3.4 to 4.5 TB/s. Shorter rows stay in
+#       registers or shared memory and are read once.
+#     - ``nll_loss_forward`` reads one log-probability a row (a 32-byte sector of HBM)
+#       and the targets, not the whole input: on the trace 19 us, where a full read of
+#       its 1.65 GB was priced at 0.38 ms. Its kernel is one thread block
+#       (``nll_loss_forward_reduce_cuda_kernel_2d``), slower than its bytes say; its
+#       launch floor prices it, 18 us short.
+#     - ``nll_loss_backward`` writes the input's gradient: a zero fill of all of it
+#       (``FillFunctor``), then one value a row. It reads the targets, not the
+#       log-probabilities: on the trace 0.37 ms for the 1.65 GB it writes (4.5 TB/s).
+_SOFTMAX_SHARED = 48 * 1024  # bytes of shared memory a block gets without opting in
+_SECTOR = 32  # bytes: the least HBM reads to fetch one scattered element
+_ITEMSIZE = {"fp64": 8, "int64": 8, "fp32": 4, "int32": 4, "bf16": 2, "fp16": 2,
+             "int16": 2, "bool": 1, "uint8": 1, "int8": 1}
+
+
+def _numel(t: TensorRecord) -> int:
+    n = 1
+    for d in t.shape:
+        n *= d
+    return n
+
+
+def _long_rows(t: TensorRecord) -> bool:
+    """A softmax over ``t``'s last dimension runs the multi-pass kernel (NOTE [kernel
+    passes])."""
+    return bool(t.shape) and t.shape[-1] * _ITEMSIZE.get(t.dtype, 4) > _SOFTMAX_SHARED
+
+
+def kernel_bytes(op: OpRecord, tensors: Sequence[TensorRecord]) -> float | None:
+    """Bytes ``op``'s CUDA kernels move where they are not its record's (NOTE [kernel
+    passes]); None where they are."""
+    ins = [tensors[i] for i in op.inputs]
+    if op.kind in ("_softmax", "_log_softmax") and ins and _long_rows(ins[0]):
+        return 3 * op.bytes_read + op.bytes_written
+    if op.kind in ("_softmax_backward_data", "_log_softmax_backward_data") \
+            and ins and _long_rows(ins[0]):
+        return op.bytes_read + ins[0].bytes + op.bytes_written
+    targets = [t for t in ins if t.dtype == "int64"]
+    if op.kind == "nll_loss_forward" and targets:
+        return _numel(targets[0]) * (_SECTOR + 8) + op.bytes_written
+    if op.kind == "nll_loss_backward" and targets:
+        return targets[0].bytes + op.bytes_written
+    return None
+
+
+# NOTE [unvectorized kernels]
+#     PyTorch's elementwise kernels (TensorIterator, aten/src/ATen/native/cuda/
+#     CUDALoops.cuh) load 16 bytes a thread at a time only where every operand is
+#     contiguous and of the kernel's own dtype. Otherwise they run
+#     ``unrolled_elementwise_kernel`` (a cast on load) or ``elementwise_kernel`` (an
+#     offset computed per element and operand, for a broadcast operand), one element a
+#     load, bound by the per-element work rather than by HBM. Two such ops, both priced
+#     here:
+#     - a copy that changes dtype, except fp32 to bf16 or fp16, which Copy.cu
+#       special-cases with a vectorized kernel (``bfloat16_copy_kernel_cuda``): a bf16 to
+#       fp32 upcast, as of the logits before the loss and inside Llama's RMSNorm;
+#     - a pointwise op with a broadcast operand (an input with fewer elements than the
+#       output: GPT-2's position embedding added over the batch, Llama's RMSNorm scales
+#       and rotary embedding).
+#     On the H200 trace of gpt2-xl@12 (docs/results-gpu/traces/) the logits' upcast (412
+#     M elements, 2.47 GB) ran in 1.20 ms, 2.05 TB/s, where the fp32 to bf16 copy back of
+#     the same size ran the vectorized kernel in 0.56 ms, 4.42 TB/s; the position
+#     embedding's broadcast add (13.1 M elements, 56 MB) in 35 us, 1.58 TB/s, where the
+#     residual adds ran at 4.0 TB/s. Counted in elements, both ran at the same rate, 342
+#     and 371 G elements/s: a preset's ``unvectorized_elements_per_s`` (pooled, 343e9
+#     on h200) prices such an op at the slower of its bytes and its elements at that
+#     rate; without one it is priced by its bytes, as before. A non-contiguous operand
+#     that is not a broadcast (a slice's view) also runs the slow kernels; the profile
+#     resolves views to their bases and cannot see it, so it is priced by its bytes.
+_CASTS_VECTORIZED = {("fp32", "bf16"), ("fp32", "fp16")}
+_COPIES = ("_to_copy", "copy", "copy_")
+POINTWISE = frozenset({
+    "add", "sub", "mul", "div", "neg", "pow", "rsqrt", "sqrt", "exp", "log", "tanh",
+    "sigmoid", "silu", "silu_backward", "gelu", "gelu_backward", "relu", "where",
+    "masked_fill", "maximum", "minimum", "clamp", "reciprocal", "sigmoid_backward",
+    "tanh_backward", "threshold_backward", "eq", "ne", "lt", "le", "gt", "ge",
+    "bitwise_and", "bitwise_or", "logical_and", "logical_or"})
+
+
+def unvectorized_elements(op: OpRecord, tensors: Sequence[TensorRecord]) -> int:
+    """The elements ``op`` writes one a load (NOTE [unvectorized kernels]); 0 where its
+    kernel is vectorized."""
+    if op.category != "memory" or not op.outputs or not op.inputs:
+        return 0
+    kind = op.kind.rstrip("_")  # in place as out of place
+    out = tensors[op.outputs[0]]
+    n = _numel(out)
+    if kind in _COPIES:
+        src = tensors[op.inputs[-1]]
+        cast = src.dtype != out.dtype and (src.dtype, out.dtype) not in _CASTS_VECTORIZED
+        return n if cast else 0
+    if kind in POINTWISE and any(_numel(tensors[i]) < n for i in op.inputs):
+        return n
+    return 0
+
+
+# NOTE [random kernels]
+#     Dropout's forward (``fused_dropout_kernel_vec``) draws a Philox random number for
+#     every element it writes, ten rounds of 32-bit multiplies and xors for four numbers,
+#     and is bound by that arithmetic rather than by HBM: on the H200 trace of gpt2-xl@12
+#     (docs/results-gpu/traces/, docs/fidelity.md "Op by op on the H200") its 25 kernels
+#     wrote 25 x 13.1 M elements (with their masks, 65.5 MB each) in 0.62 ms, 528 G
+#     elements/s and 2.64 TB/s, where the elementwise kernels of that size ran at 4.0 to
+#     4.5 TB/s. A preset's ``random_elements_per_s`` prices a memory-bound op that draws
+#     random numbers (the profile marks it) at the slower of its bytes and its output's
+#     elements at that rate; without one, by its bytes as before. Its backward draws
+#     nothing (it reads the saved mask) and is priced by its bytes.
+
+
+def random_elements(op: OpRecord, tensors: Sequence[TensorRecord]) -> int:
+    """The random numbers ``op`` draws, one an output element (NOTE [random kernels]); 0
+    for an op that draws none."""
+    if not op.random or op.category != "memory" or not op.outputs \
+            or op.kind.endswith("_backward"):
+        return 0
+    return _numel(tensors[op.outputs[0]])
 
 
 # NOTE [causal attention by sequence]
@@ -137,8 +273,9 @@ def unaligned(op: OpRecord, tensors: Sequence[TensorRecord]) -> bool:
     return any(d % 2 for d in (m, n, int(k)))
 
 
-def op_time(op: OpRecord, hw: Hardware, *, causal: bool = False,
-            aligned: bool = True, seq: int | None = None) -> float:
+def op_time(op: OpRecord, hw: Hardware, *, causal: bool = False,  # noqa: PLR0913
+            aligned: bool = True, seq: int | None = None, moved: float | None = None,
+            unvectorized: int = 0, drawn: int = 0) -> float:
     """Seconds ``op`` takes on ``hw`` as a kernel of its own: the slower of its compute and
     memory roofs. ``causal``: an attention kernel ran with a causal mask (its FLOPs are
     already halved; the preset says how much of the peak such a kernel reaches).
@@ -146,7 +283,12 @@ def op_time(op: OpRecord, hw: Hardware, *, causal: bool = False,
     preset's ``matmul_unaligned_efficiency`` where it has one. ``seq``: a causal attention
     kernel's query sequence, which scales its figure on a preset that says how (NOTE
     [causal attention by sequence]); reductions are priced by the preset's reduction
-    table where it has one (NOTE [reductions]).
+    table where it has one (NOTE [reductions]). ``moved``: the bytes its kernels move
+    where they are not its record's (:func:`kernel_bytes`). ``unvectorized``: the
+    elements it writes one a load (:func:`unvectorized_elements`), at most the preset's
+    ``unvectorized_elements_per_s`` (NOTE [unvectorized kernels]). ``drawn``: the random
+    numbers it draws (:func:`random_elements`), at most the preset's
+    ``random_elements_per_s`` (NOTE [random kernels]).
 
     Every kernel takes at least the preset's minimum kernel time; views and bare
     allocations launch no kernel and take none.
@@ -157,7 +299,11 @@ def op_time(op: OpRecord, hw: Hardware, *, causal: bool = False,
     if op.kind in REDUCTIONS and hw.memory.reduction_bandwidth_efficiency is not None:
         memory_s = _reduction_s(op, hw)
     else:
-        memory_s = _memory_s(op.bytes_read + op.bytes_written, hw)
+        memory_s = _memory_s(op.bytes_read + op.bytes_written if moved is None else moved, hw)
+    if unvectorized and hw.memory.unvectorized_elements_per_s is not None:
+        memory_s = max(memory_s, unvectorized / hw.memory.unvectorized_elements_per_s)
+    if drawn and hw.memory.random_elements_per_s is not None:
+        memory_s = max(memory_s, drawn / hw.memory.random_elements_per_s)
     if op.category == "matmul":
         eff = min(step_efficiency(c.matmul_efficiency, op.flops), c.matmul_efficiency_cap)
         if not aligned and c.matmul_unaligned_efficiency is not None:
@@ -224,8 +370,13 @@ def step_times(ops: Sequence[OpRecord], tensors: Sequence[TensorRecord], hw: Har
     if details is not None and len(details) != len(ops):
         raise ValueError(f"{len(details)} op details for {len(ops)} ops")
     causal = [d.causal for d in details] if details is not None else [False] * len(ops)
+    cuda = hw.kernels == "cuda"
+    passes = cuda and bool(hw.memory.kernel_passes)
     times = [op_time(op, hw, causal=c, aligned=hw.compute.matmul_unaligned_efficiency is None
-                     or not unaligned(op, tensors), seq=attention_seq(op, tensors))
+                     or not unaligned(op, tensors), seq=attention_seq(op, tensors),
+                     moved=kernel_bytes(op, tensors) if passes else None,
+                     unvectorized=unvectorized_elements(op, tensors) if cuda else 0,
+                     drawn=random_elements(op, tensors) if cuda else 0)
              for op, c in zip(ops, causal, strict=True)]
     if hw.stack == "eager" or details is None:
         return times

@@ -115,6 +115,17 @@ class Memory(_Strict):
     # kernel reaches, by bytes moved; None: reductions priced as elementwise ops
     reduction_bandwidth_efficiency: StepTable | None = Field(default=None,
                                                             exclude_if=lambda v: v is None)
+    # NOTE [unvectorized kernels] in slackswap.core.costmodel: elements per second an
+    # elementwise kernel that loads one element at a time writes at most; None: such
+    # kernels priced by their bytes
+    unvectorized_elements_per_s: Positive | None = Field(default=None,
+                                                         exclude_if=lambda v: v is None)
+    # NOTE [kernel passes] in slackswap.core.costmodel: true where softmax and the loss are
+    # priced by the bytes their CUDA kernels move; None: by their records' bytes
+    kernel_passes: bool | None = Field(default=None, exclude_if=lambda v: v is None)
+    # NOTE [random kernels] in slackswap.core.costmodel: random numbers per second a kernel
+    # that draws them (dropout) makes at most; None: such kernels priced by their bytes
+    random_elements_per_s: Positive | None = Field(default=None, exclude_if=lambda v: v is None)
 
     _table = pydantic.field_validator("bandwidth_efficiency")(_check_table)
 

@@ -117,7 +117,8 @@ NOTE [starting points]
     (``RELEASE_TRIES``). Where the host sets the pace many offloads cost nothing alone,
     and no single move or swap passes through them: on two bert-large-mlm layers at 50%
     on h100-sxm, layer 1's query projection kept and a dropout mask and the MLM head's
-    GELU output offloaded retain 76.02% (75.70), and the perturbed search from there
+    GELU output offloaded retain 75.94% (75.70; 76.02 before offloads were issued
+    in groups), and the perturbed search from there
     76.43 (a seeded search of 30 000 plans from 75.70 found 76.43 too); the planner
     gains 0.91 points at 90% on h200 (83.81) and 0.43 at 60% on h100-pcie (89.00).
     Last, the perturbed search (NOTE [perturbed search] in

@@ -114,12 +114,15 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         offloaded = None  # without a profile, the host-buffer pool keeps what it held
         produced_at: dict[str, int] = {}
         free_before: dict[str, int] = {}  # NOTE [offloads free where simulated]
+        # NOTE [offloads issued in groups] (without a profile, each offload is issued alone)
+        issued_at: dict[str, int] = {}
         if profile is not None:
             ready = prepare(profile, plan)
             first_use, self._checkpoints = ready.first_use, ready.checkpoints
             prefetch = ready.prefetch  # on a tie, in the simulator's order
             offloaded = ready.offloaded_bytes
             produced_at = ready.produced_at
+            issued_at = ready.issued_at
         self.model = model
         self.verify = verify
         # NOTE [watch only what the plan rebuilds]; without a profile that can guide it,
@@ -133,12 +136,14 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
             free_before = offload_deadlines(profile, plan)
         self._watch = (watch_for(profile, plan)
                        if profile is not None and can_watch(profile, device) else None)
+        if self._watch is None:  # packs not named by their order: none to group by
+            issued_at = {}
         # an offloaded checkpoint no rebuild reads is not copied: the step has no use for it
         self.decisions = {n: d for n, d in plan.decisions.items() if d != Decision.KEEP and (
             profile is None or n not in profile.checkpointable or n in self._checkpoints)}
         # NOTE [buffers held by events]: host buffers are reused from step to step
         self.values = SavedValues(self.decisions, verify, self._watch, first_use, prefetch,
-                                  copies, produced_at, free_before)
+                                  copies, produced_at, free_before, issued_at)
         self.state = self.values.state  # the last forward's record
         self._calls = 0
         self._exit: contextlib.ExitStack | None = None
@@ -184,6 +189,8 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
                 _ACTIVE.append(self)
             stack.callback(_ACTIVE.remove, self)
             guard_forward(self.model, stack)  # NOTE [a step off the profiled path]
+            # what forward left waiting for its group (NOTE [offloads issued in groups])
+            stack.callback(self.values.issue_waiting)
             stack.callback(self.model.register_forward_pre_hook(
                 self._check_call, with_kwargs=True).remove)
             stack.callback(self.model.register_forward_hook(

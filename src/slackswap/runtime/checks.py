@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from slackswap.core.offloads import offload_issues
 from slackswap.core.plan import MIN_PLANNED_BYTES, Decision, Plan
 from slackswap.core.profile import StepProfile
 from slackswap.errors import InputError
@@ -28,6 +29,9 @@ class Prepared:
     prefetch: list[tuple[str, int]]  # reloads in the order the simulator issues them
     offloaded_bytes: int  # what the plan offloads: the host-buffer pool keeps as much
     produced_at: dict[str, int]  # saved activation -> the forward op that made it
+    # NOTE [offloads issued in groups]: offloaded activation -> the pack (by index) that
+    # issues its group's copies
+    issued_at: dict[str, int]
 
 
 # id(plan) -> (plan, profile, its decisions and prefetch points, what was worked out), by
@@ -57,9 +61,10 @@ def prepare(profile: StepProfile, plan: Plan) -> Prepared:
     def make() -> Prepared:
         plan.check(profile)
         check_recomputable(profile, plan)
-        schedule = build_schedule(profile, plan) if plan.prefetch else None
+        schedule = build_schedule(profile, plan)
+        issues = offload_issues(profile, {c.tensor for c in schedule.d2h})
         need = {profile.tensors[c.tensor].name: i
-                for i, c in enumerate(schedule.h2d)} if schedule is not None else {}
+                for i, c in enumerate(schedule.h2d)}
         order = sorted(plan.prefetch.items(),
                        key=lambda kv: (kv[1], need.get(kv[0], len(need)), kv[0]))
         return Prepared(
@@ -74,6 +79,7 @@ def prepare(profile: StepProfile, plan: Plan) -> Prepared:
                 is not None and t.bytes >= MIN_PLANNED_BYTES),
             produced_at={n: t.producer for n, t in profile.by_name.items()
                          if t.producer is not None},
+            issued_at={profile.tensors[tid].name: j for tid, j in issues.items()},
         )
     return prepared(profile, plan, make)
 

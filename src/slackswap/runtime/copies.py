@@ -85,12 +85,21 @@ class HostCopies:
         # more than the look)
         self.due: list[tuple[int, int, list[Any]]] = []
         self._issued = count()
+        # groups of offloads issued, numbered in issue order; per device the last whose
+        # event the compute stream waited for or found done: it runs after every group
+        # before it too, since one copy stream runs them in order
+        self._groups = count()
+        self._waited: dict[torch.device, int] = {}
         self.undated = 0  # offloads in flight with no deadline: only ``poll`` frees them
         # storage an offload still reads -> (its event, device)
         self._reading: dict[int, tuple[Any, torch.device]] = {}
         self._reloading: deque[list[Any]] = deque()
         self._reloads: dict[int, list[Any]] = {}
         self._snapshots: dict[int, torch.Tensor] = {}  # slot -> its pinned host buffer
+        # offloads whose copies wait for their group's (NOTE [offloads issued in groups]):
+        # (tensor, host buffer, deadline, bytes), and their storages
+        self._waiting: list[tuple[torch.Tensor, torch.Tensor, int | None, int]] = []
+        self._waiting_keys: set[int] = set()
 
     # -- the pool ----------------------------------------------------------------------
     @property
@@ -118,6 +127,8 @@ class HostCopies:
         """A host copy nobody needs any more: its buffer may serve the next offload."""
         nbytes = host.numel()
         self._out_bytes -= nbytes
+        if self._waiting:  # its copy had not been issued: nobody needs it now
+            self._waiting = [w for w in self._waiting if w[1] is not host]
         limit = None if self.capacity is None else max(self.capacity, self._most_out)
         if limit is not None and self._free_bytes + nbytes > limit:
             self._busy.pop(id(host), None)
@@ -128,8 +139,10 @@ class HostCopies:
     def poll(self) -> None:
         """Let go of what finished copies held (each stream finishes in issue order)."""
         for queue in (self._offloads, self._reloading):
-            while queue and queue[0][0].query():
+            done = None  # a group's copies share an event: asked about once
+            while queue and (queue[0][0] is done or queue[0][0].query()):
                 entry = queue.popleft()
+                done = entry[0]
                 event, held, host, *offload = entry
                 entry[1] = None  # a deadline still queued for it finds nothing to free
                 if queue is self._reloading and held is not None:  # done, never waited for
@@ -161,24 +174,52 @@ class HostCopies:
                 link.begin()
 
     def offload(self, t: torch.Tensor, stats: RuntimeStats,
-                free_before: int | None = None) -> torch.Tensor:
-        """A host copy of ``t``'s storage. On CUDA the device tensor is held until the copy
-        is done, and at the latest until the step reaches profile op ``free_before``."""
+                free_before: int | None = None, issue: bool = True) -> torch.Tensor:
+        """A host copy of ``t``'s storage, its buffer handed out now. The copy is issued
+        now, or with ``issue=False`` with the next offload issued (NOTE [offloads issued
+        in groups] in ``slackswap.core.offloads``), ``t`` held until then. On CUDA the
+        device tensor is held until the copy is done, and at the latest until the step
+        reaches profile op ``free_before``."""
         storage = t.untyped_storage()
         nbytes, link = storage.nbytes(), self.link(t.device)
         host = self._take(nbytes, link, stats)
-        if link is None:
-            host.untyped_storage().copy_(storage)
-            return host
+        self._waiting.append((detached(t), host, free_before, nbytes))
+        self._waiting_keys.add(storage._cdata)
+        if issue:
+            self.issue()
+        return host
+
+    def issue(self) -> None:
+        """Issue the copies of every offload waiting for its group: on CUDA one poll, one
+        wait for the compute stream and one stream switch per device, a copy each, one
+        event for them all (NOTE [offloads issued in groups])."""
+        waiting = self._waiting
+        if not waiting:
+            return
+        self._waiting, self._waiting_keys = [], set()
+        device = waiting[0][0].device
+        if any(w[0].device != device for w in waiting):  # a model over several devices
+            for w in waiting:
+                self._waiting = [w]
+                self.issue()
+            return
+        link = self.link(device)
+        if link is None:  # synchronous: each copy done as it is issued
+            with streams.unseen():
+                for t, host, _, _ in waiting:
+                    host.untyped_storage().copy_(t.untyped_storage())
+            return
         self.poll()
         d2h = link.d2h
-        link.wait_for_compute(d2h)  # t has been computed
+        link.wait_for_compute(d2h)  # the tensors have been computed
         with link.issuing_on(d2h):
-            link.copy_storage(host, t, nbytes)
+            for t, host, _, nbytes in waiting:
+                link.copy_storage(host, t, nbytes)
         event = link.event()
         event.record(d2h)
-        self._in_flight(event, t, host, free_before)
-        return host
+        group = next(self._groups)
+        for t, host, free_before, _ in waiting:
+            self._in_flight(event, t, host, free_before, group)
 
     def snapshot(self, t: torch.Tensor, slot: int) -> torch.Tensor:
         """A copy of ``t`` in host memory (a model buffer the step may change, NOTE
@@ -197,11 +238,12 @@ class HostCopies:
         return host
 
     def _in_flight(self, event: Any, t: torch.Tensor, host: torch.Tensor,
-                   free_before: int | None) -> None:
+                   free_before: int | None, group: int) -> None:
         """Hold what an offload's copy reads and writes until ``event`` (or the deadline)."""
         # t's memory is not reused, nor the buffer handed out again, before the copy
+        # (t: detached, out of the recorder's sight)
         key = storage_key(t)
-        entry = [event, detached(t), host, key, free_before]  # out of the recorder's sight
+        entry = [event, t, host, key, free_before, group]
         self._offloads.append(entry)
         if free_before is not None:
             heapq.heappush(self.due, (free_before, next(self._issued), entry))
@@ -213,24 +255,33 @@ class HostCopies:
     def free_due(self, position: int, stats: RuntimeStats) -> None:
         """Let go of the device tensors of offloads due to be freed before the op after
         ``position``: NOTE [offloads free where simulated]."""
+        if any(w[2] is not None and w[2] <= position + 1 for w in self._waiting):
+            self.issue()  # (not met where simulated: a group is issued before its deadlines)
+        waited = self._waited
         while self.due and self.due[0][0] <= position + 1:
             entry = heapq.heappop(self.due)[2]
             held = entry[1]
             if held is None:
                 continue
-            if not entry[0].query():  # later than simulated: the compute stream waits
-                stats.offload_waits += 1
-                self.link(held.device).compute.wait_event(entry[0])
+            # a group's copies share an event: asked about, or waited for, once
+            if entry[5] > waited.get(held.device, -1):
+                if not entry[0].query():  # later than simulated: the compute stream waits
+                    stats.offload_waits += 1
+                    self.link(held.device).compute.wait_event(entry[0])
+                waited[held.device] = entry[5]
             entry[1] = None
 
     def before_write(self, key: int) -> None:
         """The compute stream is about to change a storage in place: if an offload still
         reads it (its earlier value, saved before), the write waits for that copy."""
+        if key in self._waiting_keys:  # its offload's copy first
+            self.issue()
         reading = self._reading.pop(key, None)
         if reading is not None and not reading[0].query():
             self.link(reading[1]).compute.wait_event(reading[0])
 
     def reload(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        self.issue()  # (backward reloads after forward issued every offload)
         link = self.link(device)
         if link is None:  # a buffer of its own, as a device copy would be
             return host.to(device, copy=True)

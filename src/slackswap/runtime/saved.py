@@ -45,6 +45,7 @@ from slackswap.runtime.watch import Watch
 __all__ = ["SavedValues"]
 
 _KEEP = Decision.KEEP
+_PARAMETER = torch.nn.Parameter
 
 
 class _Saved:
@@ -113,7 +114,8 @@ class SavedValues:
     def __init__(self, decisions: dict[str, str], verify: bool, watch: Watch | None,
                  first_use: dict[str, int], prefetch: list[tuple[str, int]],
                  copies: HostCopies, produced_at: dict[str, int] | None = None,
-                 free_before: dict[str, int] | None = None) -> None:
+                 free_before: dict[str, int] | None = None,
+                 issued_at: dict[str, int] | None = None) -> None:
         self.decisions = decisions  # the plan's non-keep decisions
         self.verify = verify
         self.watch = watch
@@ -123,6 +125,10 @@ class SavedValues:
         # offloaded activation -> the op before which its device memory goes
         # (NOTE [offloads free where simulated])
         self.free_before = free_before or {}
+        # NOTE [offloads issued in groups] in ``slackswap.core.offloads``: offloaded
+        # activation -> the pack (by index) that issues its group's copies; an offload at
+        # or past it (a value written in place since, offloaded again) is issued at once
+        self.issued_at = issued_at or {}
         self.stats = RuntimeStats()
         self.copies = copies
         self.replayer = Replayer(self)
@@ -164,6 +170,8 @@ class SavedValues:
         if copies.undated:  # NOTE [buffers held by events]
             copies.poll()
         name = recorder.next_pack() if recorder is not None else None
+        if type(t) is _PARAMETER:  # a weight as the model holds it (a third of the saves
+            return _Saved(t)  # of a transformer): a leaf, so held as it is
         if not plain_strided(t):  # kept as autograd saved it
             return _Saved(t)
         storage = t.untyped_storage()
@@ -222,13 +230,23 @@ class SavedValues:
             with self._quiet():
                 self.originals[vkey] = copy_storage(t)
         if decision == Decision.OFFLOAD and vkey not in self.host:
+            issue = recorder is None or recorder.packs_seen > self.issued_at.get(name, -1)
             with self._quiet():
-                host = self.host[vkey] = copies.offload(t, self.stats,
-                                                        self.free_before.get(name))
+                host = self.host[vkey] = copies.offload(
+                    t, self.stats, self.free_before.get(name), issue)
             self.offloaded[name] = vkey
             self.stats.offloaded_bytes += host.numel()
         state.packs.setdefault(key, []).append(weakref.ref(packed))
         return packed
+
+    def issue_waiting(self) -> None:
+        """Issue the copies of offloads still waiting for their group: forward is over,
+        or refused (NOTE [offloads issued in groups])."""
+        if self.recorder is None:
+            self.copies.issue()
+            return
+        with self._quiet():
+            self.copies.issue()
 
     def _quiet(self) -> Any:
         """The runtime's own ops in forward (host copies) are not the model's: no names,
@@ -292,6 +310,7 @@ class SavedValues:
             raise InputError(NESTED_BACKWARD)
         if not self.checked:
             self._check_seen()
+            self.issue_waiting()  # backward began inside the block
         if self.state.written and self.recorder is not None:
             self.recorder.mark_modified()
         packed.check_version()

@@ -35,7 +35,12 @@ import torch
 # a watched segment) do not see them, nor pay a Python call for each
 _UNSEEN = torch._C._DisableTorchDispatch
 
-__all__ = ["Link", "StandIn", "link_for", "stand_ins", "whole", "bytes_of"]
+
+def unseen() -> Any:
+    """A context in which the runtime's own copies are seen by no dispatch mode."""
+    return _UNSEEN()
+
+__all__ = ["Link", "StandIn", "link_for", "stand_ins", "whole", "bytes_of", "unseen"]
 
 
 class Link:

@@ -34,6 +34,7 @@ from bisect import bisect_left
 from dataclasses import dataclass
 
 from slackswap.core.hardware import Host
+from slackswap.core.offloads import forward_packs, offload_issues
 from slackswap.core.plan import MIN_PLANNED_BYTES, Decision, Plan
 from slackswap.core.profile import StepProfile
 from slackswap.core.watched import watched_ops
@@ -88,27 +89,9 @@ def eager_step_time(profile: StepProfile, dispatch_s: float) -> float:
 
 
 def packs(profile: StepProfile) -> list[tuple[int, int]]:
-    """Forward packs as (tensor id or -1, op index the pack runs before).
-
-    ``StepProfile.saves`` counts the ops run before each pack: a pack runs after those
-    ops were issued and before the next one is, so it delays that op's issue. A profile
-    without ``saves`` (schema 2, hand-built) gets one pack per saved tensor, before the
-    op after the first forward op that makes or reads it.
-    """
-    return list(profile.derived("packs", lambda: _packs(profile)))
-
-
-def _packs(profile: StepProfile) -> list[tuple[int, int]]:
-    if profile.saves:
-        return list(profile.saves)
-    first_bwd = next((op.index for op in profile.ops if op.phase == "backward"),
-                     len(profile.ops))
-    out = []
-    for t in profile.tensors:
-        uses = [u for u in (t.producer, *t.forward_consumers) if u is not None and u < first_bwd]
-        if t.saved and uses:
-            out.append((t.id, min(uses) + 1))
-    return sorted(out, key=lambda p: (p[1], p[0]))
+    """Forward packs as (tensor id or -1, op index the pack runs before): see
+    :func:`slackswap.core.offloads.forward_packs`."""
+    return forward_packs(profile)
 
 
 def _moved(profile: StepProfile, plan: Plan) -> set[int]:
@@ -147,15 +130,24 @@ def host_times(profile: StepProfile, plan: Plan, sched: Schedule, host: Host
     pack_end: dict[int, tuple[int, float]] = {}  # tensor -> (item, host s into it) of 1st pack
     if runtime:
         packed = [0.0] * len(items)
-        offloaded = {copy.tensor for copy in sched.d2h} if host.offload_s else set()
-        for tid, before in profile.derived("packs", lambda: _packs(profile)):
+        offloaded = {copy.tensor for copy in sched.d2h}
+        steps = forward_packs(profile)
+        # NOTE [offloads issued in groups]: the pack of a group's last offload issues
+        # every copy of the group, and the host pays for them there
+        issues = offload_issues(profile, offloaded)
+        groups: dict[int, list[int]] = {}
+        for tid, j in issues.items():
+            groups.setdefault(j, []).append(tid)
+        for j, (tid, before) in enumerate(steps):
             k = reached(before)
             packed[k] += host.pack_s
-            if tid >= 0 and tid not in pack_end:
-                if tid in offloaded:  # its first pack issues the copy
-                    packed[k] += host.offload_s
-                    offloaded.discard(tid)
+            if tid >= 0 and tid not in pack_end and tid not in issues:
                 pack_end[tid] = (k, packed[k])
+            for member in groups.get(j, ()):
+                packed[k] += host.offload_s
+                offloaded.discard(member)
+            for member in groups.get(j, ()):
+                pack_end[member] = (k, packed[k])
         for copy in sched.d2h:  # a checkpoint, offloaded as the op after its producer runs
             if copy.tensor in offloaded:
                 packed[min(copy.after_item + 1, last)] += host.offload_s

@@ -45,6 +45,7 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Literal
 
+from slackswap.core.offloads import forward_packs, offload_issues
 from slackswap.core.plan import MIN_PLANNED_BYTES, Decision, Plan
 from slackswap.core.profile import StepProfile, TensorRecord
 
@@ -97,6 +98,13 @@ class Schedule:
     h2d: list[Copy]
     ideal_time: float  # keep-all with no limit and no host: the sum of op times
     first_backward: int  # op index where backward starts
+
+
+def _issued_at(profile: StepProfile, d2h: list[Copy]) -> list[tuple[Copy, int]]:
+    """Each offload a pack issues, with that pack's index (NOTE [offloads issued in
+    groups])."""
+    issues = offload_issues(profile, {c.tensor for c in d2h})
+    return [(c, issues[c.tensor]) for c in d2h if c.tensor in issues]
 
 
 def _is_activation(t: TensorRecord) -> bool:
@@ -324,6 +332,11 @@ class _Builder:
             if self.decision.get(tid) == Decision.OFFLOAD:
                 self.res[rid].holds += 1
                 self.d2h.append(Copy(tid, t.bytes, rid, after_item=t.producer))
+        # NOTE [offloads issued in groups]: a copy starts once the compute stream has run
+        # what the host issued before the pack that issues its group
+        steps = forward_packs(self.p)
+        for copy, j in _issued_at(self.p, self.d2h):
+            copy.after_item = max(copy.after_item, steps[j][1] - 1)
         self.d2h.sort(key=lambda c: c.after_item)
 
     # -- backward -----------------------------------------------------------------------
