@@ -62,6 +62,25 @@ class ActivationMemory(MemTracker):
         for name, original in self._originals.items():
             setattr(HostCopies, name, original)
 
+    def _track_module_params_and_buffers(self, module: torch.nn.Module,
+                                         install_grad_hooks: bool = True) -> tuple[int, int]:
+        """``MemTracker``'s, with the gradient hooks only on parameters that train: it
+        hooks every parameter, and a frozen one (LoRA's base weights) takes no hook."""
+        memory = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+        if not install_grad_hooks:
+            return memory
+
+        def grad_hook(grad: torch.Tensor) -> None:
+            self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
+
+        handles = self._param_to_grad_hook_handles
+        for param in module.parameters():
+            if param.requires_grad and handles.get(param) is None:
+                handles[param] = (param.register_hook(grad_hook),
+                                  param.register_post_accumulate_grad_hook(
+                                      lambda p: grad_hook(p.grad)))
+        return memory
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self._host_copy:
             return func(*args, **(kwargs or {}))

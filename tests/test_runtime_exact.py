@@ -6,13 +6,14 @@ import contextlib
 import gc
 import re
 import threading
+import warnings
 
 import pytest
 import torch
 
 import slackswap
 from slackswap.core.plan import Plan
-from slackswap.errors import InputError, VerifyError
+from slackswap.errors import InputError, PathNotice, VerifyError
 from slackswap.runtime import block
 
 
@@ -526,27 +527,60 @@ def _path(model: torch.nn.Module, x: torch.Tensor, seed: int) -> bool:
     return bool(ran)
 
 
+@pytest.mark.parametrize(("decision", "ran"), [("recompute", False), ("recompute", True),
+                                               ("offload", True)])
+def test_a_step_off_the_profiled_path_runs_as_plain_pytorch(decision: str, ran: bool) -> None:
+    """NOTE [a step off the profiled path]: a LayerDrop-style skip drawn otherwise than in
+    the profiled step (which ``ran`` the middle layer or not) is found half way through
+    forward (a watched op or a save that differs), or as the model returns having saved
+    less or more (a layer skipped or run whose saves matched the next one's, where no
+    watched op tells), after BatchNorm updated its running statistics and dropout and the skip drew
+    from the RNG; the step runs again as plain PyTorch from the state the model was
+    called in, so its loss, gradients, statistics and the RNG after it are plain
+    PyTorch's; said once per plan."""
+    torch.manual_seed(0)
+    model, x = _LayerDrop().train(), torch.randn(256, 64)
+    torch.manual_seed(next(s for s in range(100, 150) if _path(model, x, s) == ran))
+    profile = slackswap.profile(model, x, mode="traced")
+    assert any(op.module == "bn2" for op in profile.ops) == ran
+    other = next(s for s in range(2, 50) if _path(model, x, s) != ran)
+    same = next(s for s in range(2, 50) if _path(model, x, s) == ran)
+    plan = _uniform(profile, decision, [n for n in _names(profile)
+                                        if decision == "offload" or n in profile.recomputable])
+    with pytest.warns(PathNotice, match="different code path than in the profiled step"):
+        planned = _step(model, x, plan, profile, seed=other)
+    rng = torch.get_rng_state()
+    _assert_same(planned, _step(model, x, seed=other))
+    assert torch.equal(rng, torch.get_rng_state())
+    assert planned[3].stats.off_path and planned[3].stats.recomputed_ops == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        for seed in (other, same):  # the path the profile took runs with the plan
+            planned = _step(model, x, plan, profile, seed=seed, verify=True)
+            _assert_same(planned, _step(model, x, seed=seed))
+            assert planned[3].stats.off_path == (seed == other)
+    assert planned[3].stats.recomputed_ops + planned[3].stats.offloaded_bytes > 0
+
+
 def test_a_refusal_in_forward_puts_back_buffers_and_the_rng() -> None:
-    """A LayerDrop-style skip drawn otherwise than in the profiled step is refused half
-    way through forward, after BatchNorm updated its running statistics and dropout and
-    the skip drew from the RNG: the refusal puts both back (NOTE [refusals leave no
-    trace]), so the loop can go on as if the call had not been made."""
+    """A step refused half way through forward (here under another autocast than its
+    plan's), after BatchNorm updated its running statistics, puts them back and the RNG
+    (NOTE [refusals leave no trace]), so the loop can go on as if the call had not been
+    made."""
     torch.manual_seed(0)
     model, x = _LayerDrop().train(), torch.randn(256, 64)
     torch.manual_seed(1)
     profile = slackswap.profile(model, x, mode="traced")
-    profiled = any(op.module == "bn2" for op in profile.ops)
-    other = next(s for s in range(2, 50) if _path(model, x, s) != profiled)
-    same = next(s for s in range(2, 50) if _path(model, x, s) == profiled)
-    plan = _uniform(profile, "recompute", [n for n in _names(profile)
-                                           if n in profile.recomputable])
+    plan = _uniform(profile, "offload")
+
     def refused() -> None:
-        with pytest.raises(InputError, match="where its profile"), \
-                slackswap.apply(model, plan, profile=profile):
+        with pytest.raises(InputError, match="autocast"), \
+                slackswap.apply(model, plan, profile=profile), \
+                torch.autocast("cpu", dtype=torch.bfloat16):
             model(x)
 
     for outer in (False, True):  # called in an except block too
-        torch.manual_seed(other)
+        torch.manual_seed(2)
         buffers = {n: b.clone() for n, b in model.named_buffers()}
         rng = torch.get_rng_state()
         if outer:
@@ -559,6 +593,38 @@ def test_a_refusal_in_forward_puts_back_buffers_and_the_rng() -> None:
         assert torch.equal(torch.get_rng_state(), rng)
         for name, b in model.named_buffers():
             assert torch.equal(b, buffers[name]), name
-    # the path the profile took runs, and leaves the statistics plain PyTorch does
-    _assert_same(_step(model, x, plan, profile, seed=same, verify=True),
-                 _step(model, x, seed=same))
+
+
+def test_a_path_change_after_the_model_returned_is_refused_saying_so() -> None:
+    """A loss that branches on a draw, computed in the block after the model returned:
+    the step cannot run again from inside the model's call, so it is refused in one line
+    that names the code path and what to do, with the model's buffers and the RNG put
+    back (NOTE [a step off the profiled path], NOTE [refusals leave no trace])."""
+    torch.manual_seed(0)
+    model, x = _LayerDrop().train(), torch.randn(256, 64)
+    model.forward = lambda h: torch.tanh(model.bn1(model.l1(h)))  # its first layer only
+
+    def loss_fn(h: torch.Tensor) -> torch.Tensor:
+        wide = torch.cat([h, h], 1) if torch.rand(()) > 0.5 else h
+        return wide.pow(2).mean()
+
+    def wide(seed: int) -> bool:
+        torch.manual_seed(seed)
+        return bool(torch.rand(()) > 0.5)
+
+    torch.manual_seed(1)
+    profile = slackswap.profile(model, x, mode="traced", loss_fn=loss_fn)
+    other = next(s for s in range(2, 50) if wide(s) != wide(1))
+    plan = _uniform(profile, "offload")
+    torch.manual_seed(other)
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    rng = torch.get_rng_state()
+    with pytest.raises(InputError) as refused, slackswap.apply(model, plan, profile=profile):
+        loss_fn(model(x))
+    message = str(refused.value)
+    assert message.startswith("the model took a different code path than in the profiled "
+                              "step (it saved ") and "\n" not in message
+    assert "LayerDrop" in message and "config.layerdrop=0" in message
+    assert torch.equal(torch.get_rng_state(), rng)
+    for name, b in model.named_buffers():
+        assert torch.equal(b, buffers[name]), name

@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 import slackswap
 from slackswap import InputError, Plan, StepProfile
 from slackswap.core.hardware import load_hardware
+from slackswap.errors import PathNotice
 from slackswap.planners import smallest_feasible_budget
 from slackswap.planners.context import PlanContext
 from slackswap.runtime import recording
@@ -39,7 +40,8 @@ REFUSED = {"grad_in_forward": "backward inside its forward pass"}
 NAMES = [name for name in MODELS if name not in REFUSED]
 # models whose step draws random numbers (dropout, drop path, noise): a seed changes the loss
 RANDOM = ["lstm", "gru", "cnn_bn_inplace", "vit", "unet", "t5", "bart", "mixtral", "deberta",
-          "wav2vec2", "hubert", "perceiver", "funnel", "switch", "longformer", "bigbird_full",
+          "wav2vec2", "hubert", "wav2vec2_conformer", "perceiver", "funnel", "switch",
+          "longformer", "bigbird_full",
           "bigbird_sparse", "gnn", "lora", "parametrizations", "diffusers_unet",
           "multihead_attention",
           "custom_function", "targets_loss_fn", "random_in_function", "segformer", "swin",
@@ -47,7 +49,8 @@ RANDOM = ["lstm", "gru", "cnn_bn_inplace", "vit", "unet", "t5", "bart", "mixtral
 # steps PyTorch has no double backward for (a CTC loss; CPU flash attention, which
 # diffusers' attention processor and SegFormer call through SDPA; hardsigmoid's backward,
 # in squeeze and excite): their "double" steps are skipped
-NO_DOUBLE = {"wav2vec2", "hubert", "diffusers_unet", "segformer", "efficientnet_channels_last"}
+NO_DOUBLE = {"wav2vec2", "hubert", "wav2vec2_conformer", "diffusers_unet", "segformer",
+             "efficientnet_channels_last"}
 # models whose saved shapes follow their random draws (Switch routes tokens to experts after
 # dropout and router jitter): profiled under the step's seed, so the plan's shapes are the
 # step's; a step with other draws is test_a_plan_meets_other_routing's
@@ -195,6 +198,9 @@ def planned(name: str, plan: Plan, kind: Kind = "backward", seed: int = SEED
         _assert_same(_state(model, batch), before, f"refused ({e}) but changed ")
         warnings.warn(Refused(f"{name}: {e}"), stacklevel=2)
         return None, None
+    # the profiled draws: a step that left the profiled path (and ran as plain PyTorch)
+    # would compare equal without testing the plan
+    assert seed != SEED or not runtime.stats.off_path, f"{name}: off the profiled path"
     out = _finish(model, loss, kind)
     return {**out, **_state(model, batch), "modes": _modes(model)}, runtime
 
@@ -333,15 +339,14 @@ def test_a_rebuild_makes_again_an_input_backward_is_done_with() -> None:
     assert runtime is not None and runtime.stats.recomputed_ops > 2
 
 
-@pytest.mark.xfail(strict=True, reason="issue 47: a plan whose step routes tokens to experts "
-                   "in other numbers than its profile's is refused only part way through "
-                   "forward (the experts' saves have other shapes), with the RNG advanced; "
-                   "attach refuses the second training step of a Switch model")
 def test_a_plan_meets_other_routing() -> None:
     """Switch under another seed: other tokens reach each expert, so the saves a plan
-    offloads have other shapes than in its profile. The step must run exactly or be
-    refused before the model runs, leaving the RNG as it was."""
-    check("switch", uniform("switch", "offload"), seed=SEED + 1)
+    offloads have other shapes than in its profile. The step leaves the profiled path
+    part way through forward and runs again as plain PyTorch from the RNG and state the
+    model was called with (NOTE [a step off the profiled path]), said in one line."""
+    with pytest.warns(PathNotice, match="different code path than in the profiled step"):
+        runtime = check("switch", uniform("switch", "offload"), seed=SEED + 1)
+    assert runtime is not None and runtime.stats.off_path
 
 
 @pytest.mark.parametrize("name", ["longformer", "bigbird_sparse"])

@@ -499,6 +499,27 @@ def hubert() -> Case:
                    "labels": torch.randint(1, 20, (2, 6), generator=gen)}, None
 
 
+def wav2vec2_conformer() -> Case:
+    """Wav2Vec2ConformerForCTC from a tiny config: rotary positions that its embedding
+    module caches on itself (the program holds that saved activation past the step, so
+    moving it frees nothing: ``StepProfile.held_past_step``), a depthwise convolution
+    with BatchNorm and GLU, and a CTC loss."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.Wav2Vec2ConformerConfig(
+        vocab_size=20, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, conv_dim=(16, 16), conv_stride=(5, 4), conv_kernel=(10, 8),
+        num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=2, mask_time_prob=0.0,
+        layerdrop=0.0, conv_depthwise_kernel_size=7, position_embeddings_type="rotary",
+        pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.Wav2Vec2ConformerForCTC(config).train()
+    g = torch.Generator().manual_seed(1)
+    return model, {"input_values": torch.randn(2, 800, generator=g),
+                   "labels": torch.randint(1, 20, (2, 5), generator=g)}, None
+
+
 def perceiver() -> Case:
     """PerceiverForMaskedLM from a tiny config: cross-attention from a learned latent array
     to the inputs, self-attention over the latents, and a decoder whose queries are
@@ -860,6 +881,7 @@ MODELS: dict[str, Callable[[], Case]] = {
     "mamba": mamba,
     "wav2vec2": wav2vec2,
     "hubert": hubert,
+    "wav2vec2_conformer": wav2vec2_conformer,
     "perceiver": perceiver,
     "funnel": funnel,
     "switch": switch,

@@ -10,7 +10,7 @@ from slackswap.core.hardware import Hardware, hardware_presets, load_hardware
 from slackswap.core.plan import Plan
 from slackswap.core.profile import OpRecord, StepProfile, TensorRecord
 from slackswap.core.result import SimResult
-from slackswap.errors import InputError, ProfileError, SlackSwapError
+from slackswap.errors import InputError, PathNotice, ProfileError, SlackSwapError
 from slackswap.planners import STRATEGIES
 from slackswap.planners import plan as _plan_profile
 from slackswap.sim import simulate
@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # torch is imported only when profiling or a runtime is used
 
 __all__ = [
     "Hardware", "OpRecord", "Plan", "SimResult", "StepProfile", "TensorRecord",
-    "InputError", "ProfileError", "SlackSwapError",
+    "InputError", "PathNotice", "ProfileError", "SlackSwapError",
     "STRATEGIES", "apply", "attach", "auto", "checkpoint_policy", "compile", "hardware_presets",
     "load_hardware", "plan", "profile", "simulate",
 ]

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-__all__ = ["SlackSwapError", "InputError", "ProfileError", "VerifyError", "HardwareNotice"]
+__all__ = ["SlackSwapError", "InputError", "ProfileError", "VerifyError", "HardwareNotice",
+           "PathChanged", "PathNotice"]
 
 
 class SlackSwapError(Exception):
@@ -15,6 +16,26 @@ class InputError(SlackSwapError):
 
 class ProfileError(SlackSwapError):
     """The model could not be traced for one training step."""
+
+
+class PathChanged(InputError):
+    """The model took a different code path in forward than in the step its plan was
+    profiled on (a LayerDrop-style random skip, a branch on the data): NOTE [a step off
+    the profiled path]."""
+
+
+def path_changed(what: str) -> str:
+    """The one line said when a step leaves the profiled path; ``what`` is what the
+    runtime saw."""
+    return (f"the model took a different code path than in the profiled step ({what}: "
+            "a random skip such as LayerDrop, a branch on the data, or a profile of other "
+            "kernels); set the skip's rate to 0 (e.g. config.layerdrop=0) for a plan that "
+            "holds on every step, or profile again with mode='traced' on this device")
+
+
+class PathNotice(UserWarning):
+    """A step left its plan's profiled path and ran as plain PyTorch, keeping every
+    activation: said once per plan."""
 
 
 NESTED_BACKWARD = (

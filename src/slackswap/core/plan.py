@@ -53,6 +53,8 @@ class Plan(JsonFile, pydantic.BaseModel):
     # for, kept in memory for ``str(plan)``; unset for a plan read from a file.
     _result: SimResult | None = pydantic.PrivateAttr(default=None)
     _hardware: str | None = pydantic.PrivateAttr(default=None)
+    # a step under it left the profiled path: said (NOTE [a step off the profiled path])
+    _off_path_said: bool = pydantic.PrivateAttr(default=False)
 
     def counts(self) -> dict[Decision, int]:
         """How many activations the plan keeps, offloads and recomputes."""

@@ -225,6 +225,9 @@ class StepProfile(JsonFile, _Record):
     # fired, the number of ops run.
     saves: list[tuple[Annotated[int, Field(ge=-1)], NonNegativeInt]] = []
     module_events: list[NonNegativeInt] = []
+    # how many of ``saves`` the model's forward made before it returned (the rest: the
+    # loss after it); a step that made fewer took another path. Left out when unknown.
+    model_saves: NonNegativeInt | None = Field(default=None, exclude_if=lambda v: v is None)
 
     @pydantic.model_validator(mode="after")
     def _consistent(self) -> StepProfile:
@@ -279,6 +282,19 @@ class StepProfile(JsonFile, _Record):
         ``PlanContext.plan`` holds every strategy to it)."""
         changed = self.changed_in_place
         return frozenset(n for n, t in self.checkpointable.items() if t.id not in changed)
+
+    @cached_property
+    def held_past_step(self) -> frozenset[str]:
+        """Saved activations the program itself still held when the step ended (a module
+        that caches a tensor it made, as Wav2Vec2-Conformer's rotary embedding does), in
+        a real step's profile (NOTE [held until let go]): moving one frees nothing, so
+        no strategy moves it (``PlanContext``)."""
+        if self.mode == "analytic" or not self.ops:
+            return frozenset()
+        last = len(self.ops) - 1
+        return frozenset(n for n, t in self.by_name.items()
+                         if t.released_after == last and t.dropped_after is None
+                         and t.producer is not None)
 
     @cached_property
     def never_saved(self) -> frozenset[int]:

@@ -355,9 +355,9 @@ class _BoundLP(_DecisionRows, _MemoryRows, _TimeRows, _HostRows, _RebuildTiming,
         for u, col in self.chain.items():
             if u not in offloadable:
                 self.upper[self.F + col] = 0.0
-        recomputable = p.recomputable
+        recomputable, held = p.recomputable, p.held_past_step
         for i, t in enumerate(acts):
-            if t.bytes < MIN_PLANNED_BYTES or t.written_after_save:
+            if t.bytes < MIN_PLANNED_BYTES or t.written_after_save or t.name in held:
                 self.upper[[self.R + i, self.OFF + i]] = 0.0
             elif t.name not in recomputable:
                 self.upper[self.R + i] = 0.0

@@ -84,11 +84,14 @@ class PlanContext:
     @cached_property
     def candidates(self) -> list[Candidate]:
         """Saved activations above the runtime's size floor that no write after their save
-        pins (NOTE [written after it was saved]), in production order."""
+        pins (NOTE [written after it was saved]) and the program does not hold past the
+        step (``StepProfile.held_past_step``), in production order."""
         p, out = self.profile, []
+        held = p.held_past_step
         for t in p.saved_activations:
             if (t.producer is None or t.bytes < MIN_PLANNED_BYTES
-                    or t.first_backward_use is None or t.written_after_save):
+                    or t.first_backward_use is None or t.written_after_save
+                    or t.name in held):
                 continue
             op = p.ops[t.producer]
             forward_uses = [c for c in t.forward_consumers if c < self.first_backward]
@@ -119,16 +122,18 @@ class PlanContext:
         (which autograd does not save: never recomputed), is kept instead of recomputed; a
         checkpoint forward changes in place after making it is kept instead of offloaded
         (``StepProfile.offloadable_checkpoints``); a saved activation written after its
-        save is kept; only offloads are prefetched. So no
+        save is kept, and so is one the program holds past the step (moving it frees
+        nothing); only offloads are prefetched. So no
         strategy makes a plan ``Plan.check`` or the runtime refuses."""
         p = self.profile
         recomputable, checkpoints = p.recomputable, p.checkpointable
-        offloadable, saved = p.offloadable_checkpoints, p.by_name
+        offloadable, saved, held = p.offloadable_checkpoints, p.by_name, p.held_past_step
         decisions = {n: Decision.KEEP if (
             d == Decision.RECOMPUTE and n not in recomputable
             or d == Decision.OFFLOAD and n in checkpoints and n not in offloadable
             # NOTE [written after it was saved]: never moved
-            or d != Decision.KEEP and n in saved and saved[n].written_after_save) else d
+            or d != Decision.KEEP and n in saved and saved[n].written_after_save
+            or d != Decision.KEEP and n in held) else d
             for n, d in decisions.items()}
         prefetch = {n: i for n, i in (prefetch or {}).items()
                     if decisions.get(n) == Decision.OFFLOAD}

@@ -119,6 +119,7 @@ class StepRecorder(TorchDispatchMode):
         # forward only: the tensor saved at each pack with the ops run before it, and the
         # ops run before each module hook fired (StepProfile.saves, .module_events)
         self.saves: list[tuple[int, int]] = []
+        self.model_saves: int | None = None  # saves made by when the model returned
         self.module_events: list[int] = []
         # NOTE [written after it was saved]: saves not yet read back, by storage
         self._live: dict[int, list[_LiveSave]] = {}

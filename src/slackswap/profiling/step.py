@@ -128,6 +128,7 @@ def profile(
         tensors=rec.tensors,
         saves=rec.saves,
         module_events=rec.module_events,
+        model_saves=rec.model_saves,
     )
 
 
@@ -430,7 +431,10 @@ def _run_step(
     with (_same_name_warning_off(), tracker, recorder, extra,
           refusing_own_checkpoint_calls(), module_events(recorder.module_event)):
         with torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack):
-            loss = _loss(call(), loss_fn, name)
+            output = call()
+            recorder.model_saves = len(recorder.saves)  # NOTE [a step off the profiled path]
+            loss = _loss(output, loss_fn, name)
+            del output
         recorder.end_forward()
         with _weight_gradients(recorder, params):
             loss.backward()

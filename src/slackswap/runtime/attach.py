@@ -32,8 +32,8 @@ from slackswap.core.hardware import Hardware
 from slackswap.core.plan import Plan
 from slackswap.errors import InputError, SlackSwapError
 from slackswap.profiling.machine import resolve_hardware
-from slackswap.profiling.step import ATTACHED, check_attach, model_fingerprint
-from slackswap.runtime.block import apply
+from slackswap.profiling.step import ATTACHED, check_attach, eager_module, model_fingerprint
+from slackswap.runtime.block import apply, guard_forward, unguard
 from slackswap.runtime.oneshot import autocast_state, plan_model
 from slackswap.runtime.stats import RuntimeStats
 
@@ -83,6 +83,9 @@ class Attached:
         self._closer: Any = None
         self._planning = False
         self._pre = model.register_forward_pre_hook(self._before, with_kwargs=True)
+        # the block opens inside the model's call, after its forward was looked up: the
+        # guard goes on now (NOTE [a step off the profiled path])
+        guard_forward(eager_module(model), None)
         ATTACHED.add(model)
 
     def detach(self) -> None:
@@ -90,6 +93,7 @@ class Attached:
         if self._pre is not None:
             self._pre.remove()
             self._pre = None
+            unguard(eager_module(self.model))
         self._close()
         ATTACHED.discard(self.model)
 

@@ -13,6 +13,8 @@ import contextlib
 import gc
 import sys
 import threading
+import types
+import warnings
 import weakref
 from typing import Any, NamedTuple
 
@@ -21,7 +23,13 @@ from torch._C._dynamo.eval_frame import get_eval_frame_callback as _get_eval_fra
 
 from slackswap.core.plan import Decision, Plan
 from slackswap.core.profile import StepProfile
-from slackswap.errors import InputError, SlackSwapError
+from slackswap.errors import (
+    InputError,
+    PathChanged,
+    PathNotice,
+    SlackSwapError,
+    path_changed,
+)
 from slackswap.profiling.recorder import dtype_name
 from slackswap.profiling.sharding import fsdp_hooks_apart, fsdp_units, rank_prefix
 from slackswap.profiling.step import (
@@ -70,6 +78,11 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
     for byte, raising :class:`~slackswap.VerifyError` on the first difference (it holds
     that copy until backward, so use it for a step, not for training).
 
+    A step that takes another code path than the profiled one (a random LayerDrop skip,
+    a branch on the data) runs again as plain PyTorch from where the model was called,
+    keeping every activation: said once per plan (:class:`~slackswap.PathNotice`), and
+    ``stats.off_path`` marks it (NOTE [a step off the profiled path]).
+
     On CUDA the forward pass is assumed to run on one stream per device, and backward on
     the autograd engine's one thread per device (the usual single-GPU step). One block
     is open at a time in a process: another thread's is refused (NOTE [one thread at a
@@ -83,7 +96,7 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         self._wrappers = frozenset(id(w) for w in wrappers(model))
         model = eager_module(model)  # inside torch.compile's or DDP's wrapper
         profile = profile if profile is not None else plan._profile
-        self._fingerprint, self._profile = plan.fingerprint, profile
+        self._fingerprint, self._profile, self._plan = plan.fingerprint, profile, plan
         self._state: dict[str, torch.Tensor] = {}  # the model's parameters and buffers
         self._buffers: list[torch.Tensor] = []
         self._units: list[torch.nn.Module] = []  # FSDP2's
@@ -175,6 +188,7 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
                 self._thread = threading.get_ident()
                 _ACTIVE.append(self)
             stack.callback(_ACTIVE.remove, self)
+            guard_forward(self.model, stack)  # NOTE [a step off the profiled path]
             # what forward left waiting for its group (NOTE [offloads issued in groups])
             stack.callback(self.values.issue_waiting)
             stack.callback(self.model.register_forward_pre_hook(
@@ -209,6 +223,47 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         # backward began: NOTE [refusals leave no trace]
         self._refused(exc[1])
         self._before = None
+
+    def run_forward(self, forward: Any, args: tuple, kwargs: dict) -> Any:
+        """The model's own forward, run again as plain PyTorch when it leaves the
+        profiled path before backward began (NOTE [a step off the profiled path])."""
+        try:
+            out = forward(*args, **kwargs)
+            said = self._other_saves()
+            if said is None or self._before is None or self.values.checked:
+                return out
+            del out  # (the first try's graph goes with it)
+        except PathChanged as e:
+            if self._before is None or self.values.checked or self._exit is None:
+                raise
+            said = str(e)  # (the error and its frames, the first try's tensors, go here)
+        before, self._before, recorder = self._before, None, self.values.recorder
+        assert recorder is not None
+        recorder.quiet = True  # the rest of the step is the model's alone
+        recorder.stop()
+        before.restore()  # the buffers and RNG as the model was called
+        self._exit.enter_context(torch.autograd.graph.saved_tensors_hooks(_plain, _same))
+        self.values.stats.off_path = True
+        if not self._plan._off_path_said:
+            self._plan._off_path_said = True
+            warnings.warn(f"{said[:1].upper()}{said[1:]}. This step and the next such ran "
+                          "again as plain PyTorch (the same draws and gradients), keeping "
+                          "every activation: over the plan's budget", PathNotice,
+                          stacklevel=2)
+        return forward(*args, **kwargs)
+
+    def _other_saves(self) -> str | None:
+        """What says the model returned having saved fewer or more tensors than in the
+        profiled step (a layer skipped or run, whose saves matched the next one's, where
+        no watched op tells); None if not, or if the plan keeps everything (nothing it
+        does depends on the path)."""
+        watch, recorder = self._watch, self.values.recorder
+        if (not self.decisions or watch is None or watch.model_packs is None
+                or recorder is None or recorder.quiet
+                or self._exit is None or recorder.packs_seen == watch.model_packs):
+            return None
+        return path_changed(f"it returned after {recorder.packs_seen} saves where the "
+                            f"profiled step made {watch.model_packs}")
 
     def _refused(self, error: BaseException | None) -> None:
         """Put back what the step changed when the runtime refuses it in forward."""
@@ -281,6 +336,67 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
                                      f"shape {planned}, not {list(t.shape)}; {_REPLAN}")
         given = [(list(t.shape), dtype_name(t.dtype)) for t in tensors]
         raise InputError(f"{rank_prefix()}{shapes_differ(self._profile, given)}; {_REPLAN}")
+
+
+# NOTE [a step off the profiled path]
+#     A plan names what a step saves by the order of its saves, checked against the
+#     profiled step's sizes and ops. A model that skips layers at random (LayerDrop:
+#     Whisper's encoder_layerdrop, Wav2Vec2's layerdrop, OPT's) or branches on its data
+#     takes another path on some steps; the runtime finds it in forward, at the first
+#     save or watched op that differs, or as the model returns having saved more or
+#     fewer tensors than the profiled step had by then (``StepProfile.model_saves``: a
+#     skipped layer whose saves matched the next one's). The model's forward is called
+#     through a guard
+#     (``guard_forward``): there, before backward began, the step's changes are put back
+#     (the buffers and the RNG, NOTE [refusals leave no trace]), the runtime steps aside
+#     for the rest of the block, and the model's forward runs again as plain PyTorch,
+#     drawing what it drew: gradients are plain PyTorch's, but that step keeps every
+#     activation (said once per plan object, ``PathNotice``; ``stats.off_path``). What the first
+#     try made goes with its error. A model changed in place otherwise in forward (a
+#     parameter, an attribute) cannot be put back: such a step is refused as before.
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """Saved as autograd saves it (an output detached from the node that saves it)."""
+    return t if t.grad_fn is None else t.detach()
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def guard_forward(model: torch.nn.Module, stack: contextlib.ExitStack | None) -> None:
+    """Call ``model``'s forward through the open block's :meth:`apply.run_forward` (NOTE
+    [a step off the profiled path]); with ``stack``, until it closes, else until
+    :func:`unguard`. Bound to the model, so a copy of it calls its own forward."""
+    if "_slackswap_own_forward" in model.__dict__:
+        return
+    model.__dict__["_slackswap_own_forward"] = model.__dict__.get("forward")
+    model.forward = types.MethodType(_guarded, model)  # type: ignore[method-assign]
+    if stack is not None:
+        stack.callback(unguard, model)
+
+
+def _guarded(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    own = model.__dict__.get("_slackswap_own_forward")
+    forward = own if own is not None else type(model).forward.__get__(model)
+    block = _ACTIVE[-1] if _ACTIVE else None
+    if block is None or block.model is not model:
+        return forward(*args, **kwargs)
+    return block.run_forward(forward, args, kwargs)
+
+
+def unguard(model: torch.nn.Module) -> None:
+    """Undo :func:`guard_forward`: the model's forward is what it was."""
+    if "_slackswap_own_forward" not in model.__dict__:
+        return
+    own = model.__dict__.pop("_slackswap_own_forward")
+    if getattr(model.__dict__.get("forward"), "__func__", None) is not _guarded:
+        return  # wrapped again since (accelerate's wrappers call the guard): left as is
+    if own is None:
+        model.__dict__.pop("forward", None)
+    else:
+        model.forward = own  # type: ignore[method-assign]
 
 
 # NOTE [the model checked in one walk]

@@ -51,7 +51,7 @@ from torch._C._dynamo.eval_frame import set_eval_frame as _set_eval_frame
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from slackswap.core.plan import MIN_PLANNED_BYTES
-from slackswap.errors import InputError
+from slackswap.errors import InputError, PathChanged, path_changed
 from slackswap.profiling.naming import (
     ActivationNamer,
     ForwardModules,
@@ -204,12 +204,8 @@ class Recorder:
         segments = events.segments.get(key)
         segment = segments[seen] if segments is not None and seen < len(segments) else None
         if segment is None:
-            raise InputError(
-                f"the step called {type(module).__name__} more often than its profile "
-                "did: the plan's profile is not of this step (another batch, code path "
-                "or kernels); profile it again with mode='traced' (slackswap.plan(model, "
-                "batch) does) or on this device"
-            )
+            raise PathChanged(path_changed(
+                f"it called {type(module).__name__} more often than the profiled step did"))
         if segment > 0:  # 0: an event where watching does not change
             self._begin_segment(segment)
 
@@ -233,12 +229,9 @@ class Recorder:
         assert watch is not None
         expected = watch.op_kinds.get(index)
         if expected != kind:
-            got = f"op {index} is {expected}" if expected else f"has no op {index} there"
-            raise InputError(
-                f"the step ran {kind} where its profile {got}: the plan's profile is not of "
-                "this step (another batch, code path or kernels); profile it again with "
-                "mode='traced' (slackswap.plan(model, batch) does) or on this device"
-            )
+            got = f"ran {expected}" if expected else "had no op"
+            raise PathChanged(path_changed(f"its op {index} is {kind} where the profiled "
+                                           f"step's {got}"))
         return index
 
     def next_pack(self) -> str | None:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from slackswap.core.plan import MIN_PLANNED_BYTES, Decision
-from slackswap.errors import NESTED_BACKWARD, InputError, VerifyError
+from slackswap.errors import NESTED_BACKWARD, InputError, PathChanged, VerifyError, path_changed
 from slackswap.profiling.recorder import dtype_name
 from slackswap.runtime.copies import HostCopies
 from slackswap.runtime.recipes import (
@@ -192,8 +192,8 @@ class SavedValues:
             assert self.watch is not None
             planned = self.watch.bytes.get(name)
             if planned is not None and planned != nbytes:
-                raise InputError(_other_step(nbytes, name, planned, t.dtype,
-                                             self.watch.dtypes.get(name)))
+                raise _other_step(nbytes, name, planned, t.dtype,
+                                  self.watch.dtypes.get(name))
         if node is None:
             if name in decisions:
                 node = self._saved_node(t, key, name, nbytes)
@@ -380,7 +380,9 @@ class SavedValues:
         if missing:
             raise InputError(
                 f"plan names '{missing[0]}' (and {len(missing) - 1} more) that this step did "
-                "not produce: it was made for another model, batch shape or kernels"
+                "not produce: it was made for another model, batch shape or kernels, or "
+                "the model took a different code path than in the profiled step (a random "
+                "skip such as LayerDrop: set its rate to 0)"
             )
 
     # -- what is resident, and reloads -------------------------------------------------
@@ -439,25 +441,25 @@ class SavedValues:
 
 
 def _other_step(nbytes: int, name: str, planned: int, dtype: torch.dtype,
-                profiled: str | None) -> str:
+                profiled: str | None) -> InputError:
     """NOTE [saves named by their order]: the j-th save of the step is the profile's j-th,
     as big, or the step is another than the profiled one. A floating-point save in
     another floating-point dtype than the profile's says autocast first: a step under
     another torch.autocast than its plan's (or a model cast since) saves every
     activation so. (The autocast state cannot be read here: a saved-tensor hook runs
-    with autocast's dispatch key excluded.)"""
+    with autocast's dispatch key excluded.) Otherwise the model took another code path
+    (NOTE [a step off the profiled path])."""
     now = dtype_name(dtype)
     if (dtype.is_floating_point and profiled is not None and profiled != now
             and profiled.startswith(("fp", "bf"))):
-        return (f"the step saved a {now} tensor where its profile saved '{name}' as "
-                f"{profiled}: the step runs under another torch.autocast (or the model "
-                "was cast) than the step the plan was made for, or takes another code "
-                "path; plan it under the autocast and dtype training runs "
-                "(slackswap.attach and slackswap.auto plan each autocast state once)")
-    return (f"the step saved {nbytes} bytes where its profile saved '{name}' "
-            f"({planned} bytes): the plan's profile is not of this step (another "
-            "batch, code path, routing or kernels); profile it again with "
-            "mode='traced' (slackswap.plan(model, batch) does) or on this device")
+        return InputError(
+            f"the step saved a {now} tensor where its profile saved '{name}' as "
+            f"{profiled}: the step runs under another torch.autocast (or the model "
+            "was cast) than the step the plan was made for, or takes another code "
+            "path; plan it under the autocast and dtype training runs "
+            "(slackswap.attach and slackswap.auto plan each autocast state once)")
+    return PathChanged(path_changed(f"it saved {nbytes} bytes where the profiled step "
+                                    f"saved '{name}', {planned} bytes"))
 
 
 _SAME_SIZE_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -60,6 +60,9 @@ class RuntimeStats:
     verified: int = 0  # reloads and rebuilds compared with the original (verify=True)
     resident_bytes: int = 0
     peak_resident_bytes: int = 0
+    # the step left its plan's profiled path and ran again as plain PyTorch (NOTE [a step
+    # off the profiled path])
+    off_path: bool = False
     host_buffers_allocated: int = 0  # host buffers not found in the pool (pinned on CUDA)
     # ids of the activations reloaded, in the order the reloads were issued
     reload_order: list[str] = field(default_factory=list)

@@ -43,6 +43,7 @@ class Watch:
     bytes: dict[str, int]  # id -> storage bytes, checked as it is saved (NOTE [saves named
     # by their order] in ``runtime/saved.py``)
     dtypes: dict[str, str]  # id -> dtype name: a refusal says when the step's differs
+    model_packs: int | None = None  # packs by the model's return (StepProfile.model_saves)
 
     @property
     def watched_ops(self) -> int:
@@ -81,4 +82,5 @@ def _watch_for(profile: StepProfile, plan: Plan) -> Watch:
         # activations a forward op made (a batch view's record has the view's bytes)
         bytes={n: tensors[t].bytes for n, t in ids.items() if tensors[t].producer is not None},
         dtypes={n: tensors[t].dtype for n, t in ids.items() if tensors[t].producer is not None},
+        model_packs=profile.model_saves,
     )

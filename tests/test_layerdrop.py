@@ -1,0 +1,110 @@
+"""Models that skip layers at random in training (LayerDrop), in their real
+``transformers`` classes from tiny configs: a step whose draw takes another path than the
+profiled step runs as plain PyTorch (NOTE [a step off the profiled path]), so training
+under a plan or ``attach`` gives plain PyTorch's gradients on every step."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import slackswap
+from slackswap.errors import PathNotice
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+
+def _whisper():
+    config = transformers.WhisperConfig(
+        vocab_size=100, num_mel_bins=8, d_model=32, encoder_layers=3, decoder_layers=3,
+        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+        decoder_ffn_dim=64, max_source_positions=16, max_target_positions=16,
+        encoder_layerdrop=0.5, decoder_layerdrop=0.5, pad_token_id=0,
+        decoder_start_token_id=1, bos_token_id=1, eos_token_id=2)
+    model = transformers.WhisperForConditionalGeneration(config)
+    g = torch.Generator().manual_seed(1)
+    return model, {"input_features": torch.randn(2, 8, 32, generator=g),
+                   "labels": torch.randint(3, 100, (2, 6), generator=g)}
+
+
+def _wav2vec2():
+    config = transformers.Wav2Vec2Config(
+        vocab_size=20, hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
+        intermediate_size=64, conv_dim=(16, 16), conv_stride=(5, 4), conv_kernel=(10, 8),
+        num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=2, layerdrop=0.5,
+        mask_time_prob=0.0, pad_token_id=0)
+    model = transformers.Wav2Vec2ForCTC(config)
+    g = torch.Generator().manual_seed(1)
+    return model, {"input_values": torch.randn(2, 800, generator=g),
+                   "labels": torch.randint(1, 20, (2, 5), generator=g)}
+
+
+def _opt():
+    config = transformers.OPTConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=3, ffn_dim=64,
+        num_attention_heads=2, max_position_embeddings=32, word_embed_proj_dim=32,
+        layerdrop=0.5)
+    model = transformers.OPTForCausalLM(config)
+    ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(1))
+    return model, {"input_ids": ids, "labels": ids.clone()}
+
+
+def _train(model, batch, steps: int, plan=None) -> list:
+    """Loss and gradients of each of ``steps`` SGD steps, seeded by the step's number."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = []
+    for step in range(steps):
+        torch.manual_seed(step)
+        block = slackswap.apply(model, plan) if plan is not None else None
+        with block if block is not None else warnings.catch_warnings():
+            loss = model(**batch).loss
+        loss.backward()
+        out.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                    if p.grad is not None},
+                    block.stats.off_path if block is not None else None))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return out
+
+
+def _assert_same(got: list, want: list) -> None:
+    for step, ((loss, grads, _), (loss0, grads0, _)) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(loss, loss0), step
+        assert grads.keys() == grads0.keys(), step
+        for name, g in grads.items():
+            assert torch.equal(g, grads0[name]), (step, name)
+
+
+@pytest.mark.parametrize("factory", [_whisper, _wav2vec2, _opt])
+def test_a_plan_trains_a_layerdrop_model_as_plain_pytorch(factory) -> None:
+    torch.manual_seed(0)
+    model, batch = factory()
+    model.train()
+    reference = copy.deepcopy(model)
+    torch.manual_seed(100)
+    plan = slackswap.plan(model, batch, budget=0.5, hardware="a100-80gb")
+    assert any(d != "keep" for d in plan.decisions.values())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PathNotice)
+        got = _train(model, batch, 6, plan)
+    _assert_same(got, _train(reference, batch, 6))
+    off = [o for _, _, o in got]
+    assert any(off) and not all(off), off  # steps on and off the profiled path
+
+
+def test_attach_trains_a_layerdrop_model_as_plain_pytorch() -> None:
+    torch.manual_seed(0)
+    model, batch = _whisper()
+    model.train()
+    reference = copy.deepcopy(model)
+    forward = model.forward
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with slackswap.attach(model, budget=0.5, hardware="a100-80gb") as attached:
+            got = _train(model, batch, 5)
+    _assert_same(got, _train(reference, batch, 5))
+    assert attached.plans and "forward" not in model.__dict__ and model.forward == forward
