@@ -270,6 +270,13 @@ STORED = Path(__file__).parent / "data" / "exact_optima.json"
 SHORT: set[tuple[str, float]] = {("bert-large-mlm@2", 0.3), ("bert-large-mlm@2", 0.4)}
 
 
+def _solved_digest(profile: StepProfile) -> str:
+    """The profile's digest as the bounds were solved for: without ``model_saves``, added
+    since, which only the runtime reads (to find a step off its profiled path; NOTE [a
+    step off the profiled path]): nothing planned or simulated depends on it."""
+    return content_digest(profile.model_copy(update={"model_saves": None}))
+
+
 @pytest.mark.parametrize("case", json.loads(STORED.read_text()),
                          ids=lambda c: f"{c['step']}-{c['budget']}")
 def test_within_half_a_point_of_the_tightest_bound(case: dict) -> None:
@@ -290,7 +297,7 @@ def test_within_half_a_point_of_the_tightest_bound(case: dict) -> None:
     host's watches and the re-runs of rebuilds however deep (NOTE [tight timing]): the
     stored plan, simulated at 78.40%, was valued at 79.33%."""
     profile, hw = small(case["step"]), slackswap.load_hardware(case["hardware"])
-    assert (content_digest(profile), content_digest(hw)) == (
+    assert (_solved_digest(profile), content_digest(hw)) == (
         case["profile_digest"], case["hardware_digest"]), (
         "the profile or hardware changed since the bound was solved: regenerate "
         "tests/data/exact_optima.json as its test says (or install the transformers "
