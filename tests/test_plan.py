@@ -443,8 +443,8 @@ def _watch_priced(ctx: PlanContext, chosen, behind: bool) -> float:
     dispatches and packs by then) or, ``behind``, the most by which the host falls behind
     in forward: at any forward op c, the dispatches and packs up to c and the watch of
     every such segment ending by c, less c's keep-all start."""
+    from slackswap.core.offloads import forward_packs as packs
     from slackswap.core.watched import forward_segments
-    from slackswap.sim.host import packs
 
     p, host = ctx.profile, ctx.hw.host
     fb = ctx.first_backward

@@ -11,11 +11,11 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
+from slackswap.core.offloads import forward_packs as packs
 from slackswap.core.watched import forward_segments
 from slackswap.planners.context import PlanContext
 from slackswap.planners.memory import Pressure
 from slackswap.planners.quiet import solver_output_off
-from slackswap.sim.host import packs
 
 
 class _Program:

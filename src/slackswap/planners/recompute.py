@@ -26,13 +26,13 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
+from slackswap.core.offloads import forward_packs as packs
 from slackswap.core.plan import MIN_PLANNED_BYTES, Decision
 from slackswap.core.profile import StepProfile
 from slackswap.core.watched import forward_segments
 from slackswap.planners.context import Candidate, PlanContext
 from slackswap.planners.memory import Pressure
 from slackswap.planners.quiet import solver_output_off
-from slackswap.sim.host import packs
 
 __all__ = ["rebuild_cost", "kernel_cost", "chain_edges", "chain_seconds", "choose_recompute",
            "choose_cover", "CoverProgram", "solve_cover", "row_tie", "with_watches",

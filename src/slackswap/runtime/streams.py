@@ -40,6 +40,7 @@ def unseen() -> Any:
     """A context in which the runtime's own copies are seen by no dispatch mode."""
     return _UNSEEN()
 
+
 __all__ = ["Link", "StandIn", "link_for", "stand_ins", "whole", "bytes_of", "unseen"]
 
 

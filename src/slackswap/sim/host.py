@@ -40,7 +40,7 @@ from slackswap.core.profile import StepProfile
 from slackswap.core.watched import watched_ops
 from slackswap.sim.schedule import Schedule
 
-__all__ = ["HostTimes", "host_times", "issue_times", "chain_end", "eager_step_time", "packs"]
+__all__ = ["HostTimes", "host_times", "issue_times", "chain_end", "eager_step_time"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,12 +88,6 @@ def eager_step_time(profile: StepProfile, dispatch_s: float) -> float:
     return profile.derived(f"eager-step:{dispatch_s!r}", ideal)
 
 
-def packs(profile: StepProfile) -> list[tuple[int, int]]:
-    """Forward packs as (tensor id or -1, op index the pack runs before): see
-    :func:`slackswap.core.offloads.forward_packs`."""
-    return forward_packs(profile)
-
-
 def _moved(profile: StepProfile, plan: Plan) -> set[int]:
     """Saved activations the schedule offloads or recomputes (small ones are kept)."""
     planned = profile.derived("host:planned", lambda: {
@@ -127,27 +121,23 @@ def host_times(profile: StepProfile, plan: Plan, sched: Schedule, host: Host
         return min(bisect_left(positions, op), last)
 
     runtime = any(d != Decision.KEEP for d in plan.decisions.values())
-    pack_end: dict[int, tuple[int, float]] = {}  # tensor -> (item, host s into it) of 1st pack
+    pack_end: dict[int, tuple[int, float]] = {}  # offloaded tensor -> (item, host s into it)
     if runtime:
         packed = [0.0] * len(items)
         offloaded = {copy.tensor for copy in sched.d2h}
-        steps = forward_packs(profile)
         # NOTE [offloads issued in groups]: the pack of a group's last offload issues
         # every copy of the group, and the host pays for them there
-        issues = offload_issues(profile, offloaded)
         groups: dict[int, list[int]] = {}
-        for tid, j in issues.items():
+        for tid, j in offload_issues(profile, offloaded).items():
             groups.setdefault(j, []).append(tid)
-        for j, (tid, before) in enumerate(steps):
+        for j, (_, before) in enumerate(forward_packs(profile)):
             k = reached(before)
             packed[k] += host.pack_s
-            if tid >= 0 and tid not in pack_end and tid not in issues:
-                pack_end[tid] = (k, packed[k])
-            for member in groups.get(j, ()):
-                packed[k] += host.offload_s
-                offloaded.discard(member)
-            for member in groups.get(j, ()):
-                pack_end[member] = (k, packed[k])
+            members = groups.get(j)
+            if members:
+                packed[k] += host.offload_s * len(members)
+                offloaded.difference_update(members)
+                pack_end.update(dict.fromkeys(members, (k, packed[k])))
         for copy in sched.d2h:  # a checkpoint, offloaded as the op after its producer runs
             if copy.tensor in offloaded:
                 packed[min(copy.after_item + 1, last)] += host.offload_s
