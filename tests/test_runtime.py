@@ -361,7 +361,9 @@ def test_a_graph_dropped_without_backward_leaves_nothing_held() -> None:
 
 
 def test_the_garbage_collector_is_restored() -> None:
-    """It is paused in the forward block (NOTE [no cyclic GC in forward]), not after."""
+    """It is paused in the forward block (NOTE [no cyclic GC in forward]) and until the
+    step's backward has run, or its graph is dropped, or the next block opens (NOTE [no
+    cyclic GC until backward]); at once on a refusal; never if the caller had paused it."""
     import gc
 
     profile, model, batch, names, _ = setup("gpt2-xl-tiny")
@@ -369,8 +371,26 @@ def test_the_garbage_collector_is_restored() -> None:
     with slackswap.apply(model, plan):
         assert not gc.isenabled()
         loss = model(**batch).loss
-    assert gc.isenabled()
+    assert not gc.isenabled()  # forward's records die in backward, uncollected
     loss.backward()
+    assert gc.isenabled()
+    with slackswap.apply(model, plan):
+        loss = model(**batch).loss
+    assert not gc.isenabled()
+    del loss  # a graph dropped without backward
+    assert gc.isenabled()
+    with slackswap.apply(model, plan):
+        first = model(**batch).loss
+    with slackswap.apply(model, plan):  # (micro-batches: forwards, then backwards)
+        assert not gc.isenabled()
+        second = model(**batch).loss
+    first.backward()
+    assert gc.isenabled()
+    second.backward()
+    assert gc.isenabled()
+    with torch.no_grad(), slackswap.apply(model, plan):  # nothing saved
+        model(**batch)
+    assert gc.isenabled()
     with pytest.raises(RuntimeError, match="inside"), slackswap.apply(model, plan):
         raise RuntimeError("inside")
     assert gc.isenabled()

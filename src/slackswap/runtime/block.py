@@ -10,7 +10,6 @@ The block owns the step's hooks and checks; the work is split by seam:
 from __future__ import annotations
 
 import contextlib
-import gc
 import sys
 import threading
 import types
@@ -45,7 +44,7 @@ from slackswap.profiling.step import (
 from slackswap.runtime.checks import offload_deadlines, prepare, shapes_differ
 from slackswap.runtime.copies import copies_for
 from slackswap.runtime.recording import Recorder
-from slackswap.runtime.saved import SavedValues
+from slackswap.runtime.saved import COLLECTOR, SavedValues
 from slackswap.runtime.state import StateBefore, StepState
 from slackswap.runtime.stats import RuntimeStats
 from slackswap.runtime.watch import can_watch, watch_for
@@ -208,10 +207,12 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
             # op until backward, and those allocations set off Python's cyclic collector
             # over the whole heap again and again: two thirds of the runtime's cost per
             # op, on a heap as large as a training process has. Reference counting still
-            # frees everything; only the cycle collector waits until the block ends.
-            if gc.isenabled():
-                gc.disable()
-                stack.callback(gc.enable)
+            # frees everything; only the cycle collector waits, until the step's backward
+            # has run (NOTE [no cyclic GC until backward] in ``runtime/saved.py``), or
+            # until the block ends where it packed nothing or was refused.
+            COLLECTOR.release()  # (a step before whose backward never ran)
+            COLLECTOR.hold()
+            stack.push(self._collector_after)
             self._exit = stack.pop_all()
         return self
 
@@ -264,6 +265,12 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
             return None
         return path_changed(f"it returned after {recorder.packs_seen} saves where the "
                             f"profiled step made {watch.model_packs}")
+
+    def _collector_after(self, kind: Any, error: Any, trace: Any) -> None:
+        """The block closes: the collector stays paused until backward only when forward
+        packed what backward will unpack (NOTE [no cyclic GC until backward])."""
+        if error is not None or not self.values.handles:
+            COLLECTOR.release()
 
     def _refused(self, error: BaseException | None) -> None:
         """Put back what the step changed when the runtime refuses it in forward."""

@@ -97,8 +97,8 @@ class HostCopies:
         self._reloads: dict[int, list[Any]] = {}
         self._snapshots: dict[int, torch.Tensor] = {}  # slot -> its pinned host buffer
         # offloads whose copies wait for their group's (NOTE [offloads issued in groups]):
-        # (tensor, host buffer, deadline, bytes), and their storages
-        self._waiting: list[tuple[torch.Tensor, torch.Tensor, int | None, int]] = []
+        # (tensor, host buffer, deadline, bytes, storage key), and their storages
+        self._waiting: list[tuple[torch.Tensor, torch.Tensor, int | None, int, int]] = []
         self._waiting_keys: set[int] = set()
 
     # -- the pool ----------------------------------------------------------------------
@@ -174,17 +174,21 @@ class HostCopies:
                 link.begin()
 
     def offload(self, t: torch.Tensor, stats: RuntimeStats,
-                free_before: int | None = None, issue: bool = True) -> torch.Tensor:
+                free_before: int | None = None, issue: bool = True,
+                key: int | None = None, nbytes: int = 0) -> torch.Tensor:
         """A host copy of ``t``'s storage, its buffer handed out now. The copy is issued
         now, or with ``issue=False`` with the next offload issued (NOTE [offloads issued
         in groups] in ``slackswap.core.offloads``), ``t`` held until then. On CUDA the
         device tensor is held until the copy is done, and at the latest until the step
-        reaches profile op ``free_before``."""
-        storage = t.untyped_storage()
-        nbytes, link = storage.nbytes(), self.link(t.device)
+        reaches profile op ``free_before``. ``key`` and ``nbytes``: the storage's, where
+        the caller has read them already."""
+        if key is None:
+            storage = t.untyped_storage()
+            key, nbytes = storage._cdata, storage.nbytes()
+        link = self.link(t.device)
         host = self._take(nbytes, link, stats)
-        self._waiting.append((detached(t), host, free_before, nbytes))
-        self._waiting_keys.add(storage._cdata)
+        self._waiting.append((detached(t), host, free_before, nbytes, key))
+        self._waiting_keys.add(key)
         if issue:
             self.issue()
         return host
@@ -206,20 +210,18 @@ class HostCopies:
         link = self.link(device)
         if link is None:  # synchronous: each copy done as it is issued
             with streams.unseen():
-                for t, host, _, _ in waiting:
+                for t, host, _, _, _ in waiting:
                     host.untyped_storage().copy_(t.untyped_storage())
             return
         self.poll()
         d2h = link.d2h
         link.wait_for_compute(d2h)  # the tensors have been computed
-        with link.issuing_on(d2h):
-            for t, host, _, nbytes in waiting:
-                link.copy_storage(host, t, nbytes)
+        link.copy_storages(d2h, waiting)
         event = link.event()
         event.record(d2h)
         group = next(self._groups)
-        for t, host, free_before, _ in waiting:
-            self._in_flight(event, t, host, free_before, group)
+        for t, host, free_before, _, key in waiting:
+            self._in_flight(event, t, host, free_before, group, key)
 
     def snapshot(self, t: torch.Tensor, slot: int) -> torch.Tensor:
         """A copy of ``t`` in host memory (a model buffer the step may change, NOTE
@@ -238,11 +240,12 @@ class HostCopies:
         return host
 
     def _in_flight(self, event: Any, t: torch.Tensor, host: torch.Tensor,
-                   free_before: int | None, group: int) -> None:
+                   free_before: int | None, group: int, key: int | None = None) -> None:
         """Hold what an offload's copy reads and writes until ``event`` (or the deadline)."""
         # t's memory is not reused, nor the buffer handed out again, before the copy
         # (t: detached, out of the recorder's sight)
-        key = storage_key(t)
+        if key is None:
+            key = storage_key(t)
         entry = [event, t, host, key, free_before, group]
         self._offloads.append(entry)
         if free_before is not None:

@@ -80,6 +80,19 @@ class Link:
             source = t if whole(t, nbytes) else bytes_of(t)
             host.view(source.dtype).view(source.shape).copy_(source, non_blocking=True)
 
+    def copy_storages(self, stream: Any, copies: list[tuple[Any, ...]]) -> None:
+        """Each offload ``(t, host, _, nbytes, _)`` of ``copies`` as :meth:`copy_storage`,
+        issued on ``stream``, then the compute stream again: one switch each way for a
+        group (NOTE [offloads issued in groups] in ``slackswap.core.offloads``)."""
+        torch.cuda.set_stream(stream)
+        try:
+            with _UNSEEN():
+                for t, host, _, nbytes, _ in copies:
+                    source = t if whole(t, nbytes) else bytes_of(t)
+                    host.view(source.dtype).view(source.shape).copy_(source, non_blocking=True)
+        finally:
+            torch.cuda.set_stream(self.compute)
+
     def wait_for_compute(self, stream: Any) -> None:
         """``stream`` runs what comes next after the work queued on the compute stream
         so far: ``stream.wait_stream(compute)`` without a new event each time (an event
@@ -169,6 +182,11 @@ class StandIn:
             target = host.view(source.dtype).view(source.shape)
             if t.device.type != "meta":
                 target.copy_(source)
+
+    def copy_storages(self, stream: _StandInStream, copies: list[tuple[Any, ...]]) -> None:
+        self.calls["stream_switch"] += 1
+        for t, host, _, nbytes, _ in copies:
+            self.copy_storage(host, t, nbytes)
 
     def wait_for_compute(self, stream: _StandInStream) -> None:
         self.calls["event_record"] += 1
