@@ -114,8 +114,6 @@ class _Packed:
             owner.handle_gone(self.vkey, kept)
 
     def check_version(self) -> None:
-        if self.owner is None:
-            raise InputError(_DROPPED)
         saved = self.saved() if self.tensor is None else self.tensor
         if self.modified or (saved is not None and saved._version != self.version):
             raise RuntimeError(
@@ -356,6 +354,8 @@ class SavedValues:
     def unpack(self, packed: Any) -> torch.Tensor:
         if type(packed) is _Saved:
             return packed.unpack()
+        if packed.owner is None:
+            raise InputError(_DROPPED)
         if self.in_forward:
             raise InputError(NESTED_BACKWARD)
         if not self.checked:
