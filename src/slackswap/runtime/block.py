@@ -360,10 +360,11 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
 #     hook whose closure holds them (``register_multi_grad_hook``, as ``MemTracker``'s
 #     module tracker registers on every module's inputs) makes a cycle through autograd
 #     that no collector frees, and held the kept half of the first try through the second
-#     (Switch, keep and offload in turn: 398,560 B against plain PyTorch's 326,864 B;
-#     now 326,864 B; ``tests/test_layerdrop.py``). A model changed in place otherwise in
-#     forward (a parameter, an attribute) cannot be put back: such a step is refused as
-#     before.
+#     (Switch, keep and offload in turn: 399,200 B against plain PyTorch's 326,864 B;
+#     now 326,864 B; ``tests/test_layerdrop.py``, ``benchmarks/off_path_memory.py``).
+#     Backward from a tensor kept from the first try is refused in one line. A model
+#     changed in place otherwise in forward (a parameter, an attribute) cannot be put
+#     back: such a step is refused as before.
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
