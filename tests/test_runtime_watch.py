@@ -11,7 +11,7 @@ import torch
 
 import slackswap
 from slackswap.core.plan import MIN_PLANNED_BYTES, Plan
-from slackswap.errors import PathNotice
+from slackswap.errors import InputError, PathNotice
 from slackswap.models import build_model
 from slackswap.runtime.watch import watch_for
 
@@ -196,3 +196,36 @@ def test_a_hooked_module_called_more_often_than_learned_is_refused() -> None:
                   "where the profiled step")
     finally:
         del hooked.forward
+
+
+def test_what_the_first_try_saved_is_let_go_of_before_the_second() -> None:
+    """The runtime lets go of what a step's first try saved before the step runs again
+    (NOTE [a step off the profiled path]): backward from a tensor a hook kept from the
+    first try says so in one line (it was refused as a plan made for another step); the
+    step's own backward is plain PyTorch's."""
+    model, batch, profile = traced()
+    plan = uniform(profile, "offload")
+    wrong = profile.model_copy(deep=True)
+    moved = [n for n, d in plan.decisions.items() if d == "offload" and ".h.1." in n][0]
+    wrong.by_name[moved].bytes += 4  # the first try runs through block 0
+    outputs: list[torch.Tensor] = []
+    hook = model.transformer.h[0].mlp.register_forward_hook(
+        lambda module, args, out: outputs.append(out))
+    try:
+        torch.manual_seed(0)
+        with pytest.warns(PathNotice, match="different code path"), \
+                slackswap.apply(model, plan, profile=wrong) as block:
+            loss = model(**batch).loss
+        loss.backward()
+        assert block.stats.off_path and block.stats.offloaded_bytes > 0
+        got = {"loss": loss.detach(), **{n: p.grad.clone() for n, p in model.named_parameters()}}
+        model.zero_grad(set_to_none=True)
+        first, second = outputs  # the hook ran in both tries
+        with pytest.raises(InputError, match="left the profiled path and ran again"):
+            first.sum().backward()
+        assert second.grad_fn is not None and first.grad_fn is not second.grad_fn
+        want = reference(model, batch)
+        assert all(torch.equal(got[k], want[k]) for k in want)
+    finally:
+        hook.remove()
+        model.zero_grad(set_to_none=True)

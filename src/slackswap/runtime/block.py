@@ -242,6 +242,7 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         assert recorder is not None
         recorder.quiet = True  # the rest of the step is the model's alone
         recorder.stop()
+        self.values.drop_step()  # the first try's activations, whoever holds its graph
         before.restore()  # the buffers and RNG as the model was called
         self._exit.enter_context(torch.autograd.graph.saved_tensors_hooks(_plain, _same))
         self.values.stats.off_path = True
@@ -359,8 +360,18 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
 #     for the rest of the block, and the model's forward runs again as plain PyTorch,
 #     drawing what it drew: gradients are plain PyTorch's, but that step keeps every
 #     activation (said once per plan object, ``PathNotice``; ``stats.off_path``). What the first
-#     try made goes with its error. A model changed in place otherwise in forward (a
-#     parameter, an attribute) cannot be put back: such a step is refused as before.
+#     try made goes with its error, and before the second try begins the runtime lets go
+#     of all it holds for the first try's saves (``SavedValues.drop_step``: kept and small
+#     activations, host copies, checkpoints), so that the step peaks where plain PyTorch
+#     does even where something keeps the first try's autograd nodes alive: a backward
+#     hook whose closure holds them (``register_multi_grad_hook``, as ``MemTracker``'s
+#     module tracker registers on every module's inputs) makes a cycle through autograd
+#     that no collector frees, and held the kept half of the first try through the second
+#     (Switch, keep and offload in turn: 399,200 B against plain PyTorch's 326,864 B;
+#     now 326,864 B; ``tests/test_layerdrop.py``, ``benchmarks/off_path_memory.py``).
+#     Backward from a tensor kept from the first try is refused in one line. A model
+#     changed in place otherwise in forward (a parameter, an attribute) cannot be put
+#     back: such a step is refused as before.
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:

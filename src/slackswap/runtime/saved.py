@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import gc
 import weakref
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -47,6 +47,12 @@ __all__ = ["SavedValues"]
 
 _KEEP = Decision.KEEP
 _PARAMETER = torch.nn.Parameter
+_REF = weakref.ref
+_H = TypeVar("_H", "_Saved", "_Packed")
+# a handle of a forward that left the profiled path and ran again, read in backward
+_DROPPED = ("backward reached a tensor saved by a forward pass that left the profiled path "
+            "and ran again as plain PyTorch: that first try's graph was let go of; take the "
+            "loss from what the model returned")
 
 
 class _Saved:
@@ -54,12 +60,18 @@ class _Saved:
     small or unnamed activation): held with its version, since autograd's own check that
     it has not changed in place before backward is off under saved-tensor hooks."""
 
-    __slots__ = ("tensor", "version")
+    __slots__ = ("tensor", "version", "__weakref__")
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor, self.version = tensor, tensor._version
 
+    def drop(self) -> None:
+        """NOTE [a step off the profiled path]: the tensor goes, whoever holds this."""
+        self.tensor = None
+
     def unpack(self) -> torch.Tensor:
+        if self.tensor is None:
+            raise InputError(_DROPPED)
         if self.tensor._version != self.version:
             raise RuntimeError(
                 "one of the variables needed for gradient computation has been modified by "
@@ -132,7 +144,16 @@ class _Packed:
         self.modified = False
 
     def __del__(self) -> None:
-        self.owner.handle_gone(self.vkey, self.tensor is not None)
+        if self.owner is not None:
+            self.owner.handle_gone(self.vkey, self.tensor is not None)
+
+    def drop(self) -> None:
+        """NOTE [a step off the profiled path]: what the runtime holds for this handle
+        goes now, as if autograd had let go of it, whoever still holds it."""
+        owner, self.owner = self.owner, None
+        if owner is not None:
+            kept, self.tensor = self.tensor is not None, None
+            owner.handle_gone(self.vkey, kept)
 
     def check_version(self) -> None:
         saved = self.saved() if self.tensor is None else self.tensor
@@ -202,6 +223,9 @@ class SavedValues:
         self.next_prefetch = 0
         self.held: dict[Any, int] = {}  # saved values resident on the device -> bytes
         self.checked = False
+        # weak references to this step's handles over activations, packed in the model's
+        # forward (NOTE [a step off the profiled path])
+        self.made: list[Any] = []
 
     # -- forward -----------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> Any:
@@ -215,21 +239,21 @@ class SavedValues:
         if type(t) is _PARAMETER:  # a weight as the model holds it (a third of the saves
             return _Saved(t)  # of a transformer): a leaf, so held as it is
         if not plain_strided(t):  # kept as autograd saved it
-            return _Saved(t)
+            return self._made(_Saved(t))
         storage = t.untyped_storage()
         key, nbytes = storage._cdata, storage.nbytes()  # storage_key(t), its bytes
         node = state.nodes.get(key)
         # detached: a saved output holding its own grad_fn would make the graph a cycle
         # that outlives a dropped step (the detached tensor shares the version counter)
         if nbytes < MIN_PLANNED_BYTES:
-            return _Saved(state.kept(t, key, node))
+            return self._made(_Saved(state.kept(t, key, node)))
         decisions = self.decisions
         if node is None:
             if state.is_external(key):  # a parameter, a buffer, the batch: mostly leaves,
                 # which hold no node, so no cycle to break (the detach costs 2 to 5 us)
                 return _Saved(t if t.grad_fn is None else detached(t))
             if name is None:
-                return _Saved(state.kept(t, key, None))
+                return self._made(_Saved(state.kept(t, key, None)))
         if name is not None and decisions:  # an activation: NOTE [saves named by their order]
             assert self.watch is not None
             planned = self.watch.bytes.get(name)
@@ -256,7 +280,7 @@ class SavedValues:
             packed = _Packed(self, _KEEP, vkey, name, node, t, kept)
             pending[vkey] = pending.get(vkey, 0) + 1  # self._count(vkey), inlined
             handles[vkey] = handles.get(vkey, 0) + 1
-            return packed
+            return self._made(packed)
         assert node is not None
         if decision == Decision.RECOMPUTE and not node.replayable():
             raise InputError(
@@ -284,8 +308,32 @@ class SavedValues:
                     recorder.quiet = quiet
             self.offloaded[name] = vkey
             self.stats.offloaded_bytes += host.numel()
-        state.packs.setdefault(key, []).append(weakref.ref(packed))
+        ref = _REF(packed)
+        state.packs.setdefault(key, []).append(ref)
+        if self.in_forward:
+            self.made.append(ref)
         return packed
+
+    def _made(self, handle: _H) -> _H:
+        """A handle over an activation: let go of should the step run again (NOTE [a step
+        off the profiled path])."""
+        if self.in_forward:
+            self.made.append(_REF(handle))
+        return handle
+
+    def drop_step(self) -> None:
+        """NOTE [a step off the profiled path]: the step's forward ran part way and runs
+        again; everything the runtime holds for what it saved goes now, before the second
+        try. Autograd's nodes of the first try may outlive it (a backward hook's closure
+        that holds them makes a cycle through autograd that no collector frees: measured
+        with ``MemTracker``'s module tracker, half the first try's kept activations
+        stayed through the second), but hold no activation after this."""
+        made, self.made = self.made, []
+        for ref in made:
+            handle = ref()
+            if handle is not None:
+                handle.drop()
+        self.release_checkpoints(None)
 
     def issue_waiting(self) -> None:
         """Issue the copies of offloads still waiting for their group: forward is over,
@@ -349,6 +397,8 @@ class SavedValues:
     def unpack(self, packed: Any) -> torch.Tensor:
         if type(packed) is _Saved:
             return packed.unpack()
+        if packed.owner is None:
+            raise InputError(_DROPPED)
         if self.in_forward:
             raise InputError(NESTED_BACKWARD)
         if not self.checked:
