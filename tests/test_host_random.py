@@ -14,6 +14,7 @@ import random
 import warnings
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
@@ -133,3 +134,49 @@ def test_a_step_run_again_off_the_profiled_path_draws_the_host_streams_again() -
     off = [b.stats.off_path for b in blocks]
     assert any(off) and not all(off), off  # steps on and off the profiled path
     _assert_same(got, _train(reference, x, 6, _plain))
+
+
+def test_whisper_with_specaugment_and_layerdrop_trains_as_plain_pytorch() -> None:
+    """transformers' Whisper draws SpecAugment's masks from ``np.random`` (writing them
+    into the batch's features) and skips layers by ``torch.rand``: planned steps that
+    leave the profiled path run again with the masks plain PyTorch draws, and ``attach``'s
+    profiled step leaves NumPy's generator where plain training has it."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    config = transformers.WhisperConfig(
+        vocab_size=100, num_mel_bins=8, d_model=32, encoder_layers=3, decoder_layers=3,
+        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+        decoder_ffn_dim=64, max_source_positions=16, max_target_positions=16,
+        encoder_layerdrop=0.5, decoder_layerdrop=0.5, pad_token_id=0,
+        decoder_start_token_id=1, bos_token_id=1, eos_token_id=2, apply_spec_augment=True,
+        mask_time_prob=0.3, mask_time_length=2, mask_feature_prob=0.3, mask_feature_length=2)
+    torch.manual_seed(0)
+    model = transformers.WhisperForConditionalGeneration(config).train()
+    g = torch.Generator().manual_seed(1)
+    batch = {"input_features": torch.randn(2, 8, 32, generator=g),
+             "labels": torch.randint(3, 100, (2, 6), generator=g)}
+
+    def whisper(model: nn.Module, batch: dict) -> torch.Tensor:
+        return model(**batch).loss
+
+    def fresh() -> tuple[nn.Module, dict]:  # SpecAugment writes into the batch
+        return copy.deepcopy(model), copy.deepcopy(batch)
+
+    want = _train(*fresh(), 4, whisper)
+    planning, planned_batch = fresh()
+    torch.manual_seed(100)
+    plan = slackswap.plan(planning, planned_batch, budget=0.5, hardware="a100-80gb")
+    blocks = []
+
+    def planned(model: nn.Module, batch: dict) -> torch.Tensor:
+        blocks.append(slackswap.apply(model, plan))
+        with blocks[-1]:
+            return model(**batch).loss
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PathNotice)
+        _assert_same(_train(*fresh(), 4, planned), want)
+    assert any(b.stats.off_path for b in blocks)
+    attached, attached_batch = fresh()
+    with slackswap.attach(attached, budget=0.5, hardware="a100-80gb"):
+        _assert_same(_train(attached, attached_batch, 4, whisper), want)
