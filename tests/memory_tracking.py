@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _UpdateType
+from torch.utils._pytree import tree_flatten
 
 from slackswap.runtime.copies import HostCopies
 
@@ -84,6 +85,13 @@ class ActivationMemory(MemTracker):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self._host_copy:
             return func(*args, **(kwargs or {}))
+        # a storage an op reads that the tracker has not seen was made before the step
+        # (a constant a module-level cache holds, as BEiT's relative position index):
+        # not activation memory, though a view of it (an op's output) would be counted
+        for t in tree_flatten((args, kwargs))[0]:
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided \
+                    and t.untyped_storage() not in self._WINFO:
+                self._update_and_maybe_create_winfos(t, _MemRefType.OTH)
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if func in _SUMS and self._mod_tracker.is_bw:  # how autograd sums gradients
             self._sums.append((self._serials(out), self._serials(args)))

@@ -228,6 +228,9 @@ class StepProfile(JsonFile, _Record):
     # how many of ``saves`` the model's forward made before it returned (the rest: the
     # loss after it); a step that made fewer took another path. Left out when unknown.
     model_saves: NonNegativeInt | None = Field(default=None, exclude_if=lambda v: v is None)
+    # whether the step drew from Python's ``random`` or NumPy's global generator (the
+    # runtime then puts them back with the step it puts back); left out when it did not
+    host_random: bool = Field(default=False, exclude_if=lambda v: not v)
 
     @pydantic.model_validator(mode="after")
     def _consistent(self) -> StepProfile:

@@ -98,7 +98,8 @@ def profile(
     # what a plan is valid for: the model as it is held (sharded, if it is)
     held_fingerprint, state_bytes = _AS_HELD.get(id(model)) or _as_held(model)
     if mode == "analytic":
-        with leaves_no_trace(model):  # fake tensors: only Python attributes can change
+        # fake tensors: only Python attributes and host random streams can change
+        with leaves_no_trace(model) as guard:
             rec, device = _trace_analytic(model, batch, loss_fn, name, kernels or hw.kernels)
         _price(rec, hw)
         used_kernels = kernels or hw.kernels
@@ -129,6 +130,7 @@ def profile(
         saves=rec.saves,
         module_events=rec.module_events,
         model_saves=rec.model_saves,
+        host_random=guard.host_random,
     )
 
 

@@ -22,27 +22,36 @@ NOTE [a profiled step leaves no trace]
       (transformers' ``capture_outputs`` registers its output hooks on the first call
       and marks the model; the flag removed alone, the next call registers them twice
       and collects every hidden state twice),
-    - the RNG streams: the CPU's, every CUDA device's, and any ``torch.Generator`` a
-      module holds.
+    - the RNG streams: the CPU's, every CUDA device's, any generator a module holds
+      (``torch.Generator``, NumPy's ``Generator`` or ``RandomState``, ``random.Random``),
+      and the process-wide ones outside torch, Python's ``random`` and NumPy's global
+      generator (:class:`HostRandom`): Hugging Face's wav2vec2, HuBERT and their kin draw
+      SpecAugment's masks from ``np.random`` in every training forward, so a profiled
+      step that left it advanced gave ``attach`` other masks than plain training. Whether
+      the step drew from them or from a generator a module holds is kept
+      (``StepProfile.host_random``): the runtime then takes them too when it may have to
+      put a step back (NOTE [refusals leave no trace]).
     Not put back, and so not promised: writes by no op at all (through a NumPy array
     over a parameter), objects nested deeper than one container in a module attribute,
-    and state outside the model (a global counter, a logger).
+    and other state outside the model (a global counter, a logger).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import random
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from slackswap.profiling.naming import written_arguments
 
-__all__ = ["StateGuard", "leaves_no_trace"]
+__all__ = ["HostRandom", "StateGuard", "held_generators", "leaves_no_trace"]
 
 _SCALARS = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device)
 _CONTAINERS = (list, dict, set)
@@ -62,6 +71,7 @@ class StateGuard(TorchDispatchMode):
         self.watched: dict[int, torch.Tensor] = {
             t.untyped_storage()._cdata: t for t in tensors if _real(t)}
         self.copies: dict[int, tuple[torch.Tensor, torch.UntypedStorage]] = {}
+        self.host_random = False  # whether the step drew from :class:`HostRandom`'s streams
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -111,9 +121,14 @@ class _Attributes:
                     # refilled in place; the registries too (``_forward_hooks``,
                     # ``_buffers``, ...): what the step registered goes with its flags
                     kept[name] = _Contents(value)
-                elif isinstance(value, torch.Generator):
+                elif isinstance(value, _GENERATORS):
                     kept[name] = _GeneratorState(value)
             self.saved.append((module, set(attrs), kept))
+
+    def drew(self) -> bool:
+        """Whether the step drew from a generator a module holds."""
+        return any(v.changed() for _, _, kept in self.saved for v in kept.values()
+                   if isinstance(v, _GeneratorState))
 
     def restore(self) -> None:
         for module, names, kept in self.saved:
@@ -153,14 +168,76 @@ class _Contents:
             c.update(self.contents)
 
 
+_GENERATORS = (torch.Generator, np.random.Generator, np.random.RandomState, random.Random)
+
+
+def _get_state(generator: Any) -> Any:
+    if isinstance(generator, np.random.Generator):
+        return generator.bit_generator.state
+    return generator.getstate() if isinstance(generator, random.Random) \
+        else generator.get_state()
+
+
+def _set_state(generator: Any, state: Any) -> None:
+    if isinstance(generator, np.random.Generator):
+        generator.bit_generator.state = state
+    elif isinstance(generator, random.Random):
+        generator.setstate(state)
+    else:
+        generator.set_state(state)
+
+
 class _GeneratorState:
     __slots__ = ("generator", "state")
 
-    def __init__(self, generator: torch.Generator) -> None:
-        self.generator, self.state = generator, generator.get_state()
+    def __init__(self, generator: Any) -> None:
+        self.generator, self.state = generator, _get_state(generator)
+
+    def changed(self) -> bool:
+        return not _same(_get_state(self.generator), self.state)
 
     def restore(self) -> None:
-        self.generator.set_state(self.state)
+        _set_state(self.generator, self.state)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Two generator states equal, element by element (tuples of arrays, dicts of ints)."""
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return np.array_equal(a, b)
+    return a == b
+
+
+def held_generators(modules: Iterable[torch.nn.Module]) -> list[_GeneratorState]:
+    """The state of each generator the modules hold as an attribute, to put back."""
+    return [_GeneratorState(v) for m in modules for v in vars(m).values()
+            if isinstance(v, _GENERATORS)]
+
+
+class HostRandom:
+    """The process-wide random streams outside torch that a model's forward may draw
+    from: Python's ``random`` and NumPy's global generator (NOTE [a profiled step leaves
+    no trace]). Reading NumPy's costs about 0.1 ms, so the runtime takes them (and the
+    generators modules hold) only for steps whose profile drew from any of them."""
+
+    __slots__ = ("python", "numpy")
+
+    def __init__(self) -> None:
+        self.python = random.getstate()
+        self.numpy = np.random.get_state()
+
+    def changed(self) -> bool:
+        return random.getstate() != self.python or not _same(np.random.get_state(),
+                                                             self.numpy)
+
+    def restore(self) -> None:
+        random.setstate(self.python)
+        np.random.set_state(self.numpy)
 
 
 @contextlib.contextmanager
@@ -178,10 +255,13 @@ def leaves_no_trace(model: torch.nn.Module, batch: Iterable[torch.Tensor] = (),
     guard = StateGuard(_tensors(model, batch))
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    host_random = HostRandom()
     try:
         yield guard
     finally:
         guard.restore()
+        guard.host_random = host_random.changed() or attributes.drew()
+        host_random.restore()
         with torch.no_grad():
             for buffer, saved in buffers.items():
                 buffer.copy_(saved)

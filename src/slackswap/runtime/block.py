@@ -98,6 +98,7 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         self._fingerprint, self._profile, self._plan = plan.fingerprint, profile, plan
         self._state: dict[str, torch.Tensor] = {}  # the model's parameters and buffers
         self._buffers: list[torch.Tensor] = []
+        self._modules: list[torch.nn.Module] = []
         self._units: list[torch.nn.Module] = []  # FSDP2's
         self._before: StateBefore | None = None  # NOTE [refusals leave no trace]
         self._handling: BaseException | None = None  # handled as the model was called
@@ -302,7 +303,7 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
                 "re-plan for this model"
             )
         self._state = dict(zip(seen.names, walk.tensors, strict=True))
-        self._buffers = walk.buffers
+        self._buffers, self._modules = walk.buffers, walk.modules
         self._units = [walk.modules[i] for i in seen.units]
 
     def _check_call(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
@@ -322,7 +323,10 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
                 self.state.mark_external(t)
         recorder = self.values.recorder
         with recorder.quieted() if recorder is not None else contextlib.nullcontext():
-            self._before = StateBefore(self._buffers, self._device, self.values.copies)
+            # a plan with no profile: the other random streams too, not knowing
+            drew = self._profile is None or self._profile.host_random
+            self._before = StateBefore(self._buffers, self._device, self.values.copies,
+                                       self._modules if drew else None)
         self._handling = sys.exc_info()[1]  # the model may be called in an except block
 
     def _forward_done(self, module: torch.nn.Module, args: tuple, output: Any) -> None:

@@ -142,7 +142,9 @@ def shapes_differ(profile: StepProfile | None, given: list[tuple[list[int], str]
     if profile is None:
         return (f"plan was made for a batch of other shapes or dtypes than {shapes} (give "
                 "apply the plan's profile= to see which)")
-    inputs = [t for t in profile.tensors if t.kind == "input"]
+    # the batch's (named by its keys): not a tensor from outside the step the model read
+    # (a constant a module-level cache holds)
+    inputs = [t for t in profile.tensors if t.kind == "input" and t.name is not None]
     planned = [t.shape for t in inputs]
     if sorted(planned) != sorted(shapes):
         return f"plan was made for a batch of shapes {planned}, not {shapes}"

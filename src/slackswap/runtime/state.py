@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from slackswap.profiling.untouched import HostRandom, held_generators
 from slackswap.runtime.recipes import (
     Node,
     Step,
@@ -102,14 +103,20 @@ class StateBefore:
     into host memory (the device's is the plan's budget): the buffers are few and small
     in the models planned (none in gpt2, two in llama and bert), and copying them costs
     a copy each. Put back when the runtime refuses the
-    step before backward began; dropped when the block ends."""
+    step before backward began, or runs it again off the profiled path; dropped when the
+    block ends. ``host_random``, the modules of a step whose profile drew from random
+    streams besides torch's own (SpecAugment's masks in wav2vec2): Python's ``random``,
+    NumPy's global generator and the generators those modules hold too, drawn again by a
+    step run again (reading NumPy's costs about 0.1 ms, so not for every model)."""
 
-    __slots__ = ("buffers", "copies", "rng", "device")
+    __slots__ = ("buffers", "copies", "rng", "device", "host_random", "generators")
 
     def __init__(self, buffers: list[torch.Tensor], device: torch.device | None,
-                 host: Any) -> None:
+                 host: Any, host_random: list[torch.nn.Module] | None = None) -> None:
         self.device = device if device is not None and device.type == "cuda" else None
         self.rng = rng_state(self.device)
+        self.host_random = HostRandom() if host_random is not None else None
+        self.generators = held_generators(host_random or ())
         self.buffers = buffers
         # in host memory (``HostCopies.snapshot``): the device's is the plan's
         with torch.no_grad():
@@ -121,3 +128,7 @@ class StateBefore:
                 if b.shape == copy.shape and b.dtype == copy.dtype:
                     b.copy_(copy, non_blocking=True)  # after the snapshot, in stream order
         set_rng_state(self.rng, self.device)
+        if self.host_random is not None:
+            self.host_random.restore()
+        for generator in self.generators:
+            generator.restore()
