@@ -87,7 +87,7 @@ def test_a_backward_that_raised_resumes_it(step) -> None:
     assert gc.isenabled()
     armed.clear()
     model.zero_grad(set_to_none=True)
-    gc.disable()  # (as if paused again: the retry resumes only what it paused)
+    gc.disable()  # the program's own pause: a backward resumes only the runtime's
     loss.backward()
     assert not gc.isenabled()
     gc.enable()
