@@ -193,7 +193,8 @@ def test_refused_loudly_and_nothing_left_behind() -> None:
         net.fail = KeyboardInterrupt
         with pytest.raises(KeyboardInterrupt):
             net(x)
-        assert block._ACTIVE and not gc.isenabled()
+        # the collector resumes as forward raises (NOTE [no cyclic GC until backward])
+        assert block._ACTIVE and gc.isenabled()
         net.fail = None
         with pytest.raises(InputError, match="before its last training forward ended"):
             net(x)

@@ -212,7 +212,7 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
             # has run (NOTE [no cyclic GC until backward] in ``runtime/saved.py``), or
             # until the block ends where it packed nothing or was refused.
             COLLECTOR.release()  # (a step before whose backward never ran)
-            COLLECTOR.hold()
+            COLLECTOR.hold(self.values)
             stack.push(self._collector_after)
             self._exit = stack.pop_all()
         return self
@@ -405,7 +405,14 @@ def _guarded(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     block = _ACTIVE[-1] if _ACTIVE else None
     if block is None or block.model is not model:
         return forward(*args, **kwargs)
-    return block.run_forward(forward, args, kwargs)
+    try:
+        return block.run_forward(forward, args, kwargs)
+    except BaseException:
+        # NOTE [no cyclic GC until backward]: forward raised. Under ``attach`` the block
+        # closes in a forward hook that is told of no error (or, on Ctrl-C, runs not at
+        # all), while the traceback, which an interactive session keeps, holds the graph
+        COLLECTOR.release()
+        raise
 
 
 def unguard(model: torch.nn.Module) -> None:

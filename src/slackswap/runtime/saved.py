@@ -92,29 +92,64 @@ class _Saved:
 #     that the GPU waits on (on the H200 the compute stream waited for the host in
 #     forward only). Resumed after backward, the same walk comes where the host is ahead
 #     of the GPU: the work is moved out of forward, not removed. It resumes at the end of
-#     the first backward through the step's saved tensors (a callback queued on the
-#     autograd engine at its first unpack), when autograd has let go of every handle the
-#     runtime packed once the model's forward returned (a graph dropped without
-#     backward), when the next block opens, or at the block's exit when it packed
-#     nothing or was refused. Only a collector the runtime paused is resumed: a program
-#     that turned it off itself keeps it off.
+#     the first backward through saved tensors of a step while paused (a callback queued
+#     on the autograd engine at the first unpack in that backward; a backward that raised
+#     runs no callback, and resumes as autograd lets go of it), when autograd has let go
+#     of every handle the runtime packed in the paused step once the model's forward
+#     returned (a graph dropped without backward; another step's graph dropped resumes
+#     nothing), when the next block opens, when the model's forward raises (under
+#     ``attach`` the block is then closed unaware, or on Ctrl-C not at all, while an
+#     interactive session keeps the traceback and with it the graph), or at the block's
+#     exit when it packed nothing or was refused. Only a collector the runtime paused is
+#     resumed: a program that turned it off itself keeps it off (but one that calls
+#     ``gc.disable()`` while the runtime holds it paused cannot be told apart, and sees
+#     it resumed after backward).
 class _CollectorPause:
     """The cyclic collector, paused by the runtime (NOTE [no cyclic GC until backward])."""
 
-    __slots__ = ("held",)
+    __slots__ = ("held", "owner", "pauses", "waiting")
 
     def __init__(self) -> None:
         self.held = False
+        self.owner: SavedValues | None = None  # the step's values, whose handles it waits on
+        self.pauses = 0  # how many times it paused the collector
+        self.waiting = False  # a resume is queued on a backward running now
 
-    def hold(self) -> None:
+    def hold(self, owner: SavedValues) -> None:
         if gc.isenabled():
             gc.disable()
-            self.held = True
+            self.held, self.owner, self.waiting = True, owner, False
+            self.pauses += 1  # (what was queued for an earlier pause resumes nothing)
 
     def release(self) -> None:
         if self.held:
-            self.held = False
+            self.held, self.owner = False, None
             gc.enable()
+
+    def after_backward(self) -> None:
+        """Resume when the backward running now ends: a backward that raised runs no
+        callback (its ``_Resume`` goes with it, and resumes); saved tensors read outside
+        backward (``grad_fn._saved_self``) leave it to the next unpack."""
+        if _graph_task() != -1:
+            self.waiting = True
+            _queue_callback(_Resume(self.pauses))
+
+
+class _Resume:
+    """Queued on autograd's engine: resumes the pause it was queued in as backward ends,
+    or as autograd lets go of it unrun (the backward raised); not a later step's."""
+
+    __slots__ = ("pause",)
+
+    def __init__(self, pause: int) -> None:
+        self.pause = pause
+
+    def __call__(self) -> None:
+        COLLECTOR.waiting = False
+        if COLLECTOR.pauses == self.pause:
+            COLLECTOR.release()
+
+    __del__ = __call__
 
 
 COLLECTOR = _CollectorPause()
@@ -390,7 +425,9 @@ class SavedValues:
                 self.outstanding -= never
                 if self.outstanding == 0:
                     self.group = {}
-            if not self.handles and not self.in_forward:  # NOTE [no cyclic GC until backward]
+            # NOTE [no cyclic GC until backward]: the paused step's graph is gone (another
+            # step's, dropped in or after this one's forward, resumes nothing)
+            if not self.handles and COLLECTOR.owner is self and not self.in_forward:
                 COLLECTOR.release()
 
     # -- backward ----------------------------------------------------------------------
@@ -404,8 +441,8 @@ class SavedValues:
         if not self.checked:
             self._check_seen()
             self.issue_waiting()  # backward began inside the block
-            if COLLECTOR.held and _graph_task() != -1:  # NOTE [no cyclic GC until backward]
-                _queue_callback(COLLECTOR.release)
+        if COLLECTOR.held and not COLLECTOR.waiting:  # NOTE [no cyclic GC until backward]
+            COLLECTOR.after_backward()
         if self.state.written and self.recorder is not None:
             self.recorder.mark_modified()
         packed.check_version()
