@@ -63,6 +63,7 @@ class JointGraph:
     # forward nodes the default min-cut runs again in backward (NOTE [the min-cut's free
     # rebuilds]): run again in the profile's backward, tagged MUST_RECOMPUTE
     rebuilt: frozenset[str] = frozenset()
+    copy_op: dict[str, int] = field(default_factory=dict)  # rebuilt node -> its copy's op
 
     @property
     def offloadable(self) -> frozenset[str]:
@@ -165,7 +166,8 @@ def read_joint(gm: fx.GraphModule, num_fwd_outputs: int, static_inputs: list[int
     names = {n.name for n in forward}
     ordered = [(n, False) for n in forward] + _with_rebuilds(
         [n for n in calls if n.name not in names], rebuilt)
-    ops, details, op_of = _read_ops(ordered, names, tensors, tensor_of, producer_node)
+    ops, details, op_of, copy_op = _read_ops(ordered, names, tensors, tensor_of,
+                                             producer_node)
     _mark_uses(ops, tensors, tangents)
     joint_outputs = next(iter(gm.graph.find_nodes(op="output"))).args[0]
     for i, node in enumerate(joint_outputs[num_fwd_outputs:]):
@@ -190,7 +192,7 @@ def read_joint(gm: fx.GraphModule, num_fwd_outputs: int, static_inputs: list[int
             if why is not None:
                 not_offloadable[t.name] = why
     return JointGraph(profile, tensor_of, producer_node, names, bases, not_offloadable,
-                      op_of, rebuilt)
+                      op_of, rebuilt, copy_op)
 
 
 @dataclass(frozen=True)
@@ -275,17 +277,18 @@ def _read_inputs(primals: list[fx.Node], static_inputs: list[int]
 def _read_ops(ordered: list[tuple[fx.Node, bool]], forward: set[str],
               tensors: list[TensorRecord],
               tensor_of: dict[str, int], producer_node: dict[int, fx.Node],
-              ) -> tuple[list[OpRecord], list[OpDetail], dict[str, int]]:
+              ) -> tuple[list[OpRecord], list[OpDetail], dict[str, int], dict[str, int]]:
     """An op per ATen call of ``ordered`` (getitems and aliases name the tensors they
     read), a tensor per output it makes, added to ``tensors``, ``tensor_of`` and
-    ``producer_node``: the ops, what each reads and writes, and each node's op. A node
-    marked True is a forward node run again in backward: its copy's tensors are what
-    backward reads from then on, and ``tensor_of``, ``op_of`` and ``producer_node`` keep
-    the forward node's."""
+    ``producer_node``: the ops, what each reads and writes, each node's op, and each
+    rebuilt node's copy's op. A node marked True is a forward node run again in
+    backward: its copy's tensors are what backward reads from then on, and
+    ``tensor_of``, ``op_of`` and ``producer_node`` keep the forward node's."""
     ops: list[OpRecord] = []
     details: list[OpDetail] = []
     op_of: dict[str, int] = {}
     namer = ActivationNamer()
+    copy_op: dict[str, int] = {}
     copies: dict[str, int] = {}  # a rebuilt node (and its outputs' keys) -> its copy's
     backward_reads = ChainMap(copies, tensor_of)
     for node, again in ordered:
@@ -309,8 +312,7 @@ def _read_ops(ordered: list[tuple[fx.Node, bool]], forward: set[str],
             continue
         func, kind = node.target, op_kind(node.target)
         index = len(ops)
-        if not again:
-            op_of[node.name] = index
+        (copy_op if again else op_of)[node.name] = index
         inputs = list(dict.fromkeys(reads[a.name] for a in node.all_input_nodes
                                     if a.name in reads))
         outs = _tensor_vals(node.meta.get("val"))
@@ -345,7 +347,7 @@ def _read_ops(ordered: list[tuple[fx.Node, bool]], forward: set[str],
             replayable=is_replayable(func),
         ))
         details.append(OpDetail(reads=read, writes={t: tensors[t].bytes for t in out_ids}))
-    return ops, details, op_of
+    return ops, details, op_of, copy_op
 
 
 def _mark_uses(ops: list[OpRecord], tensors: list[TensorRecord], tangents: set[int]) -> None:
@@ -534,7 +536,7 @@ def applied_partition(joint: JointGraph, fw: fx.GraphModule, bw: fx.GraphModule,
                                     target=torch.ops.prims.device_put.default):
         source = node.args[0]
         if node.name.startswith(GPU_RELOAD_PREFIX) and source.name in copies:
-            out.reload_at[copies[source.name]] = _backward_op_after(node, p)
+            out.reload_at[copies[source.name]] = _backward_op_after(node, joint)
     return out
 
 
@@ -590,10 +592,15 @@ def _op_before(node: fx.Node) -> int:
     return -1
 
 
-def _backward_op_after(node: fx.Node, p: StepProfile) -> int:
+def _backward_op_after(node: fx.Node, joint: JointGraph) -> int:
     """The profile op of the first backward op node after ``node``: where the compute
-    stream is when a reload placed at ``node`` starts (a rebuild runs at that op too)."""
+    stream is when a reload placed at ``node`` starts (a rebuild runs at that op too).
+    A forward node the default min-cut rebuilds is its copy's backward op (NOTE [the
+    min-cut's free rebuilds])."""
+    p = joint.profile
     while (node := node.next).op != "root":
+        if node.name in joint.copy_op:
+            return joint.copy_op[node.name]
         if _OP in node.meta and p.ops[node.meta[_OP]].phase == "backward":
             return node.meta[_OP]
     return len(p.ops) - 1
