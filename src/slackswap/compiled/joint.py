@@ -152,10 +152,9 @@ def read_joint(gm: fx.GraphModule, num_fwd_outputs: int, static_inputs: list[int
     counts as forward), then the rest; a tensor per non-view value, named as the
     profiler names activations; saved = read by a backward op. With ``min_cut`` (the
     default min-cut's partition of the graph), the forward nodes its backward runs again
-    run again as backward ops,
-    each right before the first backward op that needs it, and backward reads their
-    copies: so the profile saves what the min-cut saves (NOTE [the min-cut's free
-    rebuilds])."""
+    run again as backward ops, each right before the first backward op that needs it,
+    and backward reads their copies: so the profile saves what the min-cut saves (NOTE
+    [the min-cut's free rebuilds])."""
     info = classify_nodes(gm, static_inputs, num_fwd_outputs)
     primals = [n for n in gm.graph.nodes if n.op == "placeholder"]
     tensors, tensor_of, state_bytes, tangents = _read_inputs(primals, static_inputs)
@@ -199,8 +198,7 @@ def read_joint(gm: fx.GraphModule, num_fwd_outputs: int, static_inputs: list[int
 class MinCut:
     """Plain ``torch.compile``'s partition of a joint graph, by node name."""
 
-    forward: frozenset[str]  # the nodes its forward graph runs
-    rebuilt: frozenset[str]  # those its backward graph runs again (views included)
+    rebuilt: frozenset[str]  # forward nodes its backward graph runs again (views included)
 
 
 def min_cut(gm: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int,
@@ -222,8 +220,8 @@ def min_cut(gm: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int,
             graph, joint_inputs, compiler=compiler, num_fwd_outputs=num_fwd_outputs,
             static_lifetime_input_indices=list(static_inputs), **kwargs)
     forward = frozenset(n.name for n in fw.graph.nodes if n.op == "call_function")
-    return MinCut(forward, frozenset(n.name for n in bw.graph.nodes
-                                     if n.op == "call_function" and n.name in forward))
+    return MinCut(frozenset(n.name for n in bw.graph.nodes
+                            if n.op == "call_function" and n.name in forward))
 
 
 def _with_rebuilds(backward: list[fx.Node], rebuilt: frozenset[str]
