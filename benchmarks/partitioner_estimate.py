@@ -38,6 +38,7 @@ import torch
 from torch import fx
 from torch._functorch import config as functorch_config
 from torch._functorch import partitioners
+from torch._functorch._activation_offloading.activation_offloading import CPU_OFFLOAD_PREFIX
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -97,10 +98,14 @@ def cut_estimate(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int
                  ) -> dict[str, Any]:
     """The partitioner's estimate of a cut: the forward ops backward runs again (views
     and ``getitem`` left out: they make no data) and their ``estimate_runtime`` (FLOPs by
-    default: an op that does no matmul counts 1), and the bytes forward saves for
-    backward."""
-    saved = [n for n in next(iter(fw.graph.find_nodes(op="output"))).args[0][num_fwd_outputs:]
-             if isinstance(n, fx.Node)]
+    default: an op that does no matmul counts 1), and the bytes forward saves for backward
+    in device memory and, apart, those it offloads (copies to the host, which the
+    offloading pass saves in their place)."""
+    outputs = [n for n in next(iter(fw.graph.find_nodes(op="output"))).args[0][num_fwd_outputs:]
+               if isinstance(n, fx.Node)]
+    # the offloading pass's copies to the host: saved, but not in device memory
+    offloaded = [n for n in outputs if n.name.startswith(CPU_OFFLOAD_PREFIX)]
+    saved = [n for n in outputs if n not in offloaded]
     forward = {n.name for n in fw.graph.nodes if n.op == "call_function"}
     rebuilt = [n for n in bw.graph.nodes if n.op == "call_function" and n.name in forward
                and not getattr(n.target, "is_view", False) and n.target is not operator.getitem]
@@ -110,6 +115,7 @@ def cut_estimate(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int
     with fake:
         cost = sum(partitioners.estimate_runtime(n) for n in rebuilt)
     return {"saved_bytes": saved_activation_bytes(fw, saved),
+            "offloaded_bytes": sum(partitioners._size_of(n) for n in offloaded),
             "recomputed_ops": len(rebuilt), "recompute_estimate": float(cost)}
 
 
@@ -150,15 +156,18 @@ def without_attention_dropout(model: torch.nn.Module) -> int:
 
 
 def estimate_points(model: torch.nn.Module, batch: dict[str, torch.Tensor],
-                    budgets: tuple[float, ...], hardware: str) -> list[dict[str, Any]]:
-    """One row per point: plain, ``activation_memory_budget`` b and ``slackswap.compile`` b."""
+                    budgets: tuple[float, ...], hardware: str,
+                    strategy: str = "slackswap") -> list[dict[str, Any]]:
+    """One row per point: plain, ``activation_memory_budget`` b and ``slackswap.compile`` b
+    (planned by ``strategy``)."""
     return on_joint(model, batch, functools.partial(
-        _points, model=model, budgets=budgets, hw=resolve_hardware(hardware)))
+        _points, model=model, budgets=budgets, hw=resolve_hardware(hardware),
+        strategy=strategy))
 
 
 def _points(gm: fx.GraphModule, joint_inputs: Any, kwargs: dict[str, Any], *,
-            model: torch.nn.Module, budgets: tuple[float, ...], hw: Hardware
-            ) -> list[dict[str, Any]]:
+            model: torch.nn.Module, budgets: tuple[float, ...], hw: Hardware,
+            strategy: str) -> list[dict[str, Any]]:
     rows = []
     points: list[tuple[str, float]] = [("torch.compile", 1.0)]
     points += [("activation_memory_budget", b) for b in budgets]
@@ -168,7 +177,8 @@ def _points(gm: fx.GraphModule, joint_inputs: Any, kwargs: dict[str, Any], *,
         row: dict[str, Any] = {"point": kind, "budget": budget}
         try:
             if kind == "slackswap.compile":
-                state = CompiledPlan(budget, hw, "slackswap", model, fingerprint="estimate")
+                state = CompiledPlan(budget, hw, strategy, model, fingerprint="estimate")
+                row["strategy"] = strategy
                 fw, bw = state.partition(graph, joint_inputs, **kwargs)
                 planned = state.graphs[0]
                 sim = slackswap.simulate(planned.profile, planned.plan, hw)
@@ -198,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hardware", default="h200")
     ap.add_argument("--budgets", default=",".join(map(str, BUDGETS)))
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--strategy", default="slackswap",
+                    help="slackswap.compile's planner strategy (the file name says it "
+                         "when not slackswap)")
     ap.add_argument("--keep-attention-dropout", action="store_true",
                     help="trace SDPA with its dropout (on a CPU: the math path)")
     args = ap.parse_args(argv)
@@ -207,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     dropped = 0 if args.keep_attention_dropout else without_attention_dropout(model)
     budgets = tuple(float(b) for b in args.budgets.split(","))
     hw = resolve_hardware(args.hardware)
-    rows = estimate_points(model, batch, budgets, args.hardware)
+    rows = estimate_points(model, batch, budgets, args.hardware, args.strategy)
     for row in rows:  # the FLOPs as time at the preset's dense peak
         if "recompute_estimate" in row:
             row["recompute_ms_at_peak"] = row["recompute_estimate"] / hw.peak(args.dtype) * 1e3
@@ -217,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
               "torch": torch.__version__, "rows": rows}
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"estimate-{name.replace('@', '-')}.json").write_text(
+        tail = "" if args.strategy == "slackswap" else f"-{args.strategy}"
+        (args.out / f"estimate-{name.replace('@', '-')}{tail}.json").write_text(
             json.dumps(result, indent=1))
     return 0
 

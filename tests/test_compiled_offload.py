@@ -150,7 +150,9 @@ def test_inductor_offloads_as_planned() -> None:
     torch.manual_seed(0)
     model, x = _MLP(depth=2), torch.randn(64, 64)
     reference = copy.deepcopy(model)
-    compiled = slackswap.compile(model, x, budget=0.6, strategy="offload-only")
+    # 0.7: under Inductor every plan rebuilds the cheap ops the min-cut rebuilds, so
+    # keep-all saves less and 0.6 is below the floor (NOTE [the min-cut's free rebuilds])
+    compiled = slackswap.compile(model, x, budget=0.7, strategy="offload-only")
     _assert_offloads_applied(compiled.slackswap)
     _assert_steps_as_torch_compile(compiled, model, reference, x, backend="inductor")
 

@@ -7,17 +7,23 @@ from __future__ import annotations
 import hashlib
 import operator
 import re
+from collections import ChainMap
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import fx
+from torch._functorch import config as functorch_config
 from torch._functorch._activation_offloading.activation_offloading import (
     CPU_OFFLOAD_PREFIX,
     GPU_RELOAD_PREFIX,
     can_offload,
 )
-from torch._functorch.partitioners import classify_nodes, get_default_op_list
+from torch._functorch.partitioners import (
+    classify_nodes,
+    get_default_op_list,
+    min_cut_rematerialization_partition,
+)
 from torch.utils._ordered_set import OrderedSet
 from torch.utils.checkpoint import CheckpointPolicy
 
@@ -29,7 +35,8 @@ from slackswap.errors import InputError
 from slackswap.profiling.naming import ActivationNamer, is_random, is_replayable, op_kind
 from slackswap.profiling.recorder import dtype_name, op_category, op_flops
 
-__all__ = ["JointGraph", "Applied", "read_joint", "tag_joint", "applied_partition"]
+__all__ = ["JointGraph", "Applied", "read_joint", "tag_joint", "applied_partition",
+           "MinCut", "min_cut"]
 
 # Set on every forward node before partitioning: the profile tensor the node makes (or
 # views). The partitioner copies node meta into the graphs it cuts, so a forward node
@@ -53,6 +60,10 @@ class JointGraph:
     # activations not listed are those it can (NOTE [compiled offload])
     not_offloadable: dict[str, str] = field(default_factory=dict)
     op_of: dict[str, int] = field(default_factory=dict)  # node name -> op index
+    # forward nodes the default min-cut runs again in backward (NOTE [the min-cut's free
+    # rebuilds]): run again in the profile's backward, tagged MUST_RECOMPUTE
+    rebuilt: frozenset[str] = frozenset()
+    copy_op: dict[str, int] = field(default_factory=dict)  # rebuilt node -> its copy's op
 
     @property
     def offloadable(self) -> frozenset[str]:
@@ -136,18 +147,26 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def read_joint(gm: fx.GraphModule, num_fwd_outputs: int, static_inputs: list[int],
                hw: Hardware, *, model: str, fingerprint: str, layers: list[str],
-               ) -> JointGraph:
+               min_cut: MinCut | None = None) -> JointGraph:
     """The profile of the step the joint graph runs: forward ops (those the partitioner
     counts as forward), then the rest; a tensor per non-view value, named as the
-    profiler names activations; saved = read by a backward op."""
+    profiler names activations; saved = read by a backward op. With ``min_cut`` (the
+    default min-cut's partition of the graph), the forward nodes its backward runs again
+    run again as backward ops, each right before the first backward op that needs it,
+    and backward reads their copies: so the profile saves what the min-cut saves (NOTE
+    [the min-cut's free rebuilds])."""
     info = classify_nodes(gm, static_inputs, num_fwd_outputs)
     primals = [n for n in gm.graph.nodes if n.op == "placeholder"]
     tensors, tensor_of, state_bytes, tangents = _read_inputs(primals, static_inputs)
     producer_node: dict[int, fx.Node] = {}
     calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    rebuilt = min_cut.rebuilt if min_cut is not None else frozenset()
     forward = [n for n in calls if info.is_required_fw(n)]
-    ordered = forward + [n for n in calls if not info.is_required_fw(n)]
-    ops, details, op_of = _read_ops(ordered, info, tensors, tensor_of, producer_node)
+    names = {n.name for n in forward}
+    ordered = [(n, False) for n in forward] + _with_rebuilds(
+        [n for n in calls if n.name not in names], rebuilt)
+    ops, details, op_of, copy_op = _read_ops(ordered, names, tensors, tensor_of,
+                                             producer_node)
     _mark_uses(ops, tensors, tangents)
     joint_outputs = next(iter(gm.graph.find_nodes(op="output"))).args[0]
     for i, node in enumerate(joint_outputs[num_fwd_outputs:]):
@@ -163,7 +182,6 @@ def read_joint(gm: fx.GraphModule, num_fwd_outputs: int, static_inputs: list[int
         model=model, fingerprint=f"{fingerprint}:joint:{code}", hardware=hw.name,
         mode="analytic", kernels="native", device=_device(primals), layers=layers,
         model_state_bytes=state_bytes, ops=ops, tensors=tensors)
-    names = {n.name for n in forward}
     bases = _bases(calls, tensor_of, profile)
     outputs = OrderedSet(n for n in joint_outputs[:num_fwd_outputs] if isinstance(n, fx.Node))
     not_offloadable = {}
@@ -173,7 +191,58 @@ def read_joint(gm: fx.GraphModule, num_fwd_outputs: int, static_inputs: list[int
             if why is not None:
                 not_offloadable[t.name] = why
     return JointGraph(profile, tensor_of, producer_node, names, bases, not_offloadable,
-                      op_of)
+                      op_of, rebuilt, copy_op)
+
+
+@dataclass(frozen=True)
+class MinCut:
+    """Plain ``torch.compile``'s partition of a joint graph, by node name."""
+
+    rebuilt: frozenset[str]  # forward nodes its backward graph runs again (views included)
+
+
+def min_cut(gm: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int,
+            static_inputs: list[int], compiler: str, **kwargs: Any) -> MinCut:
+    """Plain ``torch.compile``'s partition (the default min-cut, no activation budget, no
+    offloading) of a copy of ``gm`` (NOTE [the min-cut's free rebuilds])."""
+    # the nodes copied, each with its own meta dict (values shared: a deep copy would
+    # copy the fake tensors, which under aot_eager is refused), and no tags: those are
+    # the plan's to write, not the baseline's
+    copied = fx.Graph()
+    copied.output(copied.graph_copy(gm.graph, {}))
+    for node in copied.nodes:
+        node.meta.pop("recompute", None)
+        node.meta.pop("should_offload", None)
+    graph = fx.GraphModule(gm, copied)
+    with functorch_config.patch(activation_memory_budget=1.0,
+                                enable_activation_offloading=False):
+        fw, bw = min_cut_rematerialization_partition(
+            graph, joint_inputs, compiler=compiler, num_fwd_outputs=num_fwd_outputs,
+            static_lifetime_input_indices=list(static_inputs), **kwargs)
+    forward = frozenset(n.name for n in fw.graph.nodes if n.op == "call_function")
+    return MinCut(frozenset(n.name for n in bw.graph.nodes
+                            if n.op == "call_function" and n.name in forward))
+
+
+def _with_rebuilds(backward: list[fx.Node], rebuilt: frozenset[str]
+                   ) -> list[tuple[fx.Node, bool]]:
+    """The backward nodes in order, each after the forward nodes of ``rebuilt`` it needs
+    (through other rebuilt ones) that no earlier one needed, in graph order: (node,
+    True) for a rebuild."""
+    position = {n: i for i, n in enumerate(backward[0].graph.nodes)} if backward else {}
+    done: set[fx.Node] = set()
+    out: list[tuple[fx.Node, bool]] = []
+    for node in backward:
+        need, todo = set(), [a for a in node.all_input_nodes if a.name in rebuilt]
+        while todo:
+            a = todo.pop()
+            if a not in done and a not in need:
+                need.add(a)
+                todo.extend(b for b in a.all_input_nodes if b.name in rebuilt)
+        out += [(a, True) for a in sorted(need, key=position.__getitem__)]
+        done |= need
+        out.append((node, False))
+    return out
 
 
 def _read_inputs(primals: list[fx.Node], static_inputs: list[int]
@@ -203,37 +272,47 @@ def _read_inputs(primals: list[fx.Node], static_inputs: list[int]
     return tensors, tensor_of, state_bytes, tangents
 
 
-def _read_ops(ordered: list[fx.Node], info: Any, tensors: list[TensorRecord],
+def _read_ops(ordered: list[tuple[fx.Node, bool]], forward: set[str],
+              tensors: list[TensorRecord],
               tensor_of: dict[str, int], producer_node: dict[int, fx.Node],
-              ) -> tuple[list[OpRecord], list[OpDetail], dict[str, int]]:
+              ) -> tuple[list[OpRecord], list[OpDetail], dict[str, int], dict[str, int]]:
     """An op per ATen call of ``ordered`` (getitems and aliases name the tensors they
     read), a tensor per output it makes, added to ``tensors``, ``tensor_of`` and
-    ``producer_node``: the ops, what each reads and writes, and each node's op."""
+    ``producer_node``: the ops, what each reads and writes, each node's op, and each
+    rebuilt node's copy's op. A node marked True is a forward node run again in
+    backward: its copy's tensors are what backward reads from then on, and
+    ``tensor_of``, ``op_of`` and ``producer_node`` keep the forward node's."""
     ops: list[OpRecord] = []
     details: list[OpDetail] = []
     op_of: dict[str, int] = {}
     namer = ActivationNamer()
-    for node in ordered:
+    copy_op: dict[str, int] = {}
+    copies: dict[str, int] = {}  # a rebuilt node (and its outputs' keys) -> its copy's
+    backward_reads = ChainMap(copies, tensor_of)
+    for node, again in ordered:
+        phase = "forward" if node.name in forward and not again else "backward"
+        reads = backward_reads if phase == "backward" else tensor_of
+        writes = copies if again else tensor_of
         if node.target is operator.getitem:
             base = node.args[0]
             key = f"{base.name}#{node.args[1]}"
-            if key in tensor_of:
-                tensor_of[node.name] = tensor_of[key]
-            elif base.name in tensor_of:  # one view of a view op with several (split)
-                tensor_of[node.name] = tensor_of[base.name]
+            if key in reads:
+                writes[node.name] = reads[key]
+            elif base.name in reads:  # one view of a view op with several (split)
+                writes[node.name] = reads[base.name]
             continue
         if _is_alias(node):
             src = node.args[0]
-            if isinstance(src, fx.Node) and src.name in tensor_of:
-                tensor_of[node.name] = tensor_of[src.name]
+            if isinstance(src, fx.Node) and src.name in reads:
+                writes[node.name] = reads[src.name]
             continue
         if not isinstance(node.target, torch._ops.OpOverload):
             continue
-        phase = "forward" if info.is_required_fw(node) else "backward"
         func, kind = node.target, op_kind(node.target)
-        index = op_of[node.name] = len(ops)
-        inputs = list(dict.fromkeys(tensor_of[a.name] for a in node.all_input_nodes
-                                    if a.name in tensor_of))
+        index = len(ops)
+        (copy_op if again else op_of)[node.name] = index
+        inputs = list(dict.fromkeys(reads[a.name] for a in node.all_input_nodes
+                                    if a.name in reads))
         outs = _tensor_vals(node.meta.get("val"))
         out_ids: list[int] = []
         module = _module(node)
@@ -242,15 +321,16 @@ def _read_ops(ordered: list[fx.Node], info: Any, tensors: list[TensorRecord],
             if val is None:
                 continue
             tid = len(tensors)
-            tensor_of[f"{node.name}#{k}"] = tid
+            writes[f"{node.name}#{k}"] = tid
             out_ids.append(tid)
             tensors.append(TensorRecord(
                 id=tid, kind="activation", bytes=_nbytes(val), dtype=dtype_name(val.dtype),
                 shape=list(val.shape), producer=index, random=random,
                 name=namer(module, kind) if phase == "forward" else None))
-            producer_node[tid] = node
+            if not again:
+                producer_node[tid] = node
         if isinstance(node.meta.get("val"), torch.Tensor):
-            tensor_of[node.name] = out_ids[0]
+            writes[node.name] = out_ids[0]
         vals = [v for v in outs if v is not None]
         floats = [v.dtype for v in vals if v.is_floating_point()]
         read = {t: tensors[t].bytes for t in inputs}
@@ -265,7 +345,7 @@ def _read_ops(ordered: list[fx.Node], info: Any, tensors: list[TensorRecord],
             replayable=is_replayable(func),
         ))
         details.append(OpDetail(reads=read, writes={t: tensors[t].bytes for t in out_ids}))
-    return ops, details, op_of
+    return ops, details, op_of, copy_op
 
 
 def _mark_uses(ops: list[OpRecord], tensors: list[TensorRecord], tangents: set[int]) -> None:
@@ -345,7 +425,8 @@ def uniform_per_op(joint: JointGraph, plan: Plan) -> Plan:
 
 def tag_joint(gm: fx.GraphModule, joint: JointGraph, plan: Plan) -> None:
     """Tag every forward node MUST_SAVE or MUST_RECOMPUTE by the plan (NOTE [compiled
-    recompute]); nodes outside forward that the partitioner could still run in forward
+    recompute]), those the default min-cut rebuilds MUST_RECOMPUTE (NOTE [the min-cut's
+    free rebuilds]); nodes outside forward that the partitioner could still run in forward
     are MUST_RECOMPUTE, so it saves nothing the plan does not. An offloaded activation's
     nodes that are no alias are marked ``should_offload``, as PyTorch's
     offloading pass asks, and their aliases MUST_RECOMPUTE, so backward makes them again
@@ -358,6 +439,32 @@ def tag_joint(gm: fx.GraphModule, joint: JointGraph, plan: Plan) -> None:
             offloaded.add(p.by_name[name].id)
             for node in joint.bases.get(p.by_name[name].id, []):
                 node.meta["should_offload"] = True
+    policy = _policies(joint, plan)
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.name in joint.op_of:
+            node.meta[_OP] = joint.op_of[node.name]
+        tid = joint.tensor_of.get(node.name)
+        if tid is None:  # a multi-output op: its outputs are named "<node>#k"
+            tid = joint.tensor_of.get(f"{node.name}#0")
+        record = p.tensors[tid] if tid is not None else None
+        if record is not None and record.producer in policy:  # made in forward, or a view
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE if (
+                tid in offloaded and _is_alias(node)) or node.name in joint.rebuilt \
+                else policy[record.producer]
+            node.meta[_ID] = tid
+        elif node.name in joint.forward or not any(
+                a.op == "placeholder" and "tangents" in a.name for a in node.all_input_nodes):
+            # a view of a parameter or input, or backward work that needs no gradient
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+
+
+def _policies(joint: JointGraph, plan: Plan) -> dict[int, CheckpointPolicy]:
+    """Each forward op's tag: MUST_RECOMPUTE if the plan rebuilds an output; MUST_SAVE if
+    it saves one, or the op cannot be replayed; else MUST_RECOMPUTE, rebuilt where a
+    rebuild needs it."""
+    p = joint.profile
     policy: dict[int, CheckpointPolicy] = {}  # op index -> tag
     for op in p.ops:
         if op.phase != "forward":
@@ -370,23 +477,7 @@ def tag_joint(gm: fx.GraphModule, joint: JointGraph, plan: Plan) -> None:
             policy[op.index] = CheckpointPolicy.MUST_SAVE
         else:  # made and used in forward only: rebuilt if a rebuild needs it
             policy[op.index] = CheckpointPolicy.MUST_RECOMPUTE
-    for node in gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        if node.name in joint.op_of:
-            node.meta[_OP] = joint.op_of[node.name]
-        tid = joint.tensor_of.get(node.name)
-        if tid is None:  # a multi-output op: its outputs are named "<node>#k"
-            tid = joint.tensor_of.get(f"{node.name}#0")
-        record = p.tensors[tid] if tid is not None else None
-        if record is not None and record.producer in policy:  # made in forward, or a view
-            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE if (
-                tid in offloaded and _is_alias(node)) else policy[record.producer]
-            node.meta[_ID] = tid
-        elif node.name in joint.forward or not any(
-                a.op == "placeholder" and "tangents" in a.name for a in node.all_input_nodes):
-            # a view of a parameter or input, or backward work that needs no gradient
-            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+    return policy
 
 
 def applied_partition(joint: JointGraph, fw: fx.GraphModule, bw: fx.GraphModule,
@@ -443,7 +534,7 @@ def applied_partition(joint: JointGraph, fw: fx.GraphModule, bw: fx.GraphModule,
                                     target=torch.ops.prims.device_put.default):
         source = node.args[0]
         if node.name.startswith(GPU_RELOAD_PREFIX) and source.name in copies:
-            out.reload_at[copies[source.name]] = _backward_op_after(node, p)
+            out.reload_at[copies[source.name]] = _backward_op_after(node, joint)
     return out
 
 
@@ -499,10 +590,15 @@ def _op_before(node: fx.Node) -> int:
     return -1
 
 
-def _backward_op_after(node: fx.Node, p: StepProfile) -> int:
+def _backward_op_after(node: fx.Node, joint: JointGraph) -> int:
     """The profile op of the first backward op node after ``node``: where the compute
-    stream is when a reload placed at ``node`` starts (a rebuild runs at that op too)."""
+    stream is when a reload placed at ``node`` starts (a rebuild runs at that op too).
+    A forward node the default min-cut rebuilds is its copy's backward op (NOTE [the
+    min-cut's free rebuilds])."""
+    p = joint.profile
     while (node := node.next).op != "root":
+        if node.name in joint.copy_op:
+            return joint.copy_op[node.name]
         if _OP in node.meta and p.ops[node.meta[_OP]].phase == "backward":
             return node.meta[_OP]
     return len(p.ops) - 1
