@@ -83,24 +83,20 @@ def _assert_applied_is_plan(compiled: nn.Module) -> None:
     assert applied["offloaded_bytes"] == sum(state.profile.by_name[n].bytes for n in offloads)
 
 
-@pytest.mark.parametrize("name", ["llama-7b-tiny", "gpt2-xl-tiny", "bert-large-tiny"])
-def test_presets_under_aot_eager_are_bit_identical_to_torch_compile(name: str) -> None:
-    """As the presets are built, labels in the batch: GPT-2's unset ``loss_type`` no
-    longer breaks the graph (NOTE [a loss resolved before the graph])."""
-    model, batch = build_model(name, fake=False, dtype="fp32")
-    reference = copy.deepcopy(model)
-    compiled = slackswap.compile(model, batch, budget=0.8, backend="aot_eager")
-    _assert_applied_is_plan(compiled)
-    # dropout draws the same masks, kept or rebuilt with its RNG state
-    _assert_steps_as_torch_compile(compiled, model, reference, batch)
-
-
 # the zoo's language models with labels in the batch that torch.compile traces to one
 # graph (not: switch and longformer, data-dependent shapes; bigbird_sparse, NumPy in
 # forward; lstm). Mixtral's experts split the grouped matmul's output: the views' getitems
 # are the output itself (it was read as saved by no plan, and refused)
 _ZOO_LANGUAGE_MODELS = ["t5", "bart", "deberta", "mamba", "perceiver", "funnel", "bigbird_full",
                         "mixtral"]
+# in the default run: every tiny preset, T5 (an encoder-decoder: the decoder's loss), Mamba
+# (no attention), DeBERTa (its own relative attention) and Mixtral (NOTE on it above: the
+# only cover of a split's getitems); BART, Perceiver, Funnel and BigBird (full attention)
+# check the same loss_type fallback and one graph on more architectures, 10-20 s each on
+# two cores, under ``pytest -m full``
+_FULL_ONLY = {"bart", "perceiver", "funnel", "bigbird_full"}
+# the presets as the README plans them: their plan recomputes at 0.8 (checked applied)
+_PRESETS_APPLIED = ["llama-7b-tiny", "gpt2-xl-tiny", "bert-large-tiny"]
 
 
 def _language_model(name: str) -> tuple[nn.Module, dict[str, torch.Tensor]]:
@@ -111,12 +107,17 @@ def _language_model(name: str) -> tuple[nn.Module, dict[str, torch.Tensor]]:
 
 
 @pytest.mark.parametrize("name", sorted(n for n in MODEL_PRESETS if n.endswith("-tiny"))
-                         + _ZOO_LANGUAGE_MODELS)
+                         + [pytest.param(n, marks=pytest.mark.full) if n in _FULL_ONLY else n
+                            for n in _ZOO_LANGUAGE_MODELS])
 def test_labels_in_the_batch_compile_to_one_graph_that_trains_as_eager(name: str) -> None:
     """Every preset and the zoo's language models, built as users build them, labels in
     the batch, dropout on: one graph (a break is an error, a recompile a second graph),
     bit-identical to torch.compile without a plan under aot_eager, and the model's
-    ``loss_type`` as it was (NOTE [a loss resolved before the graph])."""
+    ``loss_type`` as it was (NOTE [a loss resolved before the graph]). GPT-2's unset
+    ``loss_type`` no longer breaks the graph; dropout draws the same masks, kept or
+    rebuilt with its RNG state; on Llama, GPT-2 and BERT-large the plan at 0.8 recomputes
+    and the partition applied is the plan. The default run takes the presets and four of
+    the zoo's models (``_FULL_ONLY``: the rest, under ``pytest -m full``)."""
     model, batch = _language_model(name)
     assert "labels" in batch and model.training
     reference = copy.deepcopy(model)
@@ -125,6 +126,8 @@ def test_labels_in_the_batch_compile_to_one_graph_that_trains_as_eager(name: str
         compiled = slackswap.compile(model, batch, budget=0.8, backend="aot_eager")
     except SlackSwapError as e:
         _not_one_graph_for_torch_compile_either(name, reference, batch, e)
+    if name in _PRESETS_APPLIED:
+        _assert_applied_is_plan(compiled)
     for _ in range(2):
         _assert_steps_as_torch_compile(compiled, model, reference, batch)
     assert len(compiled.slackswap.graphs) == 1
