@@ -257,10 +257,12 @@ def strategy_plan(name: str, strategy: str, budget: float | int) -> Plan:
     """The strategy's plan; where the budget is out of reach of small models, at the
     smallest budget a plan is known to reach, or else at the peak of moving every
     activation one way with no limit (which a baseline that cannot wait for its
-    offloads still reaches); skipped where the strategy has none even there."""
+    offloads still reaches); skipped where the strategy has none even there. From the
+    test run's plan cache (NOTE [plan cache]): ``test_memory_zoo`` plans the same traced
+    profiles at the same budgets, and either file's workers plan each other's again."""
     profile = case(name).profile
     try:
-        return slackswap.plan(profile, budget, strategy=strategy)
+        return slackswap.plan(profile, budget, strategy=strategy, cached=True)
     except InputError:
         pass
     ctx = PlanContext(profile, load_hardware(profile.hardware), profile.keep_all_peak)
@@ -270,7 +272,7 @@ def strategy_plan(name: str, strategy: str, budget: float | int) -> Plan:
         for d in ("recompute", "offload")}
     for least in sorted(budgets):
         try:
-            return slackswap.plan(profile, least, strategy=strategy)
+            return slackswap.plan(profile, least, strategy=strategy, cached=True)
         except InputError as e:
             error = e
     pytest.skip(f"{strategy} has no plan at {budget} nor at {sorted(budgets)} B: {error}")
