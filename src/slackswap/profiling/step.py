@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import hashlib
 import json
 import linecache
@@ -430,17 +431,28 @@ def _run_step(
     recorder: StepRecorder, tracker: ModTracker, extra: contextlib.AbstractContextManager,
     params: Iterable[torch.Tensor] = (),
 ) -> None:
-    with (_same_name_warning_off(), tracker, recorder, extra,
-          refusing_own_checkpoint_calls(), module_events(recorder.module_event)):
-        with torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack):
-            output = call()
-            recorder.model_saves = len(recorder.saves)  # NOTE [a step off the profiled path]
-            loss = _loss(output, loss_fn, name)
-            del output
-        recorder.end_forward()
-        with _weight_gradients(recorder, params):
-            loss.backward()
-    recorder.finish()
+    # The runtime runs a step with Python's cyclic collector paused from the model's call
+    # to the end of backward (NOTE [no cyclic GC until backward] in runtime/saved.py), so
+    # what a reference cycle holds goes only after backward: the profiled step runs so
+    # too, and a tensor's release never depends on when the collector happened to run
+    # (it made a profile depend on what the process had run before).
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with (_same_name_warning_off(), tracker, recorder, extra,
+              refusing_own_checkpoint_calls(), module_events(recorder.module_event)):
+            with torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack):
+                output = call()
+                recorder.model_saves = len(recorder.saves)  # NOTE [a step off the profiled path]
+                loss = _loss(output, loss_fn, name)
+                del output
+            recorder.end_forward()
+            with _weight_gradients(recorder, params):
+                loss.backward()
+        recorder.finish()
+    finally:
+        if collecting:
+            gc.enable()
 
 
 @contextlib.contextmanager
