@@ -103,7 +103,10 @@ class _Saved:
 #     exit when it packed nothing or was refused. Only a collector the runtime paused is
 #     resumed: a program that turned it off itself keeps it off (but one that calls
 #     ``gc.disable()`` while the runtime holds it paused cannot be told apart, and sees
-#     it resumed after backward).
+#     it resumed after backward). What a reference cycle holds (an activation in a
+#     cycle of the model's own objects) is then freed only after backward: the profiled
+#     step runs with the collector paused the same way (``_run_step`` in
+#     ``profiling/step.py``), so the profile releases it where the runtime does.
 class _CollectorPause:
     """The cyclic collector, paused by the runtime (NOTE [no cyclic GC until backward])."""
 
