@@ -38,14 +38,14 @@ def test_the_pool_never_hands_out_a_held_buffer(steps: list, capacity: int) -> N
             pooled = copies.pooled_bytes
             before = stats.host_buffers_allocated
             host = copies.offload(torch.full((size,), float(n)), stats)
-            assert host.numel() == 4 * size
+            assert host.nbytes == 4 * size
             reused = stats.host_buffers_allocated == before
             assert reused == (copies.pooled_bytes == pooled - 4 * size)
             assert all(host.data_ptr() != other.data_ptr() for other, _ in held)
             held.append((host, float(n)))
         else:
             copies.give_back(held.pop(pick % len(held))[0])
-        most_held = max(most_held, sum(host.numel() for host, _ in held))
+        most_held = max(most_held, sum(host.nbytes for host, _ in held))
         assert copies.pooled_bytes <= max(capacity, most_held)
         for host, value in held:
             assert torch.all(host.view(torch.float32) == value)

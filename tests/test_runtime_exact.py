@@ -397,6 +397,7 @@ def test_a_plan_for_all_trainable_parameters_refuses_a_frozen_model() -> None:
 
 def test_verify_catches_a_reload_that_differs(monkeypatch) -> None:
     from slackswap.runtime.copies import HostCopies
+    from slackswap.runtime.streams import bytes_of
 
     torch.manual_seed(0)
     model, x = _InPlaceCNN(), torch.randn(2, 3, 16, 16)
@@ -405,7 +406,7 @@ def test_verify_catches_a_reload_that_differs(monkeypatch) -> None:
 
     def corrupt(self, host, device):
         out = reload(self, host, device)
-        out[:4] ^= 1  # one flipped bit
+        bytes_of(out)[:4] ^= 1  # one flipped bit
         return out
 
     monkeypatch.setattr(HostCopies, "reload", corrupt)

@@ -10,7 +10,9 @@ NOTE [offloads issued in groups]
     another, before the same op (an op saving its inputs, a module's outputs saved
     together). So an offloaded tensor's copy waits, held by the runtime, until the last
     offload packed before the same op, and that group's copies are issued together: one
-    poll, one compute wait, one stream switch, one event for all of them, a copy each. No
+    compute wait, one stream switch, one event for all of them, a copy each (and no poll
+    of the copies in flight where each has a deadline: NOTE [offloads free where
+    simulated] in ``slackswap.runtime.copies``). No
     compute is issued between the packs of a group, so its copies wait for the same
     compute each would alone: the simulator's copies start where they did, and only the
     host pays for the offloads at the group's last pack. A write to a storage waiting in

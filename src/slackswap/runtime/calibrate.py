@@ -154,7 +154,7 @@ def device_call_costs(repeats: int = 2000) -> dict[str, float]:
         "event_record": lambda: event.record(link.compute),
         "event_query": event.query,
         "wait_event": lambda: link.compute.wait_event(event),
-        "copy": lambda: link.copy_storage(host, small, small.numel()),  # a tensor's copy
+        "copy": lambda: link.copy(host, small),  # a tensor's copy
         "byte_view": lambda: bytes_of(small),  # NOTE [a tensor's copy, not its storage's]
         "copy_storage": lambda: host.untyped_storage().copy_(small.untyped_storage(),
                                                              non_blocking=True),

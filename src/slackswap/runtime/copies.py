@@ -48,6 +48,7 @@ import torch
 from slackswap.runtime import streams
 from slackswap.runtime.recipes import detached, storage_key
 from slackswap.runtime.stats import RuntimeStats
+from slackswap.runtime.streams import laid_as, whole
 
 __all__ = ["HostCopies", "copies_for"]
 
@@ -107,7 +108,10 @@ class HostCopies:
         """Bytes of free host buffers kept for the next offloads."""
         return self._free_bytes
 
-    def _take(self, nbytes: int, link: Any, stats: RuntimeStats) -> torch.Tensor:
+    def _take(self, nbytes: int, link: Any, stats: RuntimeStats,
+              like: torch.Tensor) -> torch.Tensor:
+        """A host buffer of ``nbytes``, laid out as ``like`` (NOTE [host copies laid out as
+        their tensors]): pooled where one of that size is free, else new."""
         self._out_bytes += nbytes
         self._most_out = max(self._most_out, self._out_bytes)
         free = self._free.get(nbytes)
@@ -117,15 +121,17 @@ class HostCopies:
             event = self._busy.pop(id(host), None)
             if event is not None:
                 event.synchronize()  # a copy from it may still be in flight: rare
+            if host.dtype is not like.dtype or host.shape != like.shape:
+                host = laid_as(host, like)
             return host
         stats.host_buffers_allocated += 1
         if link is not None:
-            return link.host_buffer(nbytes)
-        return torch.empty(nbytes, dtype=torch.uint8)
+            return laid_as(link.host_buffer(nbytes), like)
+        return laid_as(torch.empty(nbytes, dtype=torch.uint8), like)
 
     def give_back(self, host: torch.Tensor) -> None:
         """A host copy nobody needs any more: its buffer may serve the next offload."""
-        nbytes = host.numel()
+        nbytes = host.nbytes
         self._out_bytes -= nbytes
         if self._waiting:  # its copy had not been issued: nobody needs it now
             self._waiting = [w for w in self._waiting if w[1] is not host]
@@ -186,23 +192,32 @@ class HostCopies:
             storage = t.untyped_storage()
             key, nbytes = storage._cdata, storage.nbytes()
         link = self.link(t.device)
-        host = self._take(nbytes, link, stats)
-        self._waiting.append((detached(t), host, free_before, nbytes, key))
+        # what is copied: the tensor, or the bytes of its whole storage (NOTE [a tensor's
+        # copy, not its storage's] in ``slackswap.runtime.streams``); held until the copy
+        # (detached: out of the recorder's sight, no node of its own)
+        if whole(t, nbytes):
+            source = detached(t)
+        else:
+            source = link.bytes_of(t) if link is not None else streams.bytes_of(t)
+        host = self._take(nbytes, link, stats, source)
+        self._waiting.append((source, host, free_before, nbytes, key))
         self._waiting_keys.add(key)
         if issue:
             self.issue()
         return host
 
     def issue(self) -> None:
-        """Issue the copies of every offload waiting for its group: on CUDA one poll, one
-        wait for the compute stream and one stream switch per device, a copy each, one
-        event for them all (NOTE [offloads issued in groups])."""
+        """Issue the copies of every offload waiting for its group: on CUDA one wait for
+        the compute stream and one stream switch per device, a copy each, one event for
+        them all (NOTE [offloads issued in groups]); a poll only while an offload with no
+        deadline is in flight (with a profile, each goes at its deadline: ``free_due``)."""
         waiting = self._waiting
         if not waiting:
             return
         self._waiting, self._waiting_keys = [], set()
         device = waiting[0][0].device
-        if any(w[0].device != device for w in waiting):  # a model over several devices
+        if len(waiting) > 1 and any(w[0].device != device for w in waiting):  # a model
+            # over several devices
             for w in waiting:
                 self._waiting = [w]
                 self.issue()
@@ -210,10 +225,11 @@ class HostCopies:
         link = self.link(device)
         if link is None:  # synchronous: each copy done as it is issued
             with streams.unseen():
-                for t, host, _, _, _ in waiting:
-                    host.untyped_storage().copy_(t.untyped_storage())
+                for source, host, _, _, _ in waiting:
+                    host.untyped_storage().copy_(source.untyped_storage())
             return
-        self.poll()
+        if self.undated:  # with a deadline each, the copies in flight go at their
+            self.poll()   # deadlines (``free_due``): no poll per group
         d2h = link.d2h
         link.wait_for_compute(d2h)  # the tensors have been computed
         link.copy_storages(d2h, waiting)

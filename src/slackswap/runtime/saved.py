@@ -346,7 +346,7 @@ class SavedValues:
                 if recorder is not None:
                     recorder.quiet = quiet
             self.offloaded[name] = vkey
-            self.stats.offloaded_bytes += host.numel()
+            self.stats.offloaded_bytes += host.nbytes
         ref = _REF(packed)
         state.packs.setdefault(key, []).append(ref)
         if self.in_forward:
@@ -539,7 +539,7 @@ class SavedValues:
     def reload(self, vkey: Value, name: str | None, device: torch.device,
                waited: bool = False) -> torch.Tensor:
         host = self.host[vkey]
-        self.stats.reloaded_bytes += host.numel()
+        self.stats.reloaded_bytes += host.nbytes
         self.stats.reload_order.append(name or "")
         if waited and not self.copies.asynchronous(device):  # a copy backward waits for
             self.stats.stalls += 1

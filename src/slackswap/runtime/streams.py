@@ -41,7 +41,8 @@ def unseen() -> Any:
     return _UNSEEN()
 
 
-__all__ = ["Link", "StandIn", "link_for", "stand_ins", "whole", "bytes_of", "unseen"]
+__all__ = ["Link", "StandIn", "link_for", "stand_ins", "whole", "bytes_of", "laid_as",
+           "unseen"]
 
 
 class Link:
@@ -73,23 +74,21 @@ class Link:
         finally:
             torch.cuda.set_stream(self.compute)
 
-    def copy_storage(self, host: torch.Tensor, t: torch.Tensor, nbytes: int) -> None:
-        """``t``'s whole storage (``nbytes``) into the host buffer ``host``, on the
-        current stream: NOTE [a tensor's copy, not its storage's]."""
-        with _UNSEEN():
-            source = t if whole(t, nbytes) else bytes_of(t)
-            host.view(source.dtype).view(source.shape).copy_(source, non_blocking=True)
+    def bytes_of(self, t: torch.Tensor) -> torch.Tensor:
+        """:func:`bytes_of`: what an offload copies of a tensor that is not its whole
+        storage (NOTE [a tensor's copy, not its storage's])."""
+        return bytes_of(t)
 
     def copy_storages(self, stream: Any, copies: list[tuple[Any, ...]]) -> None:
-        """Each offload ``(t, host, _, nbytes, _)`` of ``copies`` as :meth:`copy_storage`,
-        issued on ``stream``, then the compute stream again: one switch each way for a
-        group (NOTE [offloads issued in groups] in ``slackswap.core.offloads``)."""
+        """Each offload ``(source, host, ...)`` of ``copies``, ``source`` into the host
+        buffer laid out as it (NOTE [host copies laid out as their tensors]), issued on
+        ``stream``, then the compute stream again: one switch each way for a group (NOTE
+        [offloads issued in groups] in ``slackswap.core.offloads``)."""
         torch.cuda.set_stream(stream)
         try:
             with _UNSEEN():
-                for t, host, _, nbytes, _ in copies:
-                    source = t if whole(t, nbytes) else bytes_of(t)
-                    host.view(source.dtype).view(source.shape).copy_(source, non_blocking=True)
+                for source, host, *_ in copies:
+                    host.copy_(source, non_blocking=True)
         finally:
             torch.cuda.set_stream(self.compute)
 
@@ -170,23 +169,19 @@ class StandIn:
         self.calls["stream_switch"] += 1
         yield
 
-    def copy_storage(self, host: torch.Tensor, t: torch.Tensor, nbytes: int) -> None:
-        # the Link's Python, with its calls counted (a meta tensor has no bytes to copy)
-        with _UNSEEN():
-            if whole(t, nbytes):
-                source = t
-            else:
-                self.calls["byte_view"] += 1
-                source = bytes_of(t)
-            self.calls["copy"] += 1
-            target = host.view(source.dtype).view(source.shape)
-            if t.device.type != "meta":
-                target.copy_(source)
+    def bytes_of(self, t: torch.Tensor) -> torch.Tensor:
+        self.calls["byte_view"] += 1
+        return bytes_of(t)
 
     def copy_storages(self, stream: _StandInStream, copies: list[tuple[Any, ...]]) -> None:
-        self.calls["stream_switch"] += 1
-        for t, host, _, nbytes, _ in copies:
-            self.copy_storage(host, t, nbytes)
+        # the Link's Python, with its calls counted (a meta tensor has no bytes to copy)
+        calls = self.calls
+        calls["stream_switch"] += 1
+        with _UNSEEN():
+            for source, host, *_ in copies:
+                calls["copy"] += 1
+                if not source.is_meta:
+                    host.copy_(source)
 
     def wait_for_compute(self, stream: _StandInStream) -> None:
         self.calls["event_record"] += 1
@@ -216,10 +211,11 @@ class StandIn:
 #     comes back as a view of it). ``UntypedStorage.copy_`` cost 57 us of host time a
 #     call on the H200 (cProfile), a tensor's ``copy_`` 15 us: it wraps both storages in
 #     new tensors first. Most saved tensors are their storage, contiguous from its start:
-#     those are copied as tensors, over a view of the host buffer in their dtype and shape
-#     (the same bytes). The others (a slice, a transposed or conjugate view) are copied as
-#     a tensor of bytes laid over their whole storage (``bytes_of``: no conjugate or
-#     negative bit to resolve), the same bytes again.
+#     those are copied as tensors, into a host buffer laid out in their dtype and shape
+#     (the same bytes: NOTE [host copies laid out as their tensors]). The others (a
+#     slice, a transposed or conjugate view) are copied as a tensor of bytes laid over
+#     their whole storage (``bytes_of``: no conjugate or negative bit to resolve), the
+#     same bytes again.
 def whole(t: torch.Tensor, nbytes: int) -> bool:
     """``t`` covers its whole storage of ``nbytes``, contiguously from its start, and
     reads as its bytes (a conjugate or negative view's copy would resolve the bit its
@@ -231,6 +227,21 @@ def whole(t: torch.Tensor, nbytes: int) -> bool:
 def bytes_of(t: torch.Tensor) -> torch.Tensor:
     """The bytes of ``t``'s whole storage as a flat ``uint8`` tensor over it (no copy)."""
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+
+
+# NOTE [host copies laid out as their tensors]
+#     An offload's host buffer is handed out laid out as what it copies (the saved tensor,
+#     or the flat bytes of its storage): the copy is ``host.copy_(source)`` with no view
+#     taken per copy (two views, a dtype's and a shape's, cost more host time than the
+#     copy call did on this project's CPU runs), and the reload, made in the host copy's
+#     dtype and shape, is the saved tensor's view as it is (``view_of``'s fast path).
+#     The pool keeps buffers by size; one handed out again for a tensor of another dtype
+#     or shape is laid out again, once (a training loop repeats the same shapes).
+def laid_as(buffer: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``buffer``'s memory (contiguous, as many bytes as ``like`` covers) as a contiguous
+    tensor of ``like``'s dtype and shape, on ``buffer``'s device (no copy)."""
+    return torch.empty(0, dtype=like.dtype, device=buffer.device).set_(
+        buffer.untyped_storage(), 0, like.shape)
 
 
 def _cuda_links(device: torch.device) -> Link | None:
