@@ -158,3 +158,23 @@ def test_the_counts_are_of_the_step_the_gpu_runs() -> None:
     assert 0 < rebuilt["watched_ops"] < sum(op.phase == "forward" for op in profile.ops)
     assert all(p.device.type == "meta" for p in net.parameters())
     assert torch.is_grad_enabled()
+
+
+def test_a_repeated_step_lays_out_no_host_buffer_again(monkeypatch) -> None:
+    """NOTE [host copies laid out as their tensors]: the pool hands each offload of a
+    repeated step a buffer already laid out as its tensor: no view per copy."""
+    import slackswap.runtime.copies as copies_module
+
+    net, batch, plan, profile = meta_workload("gpt2-xl", 2, 0.9, "offload-only")
+    one_step(net, batch, plan, profile)
+    laid: list[torch.Size] = []
+    original = copies_module.laid_as
+
+    def counted(buffer: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        laid.append(like.shape)
+        return original(buffer, like)
+
+    monkeypatch.setattr(copies_module, "laid_as", counted)
+    step = one_step(net, batch, plan, profile)
+    assert step["forward"]["copy"] > 0
+    assert step["stats"]["host_buffers_allocated"] == 0 and laid == []
