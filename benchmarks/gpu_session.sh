@@ -17,7 +17,8 @@
 # docs/results-gpu/README.md describes) and gpu-session-summary.txt (the summary printed
 # at the end). Parts, in order, each under a timeout and the clock: the CUDA tests;
 # the runtime's host per-call costs; benchmarks/gpu_diag.py on gpt2-xl@12 and llama-7b@8
-# (every strategy at 50%, traces, the memory checks); then, while time is left,
+# (every strategy at 50%, traces, the memory checks); then, while time is left, the
+# runtime's host work per step on this machine's CPU (benchmarks/host_work.py),
 # bert-large@8 (keep-all and SlackSwap, traces), benchmarks/peers.py on gpt2-xl@12 and
 # llama-7b@8 (the eager points; the compiled ones too when three minutes are left) and
 # the host link's rates (benchmarks/link_bandwidth.py).
@@ -160,6 +161,15 @@ main() {
         # shellcheck disable=SC2086
         diag required $spec
     done
+    # the runtime's host work on this machine's own CPU, the host the GPU waits for (the
+    # CPU sessions predict it from a slower one), priced with the costs just measured
+    if [ "$SMOKE" = 1 ]; then
+        part host-work 60 20 optional "$PYTHON" benchmarks/host_work.py --layers 2 \
+            --budget 0.9 --steps 1 --json "$WORK/host_work.json"
+    else
+        part host-work 45 25 optional "$PYTHON" benchmarks/host_work.py --steps 5 \
+            --costs "$WORK/host_costs.json" --json "$WORK/host_work.json"
+    fi
     for spec in "${OPTIONAL_DIAGS[@]}"; do
         # shellcheck disable=SC2086
         diag optional $spec
@@ -209,6 +219,10 @@ summary() {
     if [ -f "$WORK/host_costs.json" ]; then
         echo "host costs (us): $("$PYTHON" -c "import json, sys
 print(json.load(open(sys.argv[1]))['costs_us'])" "$WORK/host_costs.json" 2>&1)"
+    fi
+    if [ -f "$WORK/host-work.log" ]; then
+        echo "host work per step, on this host's CPU:"
+        grep -E '(policy|packs|forward:|predicted)' "$WORK/host-work.log" | sed 's/^/  /'
     fi
     local pareto
     for pareto in "$WORK"/peers/peers-*.json; do
