@@ -9,6 +9,7 @@ import hashlib
 import json
 import linecache
 import os
+import threading
 import time
 import warnings
 import weakref
@@ -48,7 +49,8 @@ from slackswap.profiling.untouched import StateGuard, leaves_no_trace
 
 __all__ = ["batch_fingerprint", "batch_tensors", "default_device", "eager_module", "fingerprint",
            "model_fingerprint", "model_state", "profile", "refuse_own_checkpointing",
-           "refusing_own_checkpoint_calls", "transformer_blocks", "wrappers", "gathered",
+           "refuse_saved_tensor_hooks", "refusing_own_checkpoint_calls",
+           "refusing_saved_tensor_hooks", "transformer_blocks", "wrappers", "gathered",
            "leaves_no_trace"]
 
 Batch = Mapping[str, Any] | tuple | list | torch.Tensor
@@ -96,6 +98,7 @@ def profile(
     model = eager_module(model)
     name = name or module_class(model).__name__
     refuse_own_checkpointing(model)
+    refuse_saved_tensor_hooks()
     # what a plan is valid for: the model as it is held (sharded, if it is)
     held_fingerprint, state_bytes = _AS_HELD.get(id(model)) or _as_held(model)
     if mode == "analytic":
@@ -234,6 +237,66 @@ def refusing_own_checkpoint_calls() -> Iterator[None]:
         yield
     finally:
         tuc._infer_device_type = original
+
+
+# NOTE [saved-tensor hooks of the program's own]
+#     Only the innermost ``saved_tensors_hooks`` pair packs a saved tensor. A model that
+#     enters its own in forward (``torch.autograd.graph.save_on_cpu`` around a block,
+#     torchtune's activation offloading, tensor parallelism's input resharding) hides
+#     that region's saves from the profile's pair and from the runtime's alike: the
+#     profile still sees the region's ops, and backward reading their outputs, so it
+#     listed those outputs as activations autograd did not save, held to backward, and a
+#     plan could offload them as checkpoints, copies that free nothing while the
+#     program's hooks hold the originals (a 4-block MLP with one block under
+#     ``save_on_cpu``, at a budget of half its peak: 140% of the budget measured on a
+#     CPU, the simulation under it). On CUDA the profile would count the host copies
+#     ``save_on_cpu`` makes as device memory. Gradients stayed exact; the budget did
+#     not hold. So a pair pushed while the step's forward runs (on its thread, outside
+#     any backward) is refused as it is entered, in the profiled step and under a plan,
+#     with what to do; and a pair already active when a step begins, around it, which
+#     the step's own pair would silently replace for its forward, is refused before the
+#     step starts. (Pushed below ``saved_tensors_hooks``, so a subclass with its own
+#     ``__enter__`` is seen too.)
+_HOOKS_INSIDE = (
+    "the model enters saved-tensor hooks of its own in forward "
+    "(torch.autograd.graph.save_on_cpu, or another saved_tensors_hooks), which hide what "
+    "they save from the plan; remove them and let the plan decide what to offload"
+)
+_HOOKS_AROUND = (
+    "saved-tensor hooks of your own (torch.autograd.graph.save_on_cpu, or another "
+    "saved_tensors_hooks) are active around the step, and the plan's would replace them "
+    "in its forward; run the step outside them and let the plan decide what to offload"
+)
+
+
+def refuse_saved_tensor_hooks() -> None:
+    """Refuse a step begun inside a ``saved_tensors_hooks`` pair (NOTE [saved-tensor hooks
+    of the program's own])."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is not None and top(True) is not None:
+        raise InputError(_HOOKS_AROUND)
+
+
+@contextlib.contextmanager
+def refusing_saved_tensor_hooks(*own: Callable[..., Any]) -> Iterator[None]:
+    """Inside, a ``saved_tensors_hooks`` pair entered on this thread outside backward
+    raises :class:`InputError`, unless its pack hook is one of ``own`` (functions, or the
+    functions of bound methods): NOTE [saved-tensor hooks of the program's own]."""
+    autograd = torch._C._autograd
+    original = autograd._push_saved_tensors_default_hooks
+    thread = threading.get_ident()
+
+    def push(pack: Callable[..., Any], unpack: Callable[..., Any]) -> None:
+        if (getattr(pack, "__func__", pack) not in own and threading.get_ident() == thread
+                and torch._C._current_graph_task_id() == -1):
+            raise InputError(_HOOKS_INSIDE)
+        original(pack, unpack)
+
+    autograd._push_saved_tensors_default_hooks = push
+    try:
+        yield
+    finally:
+        autograd._push_saved_tensors_default_hooks = original
 
 
 # The models a SlackSwap attachment holds, eager (runtime.attach) or compiled
@@ -440,7 +503,8 @@ def _run_step(
     gc.disable()
     try:
         with (_same_name_warning_off(), tracker, recorder, extra,
-              refusing_own_checkpoint_calls(), module_events(recorder.module_event)):
+              refusing_own_checkpoint_calls(), refusing_saved_tensor_hooks(StepRecorder.pack),
+              module_events(recorder.module_event)):
             with torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack):
                 output = call()
                 recorder.model_saves = len(recorder.saves)  # NOTE [a step off the profiled path]
