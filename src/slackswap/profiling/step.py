@@ -249,13 +249,14 @@ def refusing_own_checkpoint_calls() -> Iterator[None]:
 #     plan could offload them as checkpoints, copies that free nothing while the
 #     program's hooks hold the originals (a 4-block MLP with one block under
 #     ``save_on_cpu``, at a budget of half its peak: 140% of the budget measured on a
-#     CPU, the simulation under it). On CUDA the profile would count the host copies
-#     ``save_on_cpu`` makes as device memory. Gradients stayed exact; the budget did
-#     not hold. So a pair pushed while the step's forward runs (on its thread, outside
-#     any backward) is refused as it is entered, in the profiled step and under a plan,
-#     with what to do; and a pair already active when a step begins, around it, which
-#     the step's own pair would silently replace for its forward, is refused before the
-#     step starts. (Pushed below ``saved_tensors_hooks``, so a subclass with its own
+#     CPU, the simulation under it). On CUDA (read from the recorder, not measured: it
+#     keeps no device per tensor) the host copies ``save_on_cpu`` makes would count as
+#     device memory. Gradients stayed exact; the budget did not hold. So a pair pushed
+#     while the step's forward runs (on its thread, outside any backward) is refused as
+#     it is entered, in the profiled step and under a plan, with what to do; and a pair
+#     already active when a step begins, around it, which the step's own pair would
+#     silently replace for its forward, is refused before the step starts. (Caught
+#     below ``saved_tensors_hooks``, where a pair is pushed, so a subclass with its own
 #     ``__enter__`` is seen too.)
 _HOOKS_INSIDE = (
     "the model enters saved-tensor hooks of its own in forward "
