@@ -278,26 +278,31 @@ def refuse_saved_tensor_hooks() -> None:
         raise InputError(_HOOKS_AROUND)
 
 
-@contextlib.contextmanager
-def refusing_saved_tensor_hooks(*own: Callable[..., Any]) -> Iterator[None]:
+class refusing_saved_tensor_hooks:  # noqa: N801 - a context manager, named as one
     """Inside, a ``saved_tensors_hooks`` pair entered on this thread outside backward
     raises :class:`InputError`, unless its pack hook is one of ``own`` (functions, or the
-    functions of bound methods): NOTE [saved-tensor hooks of the program's own]."""
-    autograd = torch._C._autograd
-    original = autograd._push_saved_tensors_default_hooks
-    thread = threading.get_ident()
+    functions of bound methods): NOTE [saved-tensor hooks of the program's own]. A class,
+    not a generator: a block enters it every step."""
 
-    def push(pack: Callable[..., Any], unpack: Callable[..., Any]) -> None:
-        if (getattr(pack, "__func__", pack) not in own and threading.get_ident() == thread
+    __slots__ = ("own", "thread", "original")
+
+    def __init__(self, *own: Callable[..., Any]) -> None:
+        self.own = own
+
+    def __enter__(self) -> None:
+        self.thread = threading.get_ident()
+        self.original = torch._C._autograd._push_saved_tensors_default_hooks
+        torch._C._autograd._push_saved_tensors_default_hooks = self._push
+
+    def __exit__(self, *exc: Any) -> None:
+        torch._C._autograd._push_saved_tensors_default_hooks = self.original
+
+    def _push(self, pack: Callable[..., Any], unpack: Callable[..., Any]) -> None:
+        if (getattr(pack, "__func__", pack) not in self.own
+                and threading.get_ident() == self.thread
                 and torch._C._current_graph_task_id() == -1):
             raise InputError(_HOOKS_INSIDE)
-        original(pack, unpack)
-
-    autograd._push_saved_tensors_default_hooks = push
-    try:
-        yield
-    finally:
-        autograd._push_saved_tensors_default_hooks = original
+        self.original(pack, unpack)
 
 
 # The models a SlackSwap attachment holds, eager (runtime.attach) or compiled
