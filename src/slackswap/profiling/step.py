@@ -9,6 +9,7 @@ import hashlib
 import json
 import linecache
 import os
+import sys
 import threading
 import time
 import warnings
@@ -259,9 +260,9 @@ def refusing_own_checkpoint_calls() -> Iterator[None]:
 #     below ``saved_tensors_hooks``, where a pair is pushed, so a subclass with its own
 #     ``__enter__`` is seen too.)
 _HOOKS_INSIDE = (
-    "the model enters saved-tensor hooks of its own in forward "
-    "(torch.autograd.graph.save_on_cpu, or another saved_tensors_hooks), which hide what "
-    "they save from the plan; remove them and let the plan decide what to offload"
+    "the model enters saved-tensor hooks of its own in forward (a saved_tensors_hooks pair "
+    "such as torch.autograd.graph.save_on_cpu, at {where}), which hide what they save from "
+    "the plan; remove them and let the plan decide what to offload"
 )
 _HOOKS_AROUND = (
     "saved-tensor hooks of your own (torch.autograd.graph.save_on_cpu, or another "
@@ -301,7 +302,7 @@ class refusing_saved_tensor_hooks:  # noqa: N801 - a context manager, named as o
         if (getattr(pack, "__func__", pack) not in self.own
                 and threading.get_ident() == self.thread
                 and torch._C._current_graph_task_id() == -1):
-            raise InputError(_HOOKS_INSIDE)
+            raise InputError(_HOOKS_INSIDE.format(where=_program_line()))
         self.original(pack, unpack)
 
 
@@ -437,19 +438,37 @@ _VALUE_READS = (DataDependentOutputException, DynamicOutputShapeException,
                 GuardOnDataDependentSymNode)
 
 
+_INSIDE = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)),
+           contextlib.__file__)  # torch, this package, and context managers' plumbing
+
+
 def _model_line(e: BaseException) -> str:
     """Where the model's own code was when ``e`` was raised: the innermost frame outside
     torch and this package, as ``file:line: source``."""
-    inside = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
     where = "its code"
     tb = e.__traceback__
     while tb is not None:
         file, line = tb.tb_frame.f_code.co_filename, tb.tb_lineno
-        if not file.startswith(inside):
-            source = linecache.getline(file, line).strip()
-            where = f"{os.path.basename(file)}:{line}" + (f": {source}" if source else "")
+        if not file.startswith(_INSIDE):
+            where = _line(file, line)
         tb = tb.tb_next
     return where
+
+
+def _program_line() -> str:
+    """Where the program's own code is now: the innermost frame on the stack outside
+    torch and this package, as ``file:line: source``."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if not frame.f_code.co_filename.startswith(_INSIDE):
+            return _line(frame.f_code.co_filename, frame.f_lineno)
+        frame = frame.f_back
+    return "its code"
+
+
+def _line(file: str, line: int) -> str:
+    source = linecache.getline(file, line).strip()
+    return f"{os.path.basename(file)}:{line}" + (f": {source}" if source else "")
 
 
 def _raised_in_mod_tracker(e: BaseException) -> bool:
