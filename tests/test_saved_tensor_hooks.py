@@ -121,9 +121,10 @@ def test_hooks_in_forward_are_refused_by_the_profile_and_attach() -> None:
 
 
 def test_hooks_in_forward_under_a_plan_are_refused_and_the_plan_holds_without_them() -> None:
-    """A plan made for the model, applied to a step whose block enters ``save_on_cpu``:
-    refused in forward, everything put back. Without the hooks the same plan trains
-    exactly (``torch.equal`` with plain PyTorch) and within its budget (measured)."""
+    """A plan made for the model, applied (by ``apply``, then by ``attach``) to a step
+    whose block enters ``save_on_cpu``: refused in forward, everything put back. Without
+    the hooks the same plan trains exactly (``torch.equal`` with plain PyTorch) and within
+    its budget (measured)."""
     model, x = _net()
     plain = copy.deepcopy(model)
     plan = slackswap.plan(model, x, budget=0.5)
@@ -140,6 +141,17 @@ def test_hooks_in_forward_under_a_plan_are_refused_and_the_plan_holds_without_th
         got = _seeded(model, x, plan, memory)
     _assert_same(got, _seeded(plain, x))
     assert memory.peak <= plan.budget_bytes + SCALARS, (memory.peak, plan.budget_bytes)
+    # under attach, the shape planned already: the runtime refuses, attach closes its block
+    with slackswap.attach(model, budget=0.5, strategy="offload-only") as attached:
+        _seeded(model, x)
+        model.blocks[1].on_cpu = True
+        before = _state(model, x)  # the last step's gradients among it
+        with pytest.raises(InputError, match=INSIDE):
+            model(x)
+        _assert_unchanged(before, _state(model, x))
+        model.blocks[1].on_cpu = False
+        _assert_same(_seeded(model, x), _seeded(plain, x))
+        assert len(attached.plans) == 1 and attached.stats.offloaded_bytes > 0
 
 
 def test_hooks_around_the_step_are_refused_before_it_starts() -> None:
