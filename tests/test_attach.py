@@ -119,7 +119,7 @@ def test_a_model_trained_in_eval_mode_is_planned() -> None:
     hooks = global_hooks()
     plain_optimizer = torch.optim.AdamW(plain.parameters())
     want = [step(plain, plain_optimizer), step(plain, plain_optimizer)]
-    attached = slackswap.attach(model, budget=0.5)
+    attached = slackswap.attach(model, budget=0.5, strategy="offload-only")
     optimizer = torch.optim.AdamW(model.parameters())
     got = [step(model, optimizer)]
     memory = ActivationMemory(model, batch)
@@ -134,7 +134,7 @@ def test_a_model_trained_in_eval_mode_is_planned() -> None:
     assert got == want
     assert_same(params(model), params(plain))
     (plan,) = attached.plans.values()
-    assert attached.stats.offloaded_bytes + attached.stats.recomputed_ops > 0
+    assert attached.stats.offloaded_bytes > 0
     assert memory.peak <= plan.budget_bytes + SCALARS, (memory.peak, plan.budget_bytes)
     last = attached.stats
     with torch.no_grad():
