@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from memory_tracking import ActivationMemory
 from torch.nn.modules import module as nn_module
 
 import slackswap
@@ -21,6 +22,9 @@ from slackswap.core.hardware import with_overrides
 from slackswap.device_budget import RESERVE, device_budget
 from slackswap.errors import InputError
 from slackswap.runtime import block
+
+# the loss and autograd's seed gradient, held past their last use in the profile
+SCALARS = 64
 
 
 def tiny_lm() -> tuple[torch.nn.Module, list[dict[str, torch.Tensor]]]:
@@ -92,6 +96,55 @@ def test_plain_loop_is_bit_identical_with_a_plan_per_shape() -> None:
     assert len(attached.plans) == 2
     # the plan ran (it did not pass by): the last step recomputed and offloaded
     assert attached.stats.recomputed_ops > 0 and attached.stats.offloaded_bytes > 0
+
+
+def test_a_model_trained_in_eval_mode_is_planned() -> None:
+    """A model left in ``eval()`` (dropout off) with parameters that require grad, then
+    trained: each step records a graph for backward, so it runs under a plan (it used to
+    pass by unplanned, holding every activation): losses and parameters bit-identical to
+    plain PyTorch's, the step's measured activation peak within the plan's budget.
+    Forwards that record no graph (``no_grad``, a frozen model) still pass by."""
+    model, data = tiny_lm()
+    model.eval()
+    batch = {k: torch.stack([d[k] for d in data[:2]]) for k in data[0]}
+    plain = copy.deepcopy(model)
+
+    def step(net: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
+        loss = net(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.item()
+
+    hooks = global_hooks()
+    plain_optimizer = torch.optim.AdamW(plain.parameters())
+    want = [step(plain, plain_optimizer), step(plain, plain_optimizer)]
+    attached = slackswap.attach(model, budget=0.5, strategy="offload-only")
+    optimizer = torch.optim.AdamW(model.parameters())
+    got = [step(model, optimizer)]
+    memory = ActivationMemory(model, batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # MemTracker on a CPU-only build
+        with memory:
+            loss = model(**batch).loss
+            loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    got.append(loss.item())
+    assert got == want
+    assert_same(params(model), params(plain))
+    (plan,) = attached.plans.values()
+    assert attached.stats.offloaded_bytes > 0
+    assert memory.peak <= plan.budget_bytes + SCALARS, (memory.peak, plan.budget_bytes)
+    last = attached.stats
+    with torch.no_grad():
+        model(**batch)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model(**batch)  # a frozen model in eval mode: no graph, no plan
+    assert len(attached.plans) == 1 and attached.stats is last
+    attached.detach()
+    assert nothing_left(model, hooks)
 
 
 def test_budget_fit_plans_what_the_device_leaves() -> None:

@@ -9,6 +9,8 @@ import hashlib
 import json
 import linecache
 import os
+import sys
+import threading
 import time
 import warnings
 import weakref
@@ -48,7 +50,8 @@ from slackswap.profiling.untouched import StateGuard, leaves_no_trace
 
 __all__ = ["batch_fingerprint", "batch_tensors", "default_device", "eager_module", "fingerprint",
            "model_fingerprint", "model_state", "profile", "refuse_own_checkpointing",
-           "refusing_own_checkpoint_calls", "transformer_blocks", "wrappers", "gathered",
+           "refuse_saved_tensor_hooks", "refusing_own_checkpoint_calls",
+           "refusing_saved_tensor_hooks", "transformer_blocks", "wrappers", "gathered",
            "leaves_no_trace"]
 
 Batch = Mapping[str, Any] | tuple | list | torch.Tensor
@@ -96,6 +99,7 @@ def profile(
     model = eager_module(model)
     name = name or module_class(model).__name__
     refuse_own_checkpointing(model)
+    refuse_saved_tensor_hooks()
     # what a plan is valid for: the model as it is held (sharded, if it is)
     held_fingerprint, state_bytes = _AS_HELD.get(id(model)) or _as_held(model)
     if mode == "analytic":
@@ -236,6 +240,72 @@ def refusing_own_checkpoint_calls() -> Iterator[None]:
         tuc._infer_device_type = original
 
 
+# NOTE [saved-tensor hooks of the program's own]
+#     Only the innermost ``saved_tensors_hooks`` pair packs a saved tensor. A model that
+#     enters its own in forward (``torch.autograd.graph.save_on_cpu`` around a block,
+#     torchtune's activation offloading, tensor parallelism's input resharding) hides
+#     that region's saves from the profile's pair and from the runtime's alike: the
+#     profile still sees the region's ops, and backward reading their outputs, so it
+#     listed those outputs as activations autograd did not save, held to backward, and a
+#     plan could offload them as checkpoints, copies that free nothing while the
+#     program's hooks hold the originals (a 4-block MLP with one block under
+#     ``save_on_cpu``, at a budget of half its peak: 140% of the budget measured on a
+#     CPU, the simulation under it). On CUDA (read from the recorder, not measured: it
+#     keeps no device per tensor) the host copies ``save_on_cpu`` makes would count as
+#     device memory. Gradients stayed exact; the budget did not hold. So a pair pushed
+#     while the step's forward runs (on its thread, outside any backward) is refused as
+#     it is entered, in the profiled step and under a plan, with what to do; and a pair
+#     already active when a step begins, around it, which the step's own pair would
+#     silently replace for its forward, is refused before the step starts. (Caught
+#     below ``saved_tensors_hooks``, where a pair is pushed, so a subclass with its own
+#     ``__enter__`` is seen too.)
+_HOOKS_INSIDE = (
+    "the model enters saved-tensor hooks of its own in forward (a saved_tensors_hooks pair "
+    "such as torch.autograd.graph.save_on_cpu, at {where}), which hide what they save from "
+    "the plan; remove them and let the plan decide what to offload"
+)
+_HOOKS_AROUND = (
+    "saved-tensor hooks of your own (torch.autograd.graph.save_on_cpu, or another "
+    "saved_tensors_hooks) are active around the step, and the plan's would replace them "
+    "in its forward; run the step outside them and let the plan decide what to offload"
+)
+
+
+def refuse_saved_tensor_hooks() -> None:
+    """Refuse a step begun inside a ``saved_tensors_hooks`` pair (NOTE [saved-tensor hooks
+    of the program's own])."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is not None and top(True) is not None:
+        raise InputError(_HOOKS_AROUND)
+
+
+class refusing_saved_tensor_hooks:  # noqa: N801 - a context manager, named as one
+    """Inside, a ``saved_tensors_hooks`` pair entered on this thread outside backward
+    raises :class:`InputError`, unless its pack hook is one of ``own`` (functions, or the
+    functions of bound methods): NOTE [saved-tensor hooks of the program's own]. A class,
+    not a generator: a block enters it every step."""
+
+    __slots__ = ("own", "thread", "original")
+
+    def __init__(self, *own: Callable[..., Any]) -> None:
+        self.own = own
+
+    def __enter__(self) -> None:
+        self.thread = threading.get_ident()
+        self.original = torch._C._autograd._push_saved_tensors_default_hooks
+        torch._C._autograd._push_saved_tensors_default_hooks = self._push
+
+    def __exit__(self, *exc: Any) -> None:
+        torch._C._autograd._push_saved_tensors_default_hooks = self.original
+
+    def _push(self, pack: Callable[..., Any], unpack: Callable[..., Any]) -> None:
+        if (getattr(pack, "__func__", pack) not in self.own
+                and threading.get_ident() == self.thread
+                and torch._C._current_graph_task_id() == -1):
+            raise InputError(_HOOKS_INSIDE.format(where=_program_line()))
+        self.original(pack, unpack)
+
+
 # The models a SlackSwap attachment holds, eager (runtime.attach) or compiled
 # (compiled.attach): one attachment a model, whichever kind.
 ATTACHED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
@@ -368,19 +438,37 @@ _VALUE_READS = (DataDependentOutputException, DynamicOutputShapeException,
                 GuardOnDataDependentSymNode)
 
 
+_INSIDE = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)),
+           contextlib.__file__)  # torch, this package, and context managers' plumbing
+
+
 def _model_line(e: BaseException) -> str:
     """Where the model's own code was when ``e`` was raised: the innermost frame outside
     torch and this package, as ``file:line: source``."""
-    inside = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
     where = "its code"
     tb = e.__traceback__
     while tb is not None:
         file, line = tb.tb_frame.f_code.co_filename, tb.tb_lineno
-        if not file.startswith(inside):
-            source = linecache.getline(file, line).strip()
-            where = f"{os.path.basename(file)}:{line}" + (f": {source}" if source else "")
+        if not file.startswith(_INSIDE):
+            where = _line(file, line)
         tb = tb.tb_next
     return where
+
+
+def _program_line() -> str:
+    """Where the program's own code is now: the innermost frame on the stack outside
+    torch and this package, as ``file:line: source``."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if not frame.f_code.co_filename.startswith(_INSIDE):
+            return _line(frame.f_code.co_filename, frame.f_lineno)
+        frame = frame.f_back
+    return "its code"
+
+
+def _line(file: str, line: int) -> str:
+    source = linecache.getline(file, line).strip()
+    return f"{os.path.basename(file)}:{line}" + (f": {source}" if source else "")
 
 
 def _raised_in_mod_tracker(e: BaseException) -> bool:
@@ -440,7 +528,8 @@ def _run_step(
     gc.disable()
     try:
         with (_same_name_warning_off(), tracker, recorder, extra,
-              refusing_own_checkpoint_calls(), module_events(recorder.module_event)):
+              refusing_own_checkpoint_calls(), refusing_saved_tensor_hooks(StepRecorder.pack),
+              module_events(recorder.module_event)):
             with torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack):
                 output = call()
                 recorder.model_saves = len(recorder.saves)  # NOTE [a step off the profiled path]

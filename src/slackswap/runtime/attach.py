@@ -45,8 +45,10 @@ _SCALARS = (bool, int, float, str, type(None), torch.dtype, torch.device)
 def attach(model: torch.nn.Module, budget: str | int | float = 0.5,
            hardware: str | Hardware | None = None, strategy: str = "slackswap",
            loss_fn: Callable[[Any], torch.Tensor] | None = None) -> Attached:
-    """Apply a plan to every training forward of ``model`` (in training mode, with grad
-    enabled); other forwards (evaluation, ``no_grad``) run as they would without it.
+    """Apply a plan to every forward of ``model`` that records a graph for backward: with
+    grad enabled, in training mode, or in eval mode with a parameter or input that
+    requires grad (training with dropout off); other forwards (``no_grad``,
+    ``inference_mode``, a frozen model in eval mode) run as they would without it.
 
     The first forward with a new batch shape (tensor shapes and dtypes, other arguments,
     autocast state) profiles one step of the model on that batch and plans it, as
@@ -113,7 +115,7 @@ class Attached:
                              "training forward ended (stopped by Ctrl-C, or a call inside "
                              "its own forward); that forward's block is closed now: call "
                              "the model again")
-        if self._planning or not (module.training and torch.is_grad_enabled()):
+        if self._planning or not _records_graph(module, args, kwargs):
             return
         if _in_compiled_code():
             raise InputError("slackswap.attach: the model is called from code torch.compile "
@@ -187,6 +189,20 @@ class Attached:
             raise type(e)(f"slackswap.attach, planning a batch of shapes {shapes}: {e}") from e
         finally:
             self._planning = False
+
+
+def _records_graph(module: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether this call of the model records a graph for backward: grad enabled, and the
+    model in training mode or, in eval mode, with a parameter or input that requires grad
+    (a model trained in eval mode, to keep dropout off, runs training steps all the same:
+    passed by, they would hold every activation unplanned)."""
+    if not torch.is_grad_enabled():
+        return False
+    if module.training:
+        return True
+    return (any(p.requires_grad for p in module.parameters())
+            or any(isinstance(t, torch.Tensor) and t.requires_grad
+                   for t in _pytree.tree_leaves((args, kwargs))))
 
 
 def _in_compiled_code() -> bool:

@@ -38,7 +38,9 @@ from slackswap.profiling.step import (
     model_fingerprint,
     model_state,
     refuse_own_checkpointing,
+    refuse_saved_tensor_hooks,
     refusing_own_checkpoint_calls,
+    refusing_saved_tensor_hooks,
     wrappers,
 )
 from slackswap.runtime.checks import offload_deadlines, prepare, shapes_differ
@@ -171,6 +173,7 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
             )
         if not torch.is_grad_enabled():  # under no_grad nothing is saved
             return self
+        refuse_saved_tensor_hooks()  # NOTE [saved-tensor hooks of the program's own]
         self._check_model(self.model)
         # What earlier steps packed stays valid: their handles hold their own nodes, and
         # host copies and rebuilt storages go as they are unpacked.
@@ -196,6 +199,9 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
             stack.callback(self.model.register_forward_hook(
                 self._forward_done, always_call=True).remove)
             stack.enter_context(refusing_own_checkpoint_calls())
+            # NOTE [saved-tensor hooks of the program's own]: the model's own pair is
+            # refused; the runtime's, and the plain pair of a step off the profiled path, not
+            stack.enter_context(refusing_saved_tensor_hooks(SavedValues.pack, _plain))
             # NOTE [compiled code runs eagerly in a block]
             stack.enter_context(torch.compiler.set_stance("force_eager"))
             recorder.enter(self.model, stack)
