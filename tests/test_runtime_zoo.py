@@ -325,6 +325,28 @@ def test_uniform_plans(name: str, decision: str) -> None:
         assert (stats.offloaded_bytes if decision == "offload" else stats.recomputed_ops) > 0
 
 
+# the asynchronous (CUDA) branch, its device calls stood in for (NOTE [stand-ins for the
+# device calls]): host buffers laid out as the tensors they copy (NOTE [host copies laid
+# out as their tensors]) over every dtype, layout and view the zoo saves; a few in the
+# fast tier, every model under -m full
+ASYNC_FAST = ["complex_tensors", "integer_tensors", "efficientnet_channels_last",
+              "storage_saved_twice", "inplace_on_view", "mark_dirty", "sparse", "lstm"]
+
+
+@pytest.mark.parametrize("name", [n if n in ASYNC_FAST else pytest.param(n, marks=full)
+                                  for n in NAMES])
+def test_offload_plans_on_the_asynchronous_branch(name: str) -> None:
+    from collections import Counter
+
+    from slackswap.runtime.streams import stand_ins
+
+    calls: Counter = Counter()
+    with stand_ins(calls, "behind"):
+        runtime = check(name, uniform(name, "offload"))
+    if runtime is not None and runtime.stats.offloaded_bytes:
+        assert calls["copy"] > 0  # it took the asynchronous branch
+
+
 def test_a_rebuild_makes_again_an_input_backward_is_done_with() -> None:
     """Mamba: each input projection's copy recomputed, the SiLU output it copies offloaded.
     Backward has read that output for the last time before the copy is rebuilt, so the
