@@ -4,7 +4,8 @@ Run: python benchmarks/off_path_memory.py [--models switch,whisper,wav2vec2,opt]
 
 For each model (Switch from ``tests/zoo.py``; Whisper, Wav2Vec2 and OPT with LayerDrop 0.5
 from ``tests/test_layerdrop.py``) and each step seed: the step's activation peak under
-plain PyTorch and under two plans (SlackSwap's at 50%, and keep and offload in turn), as
+plain PyTorch and under two plans (SlackSwap's at 50%, against its budget, and keep and
+offload in turn), as
 PyTorch's ``MemTracker`` measures it (``tests/memory_tracking.py``, apart from the
 runtime's own accounting), whether the step left the profiled path, and whether its loss
 and gradients are plain PyTorch's bit for bit (NOTE [a step off the profiled path] in
@@ -72,17 +73,24 @@ def main() -> None:
         plans = {"slackswap@0.5": slackswap.plan(profile, 0.5),
                  "keep/offload": Plan(fingerprint=profile.fingerprint, strategy="x", decisions={
                      n: ("keep", "offload")[i % 2] for i, n in enumerate(names)})}
-        worst = 0.0
+        worst, over = 0.0, 0.0
+        budget = plans["slackswap@0.5"].budget_bytes
+        assert budget is not None
         for seed in range(args.seeds):
             plain, _, want = step(model, batch, seed)
             for label, plan in plans.items():
                 peak, off, got = step(model, batch, seed, plan, profile)
                 same = len(got) == len(want) and all(map(torch.equal, got, want))
                 worst = max(worst, peak / plain) if off else worst
+                of_budget = ""
+                if plan.budget_bytes is not None:
+                    over = max(over, peak / plan.budget_bytes) if off else over
+                    of_budget = f"  {peak / plan.budget_bytes:7.2%} of budget"
                 print(f"{name:9} seed {seed} {label:13} plain {plain:9,} B  planned "
                       f"{peak:9,} B  {peak / plain:7.2%}  {'off path' if off else 'on path ':8}"
-                      f"  {'exact' if same else 'DIFFERS'}", flush=True)
-        print(f"{name}: worst off-path step {worst:.2%} of plain PyTorch's peak", flush=True)
+                      f"  {'exact' if same else 'DIFFERS'}{of_budget}", flush=True)
+        print(f"{name}: worst off-path step {worst:.2%} of plain PyTorch's peak, "
+              f"{over:.2%} of the 50% plan's budget ({budget:,} B)", flush=True)
 
 
 if __name__ == "__main__":

@@ -7,16 +7,20 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import warnings
+from collections import Counter
 
 import pytest
 import torch
 import zoo
 from memory_tracking import ActivationMemory
+from test_memory_truth import SCALARS
 
 import slackswap
 from slackswap.core.plan import Plan
 from slackswap.errors import PathNotice
+from slackswap.runtime.streams import stand_ins
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -158,3 +162,91 @@ def test_a_step_off_the_path_holds_no_more_than_plain_pytorch(factory) -> None:
     plain, _, want = _measured(model, batch, seed)
     _assert_same([got], [want])
     assert peak <= plain * 1.01, (peak, plain)
+
+
+@functools.cache
+def _planned(factory):
+    """The model, batch, its profile from seed 0 and SlackSwap's plan at half its peak."""
+    torch.manual_seed(0)
+    model, batch = factory()
+    model.train()
+    torch.manual_seed(0)
+    profile = slackswap.profile(copy.deepcopy(model), copy.deepcopy(batch), mode="traced")
+    return model, batch, profile, slackswap.plan(profile, 0.5)
+
+
+def _off_path_step(model, batch, plan, profile, seed: int) -> tuple:
+    """``_measured``, with the block."""
+    model = copy.deepcopy(model)
+    torch.manual_seed(seed)
+    memory = ActivationMemory(model, batch)
+    block = slackswap.apply(model, plan, profile=profile)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with memory:
+            with block:
+                loss = model(**batch).loss
+            loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return memory.peak, block, (loss.detach(), grads, None)
+
+
+@pytest.mark.parametrize(("factory", "policy"), [(_switch, None), (_whisper, None),
+                                                  (_whisper, "behind")])
+def test_a_step_off_the_path_stays_within_the_plans_budget(factory, policy) -> None:
+    """NOTE [a step off the profiled path]: the step run again saves its activations to
+    host memory, so it peaks within the plan's budget (as ``test_memory_truth`` measures
+    it: 1.01 of the budget, and the scalars backward holds), with plain PyTorch's
+    gradients, and gives every host buffer back. ``behind``: asynchronous copies that
+    never finish before the compute stream waits for them (a link slower than compute)
+    hold no more device memory than the bound on what is in flight."""
+    model, batch, profile, plan = _planned(factory)
+    calls: Counter = Counter()
+    with stand_ins(calls, policy) if policy else contextlib.nullcontext():
+        for seed in range(1, 6):
+            peak, block, got = _off_path_step(model, batch, plan, profile, seed)
+            if block.stats.off_path:
+                break
+    assert block.stats.off_path, "no seed took another path"
+    plain, _, want = _measured(model, batch, seed)
+    _assert_same([got], [want])
+    budget = plan.budget_bytes
+    assert peak <= 1.01 * budget + SCALARS, (peak, budget, plain)
+    assert peak < plain  # (each model's off-path step is over the budget as plain PyTorch)
+    stats = block.stats
+    assert stats.offloaded_bytes > 0 and stats.reloaded_bytes > 0
+    assert block.values.copies.held_bytes == 0  # every host buffer given back
+    if policy:
+        assert calls["copy"] > 0 and stats.offload_waits > 0
+
+
+def test_an_in_place_change_after_a_save_off_the_path_raises_as_plain_pytorch() -> None:
+    """Autograd's check that a saved tensor is unchanged at backward, which saved-tensor
+    hooks switch off, holds in a step run again off the profiled path: a forward hook
+    that scales the input of OPT's ``fc2`` in place after ``fc2`` (and the ReLU before
+    it) saved it makes backward raise, as in plain PyTorch."""
+    model, batch, profile, plan = _planned(_opt)
+
+    def scaled(module, args, output) -> None:
+        args[0].mul_(1.0)  # the same values; a new version
+
+    for seed in range(1, 8):
+        changed = copy.deepcopy(model)
+        for layer in changed.model.decoder.layers:
+            layer.fc2.register_forward_hook(scaled)
+        torch.manual_seed(seed)
+        block = slackswap.apply(changed, plan, profile=profile)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", PathNotice)
+            with block:
+                loss = changed(**batch).loss
+        if block.stats.off_path:
+            break
+    assert block.stats.off_path, "no seed took another path"
+    with pytest.raises(RuntimeError, match=r"modified by an inplace operation: a tensor of "
+                                           r"shape \[24, 64\] changed after it was saved"):
+        loss.backward()
+    torch.manual_seed(seed)
+    plain = changed(**batch).loss
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        plain.backward()

@@ -34,8 +34,8 @@ def path_changed(what: str) -> str:
 
 
 class PathNotice(UserWarning):
-    """A step left its plan's profiled path and ran as plain PyTorch, keeping every
-    activation: said once per plan."""
+    """A step left its plan's profiled path and ran again as plain PyTorch, saving its
+    activations to host memory (within the plan's budget, slower): said once per plan."""
 
 
 NESTED_BACKWARD = (

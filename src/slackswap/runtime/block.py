@@ -46,13 +46,17 @@ from slackswap.profiling.step import (
 from slackswap.runtime.checks import offload_deadlines, prepare, shapes_differ
 from slackswap.runtime.copies import copies_for
 from slackswap.runtime.recording import Recorder
-from slackswap.runtime.saved import COLLECTOR, SavedValues
+from slackswap.runtime.saved import COLLECTOR, OffPathSaves, SavedValues
 from slackswap.runtime.state import StateBefore, StepState
 from slackswap.runtime.stats import RuntimeStats
 from slackswap.runtime.watch import can_watch, watch_for
 
 __all__ = ["apply", "RuntimeStats"]
 
+# NOTE [a step off the profiled path]: device bytes that a step run again off the
+# profiled path lets its copies to host memory hold in flight (and an eighth of the plan's
+# budget at most)
+OFF_PATH_IN_FLIGHT = 64 << 20
 _ACTIVE: list[apply] = []  # the block open now, if any: blocks do not nest
 _OPENING = threading.Lock()  # NOTE [one thread at a time]
 
@@ -81,8 +85,9 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
 
     A step that takes another code path than the profiled one (a random LayerDrop skip,
     a branch on the data) runs again as plain PyTorch from where the model was called,
-    keeping every activation: said once per plan (:class:`~slackswap.PathNotice`), and
-    ``stats.off_path`` marks it (NOTE [a step off the profiled path]).
+    saving its activations to host memory (the same gradients, within the budget,
+    slower): said once per plan (:class:`~slackswap.PathNotice`), and ``stats.off_path``
+    marks it (NOTE [a step off the profiled path]).
 
     On CUDA the forward pass is assumed to run on one stream per device, and backward on
     the autograd engine's one thread per device (the usual single-GPU step). One block
@@ -200,8 +205,9 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
                 self._forward_done, always_call=True).remove)
             stack.enter_context(refusing_own_checkpoint_calls())
             # NOTE [saved-tensor hooks of the program's own]: the model's own pair is
-            # refused; the runtime's, and the plain pair of a step off the profiled path, not
-            stack.enter_context(refusing_saved_tensor_hooks(SavedValues.pack, _plain))
+            # refused; the runtime's, and the pair of a step off the profiled path, not
+            stack.enter_context(refusing_saved_tensor_hooks(SavedValues.pack,
+                                                            OffPathSaves.pack))
             # NOTE [compiled code runs eagerly in a block]
             stack.enter_context(torch.compiler.set_stance("force_eager"))
             recorder.enter(self.model, stack)
@@ -251,14 +257,20 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         recorder.stop()
         self.values.drop_step()  # the first try's activations, whoever holds its graph
         before.restore()  # the buffers and RNG as the model was called
-        self._exit.enter_context(torch.autograd.graph.saved_tensors_hooks(_plain, _same))
-        self.values.stats.off_path = True
+        values = self.values
+        budget = self._plan.budget_bytes
+        saves = OffPathSaves(values.state, values.copies, values.stats, OFF_PATH_IN_FLIGHT
+                             if budget is None else min(OFF_PATH_IN_FLIGHT, budget // 8))
+        self._exit.enter_context(torch.autograd.graph.saved_tensors_hooks(saves.pack,
+                                                                          saves.unpack))
+        values.stats.off_path = True
         if not self._plan._off_path_said:
             self._plan._off_path_said = True
             warnings.warn(f"{said[:1].upper()}{said[1:]}. This step and the next such ran "
-                          "again as plain PyTorch (the same draws and gradients), keeping "
-                          "every activation: over the plan's budget", PathNotice,
-                          stacklevel=2)
+                          "again as plain PyTorch (the same draws and gradients), saving "
+                          "its activations to host memory: within the plan's budget, but "
+                          "slower; set the model's LayerDrop rate to 0 to run the plan",
+                          PathNotice, stacklevel=2)
         return forward(*args, **kwargs)
 
     def _other_saves(self) -> str | None:
@@ -364,33 +376,55 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
 #     save or watched op that differs, or as the model returns having saved more or
 #     fewer tensors than the profiled step had by then (``StepProfile.model_saves``: a
 #     skipped layer whose saves matched the next one's). The model's forward is called
-#     through a guard
-#     (``guard_forward``): there, before backward began, the step's changes are put back
-#     (the buffers and the RNG, NOTE [refusals leave no trace]), the runtime steps aside
-#     for the rest of the block, and the model's forward runs again as plain PyTorch,
-#     drawing what it drew: gradients are plain PyTorch's, but that step keeps every
-#     activation (said once per plan object, ``PathNotice``; ``stats.off_path``). What the first
-#     try made goes with its error, and before the second try begins the runtime lets go
-#     of all it holds for the first try's saves (``SavedValues.drop_step``: kept and small
-#     activations, host copies, checkpoints), so that the step peaks where plain PyTorch
-#     does even where something keeps the first try's autograd nodes alive: a backward
-#     hook whose closure holds them (``register_multi_grad_hook``, as ``MemTracker``'s
-#     module tracker registers on every module's inputs) makes a cycle through autograd
-#     that no collector frees, and held the kept half of the first try through the second
-#     (Switch, keep and offload in turn: 399,200 B against plain PyTorch's 326,864 B;
-#     now 326,864 B; ``tests/test_layerdrop.py``, ``benchmarks/off_path_memory.py``).
+#     through a guard (``guard_forward``): there, before backward began, the step's
+#     changes are put back (the buffers and the RNG, NOTE [refusals leave no trace]), the
+#     plan steps aside for the rest of the block, and the model's forward runs again as
+#     plain PyTorch, drawing what it drew, under saved-tensor hooks of its own
+#     (``OffPathSaves`` in ``runtime/saved.py``; said once per plan object,
+#     ``PathNotice``; ``stats.off_path``).
+#     Kept as plain PyTorch keeps them, that step's activations peaked at plain PyTorch's
+#     peak, over the budget (on a GPU, the out-of-memory error the plan was made to
+#     avoid). So each activation it saves (not a parameter, buffer or batch tensor:
+#     ``StepState.is_external``; 1 KiB or more) is copied whole to host memory as it is
+#     saved, with the plan's own host copies and pool, once per value of its storage,
+#     and reloaded when backward unpacks it: the step holds no saved activation on the
+#     device but those backward is reading, and what the model itself holds (its
+#     locals, a cache it returns). Gradients are plain PyTorch's bit for bit (the same
+#     bytes come back, as the same view). It is slower: every copy out and back is on
+#     the step's path, none prefetched. Autograd's own check that a saved tensor was not
+#     changed in place before backward, which hooks switch off, is kept: each handle
+#     holds a tensor with no storage that shares the saved tensor's version counter, and
+#     backward raises as autograd would. Host buffers go back to the pool as autograd
+#     lets go of their last handle (after backward, or with a graph dropped).
+#     On CUDA the copies are asynchronous, and each holds its device tensor until it is
+#     done: where the link is slower than compute those would pile up to the step's
+#     whole activation memory. So what copies in flight hold is bounded
+#     (``OFF_PATH_IN_FLIGHT``, 64 MiB, and an eighth of the plan's budget at most: a few
+#     milliseconds of a PCIe link, copies overlapping the next ops): past it, the compute
+#     stream waits for the oldest copies and their tensors go (``HostCopies.
+#     hold_in_flight``; ``stats.offload_waits``), as at an offload's deadline (NOTE
+#     [offloads free where simulated]). The host never waits: memory in issue order, as
+#     the caching allocator counts it, stays bounded. Measured (``benchmarks/
+#     off_path_memory.py``, seeds 0 to 3, SlackSwap's plan at 50%): Switch 40,920 B
+#     where plain PyTorch peaks at 326,864 B (budget 162,846 B), Whisper 63,236 B against
+#     173,352 B (budget 68,516 B). A path that runs layers the profiled one skipped holds
+#     more in the model's own hands than the budget was made for: Wav2Vec2's profile
+#     skipped all three encoder layers, OPT's two of three, and their off-path steps
+#     peak at 143,781 B and 45,220 B (plain 416,502 B and 147,656 B) over budgets of
+#     95,163 B and 36,388 B, but under the smallest plan SlackSwap finds for those paths
+#     themselves (149,480 B and 47,048 B): set the LayerDrop rate to 0 to run the plan.
+#     What the first try made goes with its error, and before the second try begins the
+#     runtime lets go of all it holds for the first try's saves (``SavedValues.
+#     drop_step``: kept and small activations, host copies, checkpoints), even where
+#     something keeps the first try's autograd nodes alive: a backward hook whose
+#     closure holds them (``register_multi_grad_hook``, as ``MemTracker``'s module
+#     tracker registers on every module's inputs) makes a cycle through autograd that no
+#     collector frees, and held the kept half of the first try through the second.
 #     Backward from a tensor kept from the first try is refused in one line. A model
 #     changed in place otherwise in forward (a parameter, an attribute) cannot be put
-#     back: such a step is refused as before.
-
-
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    """Saved as autograd saves it (an output detached from the node that saves it)."""
-    return t if t.grad_fn is None else t.detach()
-
-
-def _same(t: torch.Tensor) -> torch.Tensor:
-    return t
+#     back: such a step is refused as before. A saved activation written through
+#     ``.data`` after it was saved (which no version counter sees) comes back as it was
+#     saved, where plain PyTorch would read the write.
 
 
 def guard_forward(model: torch.nn.Module, stack: contextlib.ExitStack | None) -> None:

@@ -108,6 +108,11 @@ class HostCopies:
         """Bytes of free host buffers kept for the next offloads."""
         return self._free_bytes
 
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of host copies handed out and not given back."""
+        return self._out_bytes
+
     def _take(self, nbytes: int, link: Any, stats: RuntimeStats,
               like: torch.Tensor) -> torch.Tensor:
         """A host buffer of ``nbytes``, laid out as ``like`` (NOTE [host copies laid out as
@@ -289,6 +294,26 @@ class HostCopies:
                     self.link(held.device).compute.wait_event(entry[0])
                 waited[held.device] = entry[5]
             entry[1] = None
+
+    def hold_in_flight(self, limit: int, stats: RuntimeStats) -> None:
+        """Let go of the device tensors of the oldest offloads in flight until those left
+        hold at most ``limit`` bytes, the compute stream waiting for each copy not done
+        yet: a step off the profiled path copies every activation to host memory, and
+        where the link is slower than compute its copies must not hold device memory past
+        the plan's budget (NOTE [a step off the profiled path] in ``runtime/block.py``)."""
+        held = [entry for entry in self._offloads if entry[1] is not None]
+        over = sum(entry[2].nbytes for entry in held) - limit
+        waited = None  # a group's copies share an event: waited for once
+        for entry in held:
+            if over <= 0:
+                break
+            over -= entry[2].nbytes
+            event, device = entry[0], entry[1].device
+            if event is not waited and not event.query():  # later than compute
+                stats.offload_waits += 1
+                self.link(device).compute.wait_event(event)
+            waited = event
+            entry[1] = None  # the compute stream runs after its copy: its memory is free
 
     def before_write(self, key: int) -> None:
         """The compute stream is about to change a storage in place: if an offload still

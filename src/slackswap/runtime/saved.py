@@ -24,6 +24,7 @@ import weakref
 from typing import Any, TypeVar
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from slackswap.core.plan import MIN_PLANNED_BYTES, Decision
 from slackswap.errors import NESTED_BACKWARD, InputError, PathChanged, VerifyError, path_changed
@@ -43,7 +44,7 @@ from slackswap.runtime.stats import RuntimeStats
 from slackswap.runtime.values import Value
 from slackswap.runtime.watch import Watch
 
-__all__ = ["SavedValues"]
+__all__ = ["SavedValues", "OffPathSaves", "kept_as_saved"]
 
 _KEEP = Decision.KEEP
 _PARAMETER = torch.nn.Parameter
@@ -53,6 +54,15 @@ _H = TypeVar("_H", "_Saved", "_Packed")
 _DROPPED = ("backward reached a tensor saved by a forward pass that left the profiled path "
             "and ran again as plain PyTorch: that first try's graph was let go of; take the "
             "loss from what the model returned")
+
+
+def _modified(what: str) -> RuntimeError:
+    """Autograd's own check, which saved-tensor hooks switch off: ``what`` changed in place
+    after it was saved for backward."""
+    return RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an "
+        f"inplace operation: {what} changed after it was saved for backward (as autograd "
+        "checks without slackswap)")
 
 
 class _Saved:
@@ -73,11 +83,7 @@ class _Saved:
         if self.tensor is None:
             raise InputError(_DROPPED)
         if self.tensor._version != self.version:
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by "
-                f"an inplace operation: a tensor of shape {list(self.tensor.shape)} changed "
-                "after it was saved for backward (as autograd checks without slackswap)"
-            )
+            raise _modified(f"a tensor of shape {list(self.tensor.shape)}")
         return self.tensor
 
 
@@ -196,11 +202,7 @@ class _Packed:
     def check_version(self) -> None:
         saved = self.saved() if self.tensor is None else self.tensor
         if self.modified or (saved is not None and saved._version != self.version):
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by "
-                f"an inplace operation: '{self.name}' changed after it was saved for "
-                "backward (as autograd checks without slackswap)"
-            )
+            raise _modified(f"'{self.name}'")
 
     @property
     def upto(self) -> int:
@@ -290,7 +292,7 @@ class SavedValues:
         if node is None:
             if state.is_external(key):  # a parameter, a buffer, the batch: mostly leaves,
                 # which hold no node, so no cycle to break (the detach costs 2 to 5 us)
-                return _Saved(t if t.grad_fn is None else detached(t))
+                return kept_as_saved(t)
             if name is None:
                 return self._made(_Saved(state.kept(t, key, None)))
         if name is not None and decisions:  # an activation: NOTE [saves named by their order]
@@ -574,6 +576,111 @@ class SavedValues:
             if position is None or last < position:
                 del self.host_checkpoints[vkey]
                 self._drop_host_checkpoint(vkey)
+
+
+def kept_as_saved(t: torch.Tensor) -> _Saved:
+    """``t`` held as autograd holds it (an output detached from the node that saves it,
+    which would otherwise make a cycle), its version checked in backward."""
+    return _Saved(t if t.grad_fn is None else detached(t))
+
+
+class _HostCopy:
+    """One value of a storage saved in a step off the profiled path, in host memory: the
+    buffer, the handles over it, and its last reload while something still holds it."""
+
+    __slots__ = ("table", "vkey", "host", "storage", "handles", "back")
+
+    def __init__(self, table: OffPathSaves, vkey: tuple[int, int], host: torch.Tensor,
+                 storage: torch.UntypedStorage) -> None:
+        self.table, self.vkey, self.host = table, vkey, host
+        # held while the copy is: the storage's key is not reused meanwhile
+        self.storage = StorageWeakRef(storage)
+        self.handles = 0
+        self.back: Any = None  # a weak reference to the last reload
+
+    def gone(self) -> None:
+        self.handles -= 1
+        if self.handles == 0:
+            table = self.table
+            if table.by_value.get(self.vkey) is self:
+                del table.by_value[self.vkey]
+            host, self.host = self.host, None
+            if host is not None:
+                table.copies.give_back(host)
+
+
+class _OnHost:
+    """What autograd holds for an activation saved in a step off the profiled path: its
+    host copy, the view it was, and the version it was saved at. Autograd's own check
+    that it was not changed in place before backward is off under saved-tensor hooks, so
+    a tensor with no storage of its own shares the saved tensor's version counter (every
+    view and ``detach`` of it shares it too) and is compared at unpack."""
+
+    __slots__ = ("copy", "geometry", "device", "counter", "version", "__weakref__")
+
+    def __init__(self, copy: _HostCopy, t: torch.Tensor) -> None:
+        self.geometry, self.device, self.version = geometry(t), t.device, t._version
+        counter = detached(t)
+        with _UNSEEN():  # its storage let go of: no bytes held
+            counter.data = torch.empty(0, dtype=t.dtype, device=t.device)
+        self.counter = counter
+        copy.handles += 1
+        self.copy = copy  # (last: a handle whose making raised gives nothing back)
+
+    def __del__(self) -> None:
+        copy = getattr(self, "copy", None)
+        if copy is not None:
+            copy.gone()
+
+
+_UNSEEN = torch._C._DisableTorchDispatch
+
+
+class OffPathSaves:
+    """The saved-tensor hooks of a step run again off the profiled path (NOTE [a step off
+    the profiled path] in ``runtime/block.py``): each activation of the step (not a
+    parameter, buffer or batch tensor; of a planned size) is copied to host memory as it
+    is saved, with the runtime's host copies, one copy per value of a storage however
+    many times it is saved, and reloaded when backward unpacks it (each reload serving
+    every unpack while something holds it); the rest is held as autograd holds it. On
+    CUDA the copies in flight hold at most ``in_flight`` bytes of device memory."""
+
+    def __init__(self, state: StepState, copies: HostCopies, stats: RuntimeStats,
+                 in_flight: int) -> None:
+        self.state, self.copies, self.stats, self.in_flight = state, copies, stats, in_flight
+        self.by_value: dict[tuple[int, int], _HostCopy] = {}  # (storage, version) -> copy
+
+    def pack(self, t: torch.Tensor) -> Any:
+        if type(t) is _PARAMETER or not plain_strided(t) or t.is_meta:
+            return kept_as_saved(t)
+        storage = t.untyped_storage()
+        key, nbytes = storage._cdata, storage.nbytes()
+        if nbytes < MIN_PLANNED_BYTES or self.state.is_external(key):
+            return kept_as_saved(t)
+        vkey = (key, t._version)
+        copy = self.by_value.get(vkey)
+        if copy is None:
+            copies = self.copies
+            host = copies.offload(t, self.stats, None, True, key, nbytes)
+            copy = self.by_value[vkey] = _HostCopy(self, vkey, host, storage)
+            self.stats.offloaded_bytes += nbytes
+            if copies.undated:  # asynchronous copies in flight
+                copies.hold_in_flight(self.in_flight, self.stats)
+        return _OnHost(copy, t)
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        if type(packed) is _Saved:
+            return packed.unpack()
+        if packed.counter._version != packed.version:
+            raise _modified(f"a tensor of shape {list(packed.geometry.size)}")
+        copy = packed.copy
+        base = copy.back() if copy.back is not None else None
+        if base is None:
+            copies = self.copies
+            base = copies.ready(copies.reload(copy.host, packed.device), self.stats)
+            copy.back = weakref.ref(base)
+            self.stats.reloaded_bytes += copy.host.nbytes
+        return view_of(base, packed.geometry)
 
 
 def _other_step(nbytes: int, name: str, planned: int, dtype: torch.dtype,
