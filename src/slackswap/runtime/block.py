@@ -268,8 +268,8 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
             self._plan._off_path_said = True
             warnings.warn(f"{said[:1].upper()}{said[1:]}. This step and the next such ran "
                           "again as plain PyTorch (the same draws and gradients), saving "
-                          "its activations to host memory: within the plan's budget, but "
-                          "slower; set the model's LayerDrop rate to 0 to run the plan",
+                          "their activations to host memory: within the plan's budget, "
+                          "but slower; set the model's LayerDrop rate to 0 to run the plan",
                           PathNotice, stacklevel=2)
         return forward(*args, **kwargs)
 

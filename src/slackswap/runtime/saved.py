@@ -584,15 +584,20 @@ def kept_as_saved(t: torch.Tensor) -> _Saved:
     return _Saved(t if t.grad_fn is None else detached(t))
 
 
+_UNSEEN = torch._C._DisableTorchDispatch
+
+
 class _HostCopy:
     """One value of a storage saved in a step off the profiled path, in host memory: the
     buffer, the handles over it, and its last reload while something still holds it."""
 
-    __slots__ = ("table", "vkey", "host", "storage", "handles", "back")
+    __slots__ = ("table", "copies", "vkey", "host", "storage", "handles", "back")
 
-    def __init__(self, table: OffPathSaves, vkey: tuple[int, int], host: torch.Tensor,
+    def __init__(self, table: dict[tuple[int, int], _HostCopy], copies: HostCopies,
+                 vkey: tuple[int, int], host: torch.Tensor,
                  storage: torch.UntypedStorage) -> None:
-        self.table, self.vkey, self.host = table, vkey, host
+        # the step's copies by value, not the hooks: a graph kept holds no step state
+        self.table, self.copies, self.vkey, self.host = table, copies, vkey, host
         # held while the copy is: the storage's key is not reused meanwhile
         self.storage = StorageWeakRef(storage)
         self.handles = 0
@@ -601,12 +606,11 @@ class _HostCopy:
     def gone(self) -> None:
         self.handles -= 1
         if self.handles == 0:
-            table = self.table
-            if table.by_value.get(self.vkey) is self:
-                del table.by_value[self.vkey]
+            if self.table.get(self.vkey) is self:
+                del self.table[self.vkey]
             host, self.host = self.host, None
             if host is not None:
-                table.copies.give_back(host)
+                self.copies.give_back(host)
 
 
 class _OnHost:
@@ -631,9 +635,6 @@ class _OnHost:
         copy = getattr(self, "copy", None)
         if copy is not None:
             copy.gone()
-
-
-_UNSEEN = torch._C._DisableTorchDispatch
 
 
 class OffPathSaves:
@@ -662,7 +663,7 @@ class OffPathSaves:
         if copy is None:
             copies = self.copies
             host = copies.offload(t, self.stats, None, True, key, nbytes)
-            copy = self.by_value[vkey] = _HostCopy(self, vkey, host, storage)
+            copy = self.by_value[vkey] = _HostCopy(self.by_value, copies, vkey, host, storage)
             self.stats.offloaded_bytes += nbytes
             if copies.undated:  # asynchronous copies in flight
                 copies.hold_in_flight(self.in_flight, self.stats)
