@@ -387,11 +387,11 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
 #     avoid). So each activation it saves (not a parameter, buffer or batch tensor:
 #     ``StepState.is_external``; 1 KiB or more) is copied whole to host memory as it is
 #     saved, with the plan's own host copies and pool, once per value of its storage,
-#     and reloaded when backward unpacks it: the step holds no saved activation on the
-#     device but those backward is reading, and what the model itself holds (its
-#     locals, a cache it returns). Gradients are plain PyTorch's bit for bit (the same
-#     bytes come back, as the same view). It is slower: every copy out and back is on
-#     the step's path, none prefetched. Autograd's own check that a saved tensor was not
+#     and reloaded when backward unpacks it: the step holds no saved activation of 1 KiB
+#     or more on the device but those backward is reading, beside what the model itself
+#     holds (its locals, a cache it returns). Gradients are plain PyTorch's bit for bit
+#     (the same bytes come back, as the same view). It is slower: every copy out and
+#     back is on the step's path, none prefetched. Autograd's own check that a saved tensor was not
 #     changed in place before backward, which hooks switch off, is kept: each handle
 #     holds a tensor with no storage that shares the saved tensor's version counter, and
 #     backward raises as autograd would. Host buffers go back to the pool as autograd
@@ -405,14 +405,16 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
 #     hold_in_flight``; ``stats.offload_waits``), as at an offload's deadline (NOTE
 #     [offloads free where simulated]). The host never waits: memory in issue order, as
 #     the caching allocator counts it, stays bounded. Measured (``benchmarks/
-#     off_path_memory.py``, seeds 0 to 3, SlackSwap's plan at 50%): Switch 40,920 B
-#     where plain PyTorch peaks at 326,864 B (budget 162,846 B), Whisper 63,236 B against
-#     173,352 B (budget 68,516 B). A path that runs layers the profiled one skipped holds
-#     more in the model's own hands than the budget was made for: Wav2Vec2's profile
-#     skipped all three encoder layers, OPT's two of three, and their off-path steps
-#     peak at 143,781 B and 45,220 B (plain 416,502 B and 147,656 B) over budgets of
-#     95,163 B and 36,388 B, but under the smallest plan SlackSwap finds for those paths
-#     themselves (149,480 B and 47,048 B): set the LayerDrop rate to 0 to run the plan.
+#     off_path_memory.py --seeds 4``, SlackSwap's plan at 50%; the worst off-path step
+#     against the budget): Switch 41,284 B where plain PyTorch peaks at 325,692 B
+#     (budget 162,846 B), Whisper 63,236 B against 173,352 B (budget 68,516 B). A path
+#     that runs layers the profiled one skipped holds more in the model's own hands
+#     (its locals, OPT's key-value cache) than the budget was made for: Wav2Vec2's
+#     profile skipped all three encoder layers, OPT's two of three, and their off-path
+#     steps peak at 146,213 B and 45,220 B (plain 868,854 B and 147,656 B) over budgets
+#     of 95,163 B and 36,388 B, but under the smallest plan SlackSwap finds for those
+#     paths themselves (155,944 B and 47,048 B): set the LayerDrop rate to 0 to run the
+#     plan.
 #     What the first try made goes with its error, and before the second try begins the
 #     runtime lets go of all it holds for the first try's saves (``SavedValues.
 #     drop_step``: kept and small activations, host copies, checkpoints), even where
