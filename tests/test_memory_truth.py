@@ -176,6 +176,19 @@ class _ReadsACachedTensor(torch.nn.Module):
         return (self.body(x) * _CACHED.view(-1)[:64]).square().mean()
 
 
+def _measured_and_simulated(model: torch.nn.Module, x: torch.Tensor, profile,
+                            plan: Plan) -> tuple[int, int]:
+    """The activation peak of ``model(x).backward()`` under ``plan``, measured and
+    simulated on this machine's link."""
+    memory = ActivationMemory(model, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # MemTracker on a CPU-only build
+        with memory, slackswap.apply(model, plan, profile=profile):
+            model(x).backward()
+    model.zero_grad(set_to_none=True)
+    return memory.peak, slackswap.simulate(profile, plan, _this_machine(profile)).peak_bytes
+
+
 def test_a_view_of_a_tensor_made_before_the_step_is_not_activation_memory() -> None:
     """The tally counted the view's storage (64 KiB, allocated before the step) as
     activation memory: BEiT measured 1.3% over a keep-all peak it holds exactly."""
@@ -183,14 +196,8 @@ def test_a_view_of_a_tensor_made_before_the_step_is_not_activation_memory() -> N
     model, x = _ReadsACachedTensor(), torch.randn(128, 64)
     profile = slackswap.profile(model, x, mode="traced")
     for plan in (Plan.keep_all(profile), slackswap.plan(profile, 0.7)):
-        memory = ActivationMemory(model, x)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # MemTracker on a CPU-only build
-            with memory, slackswap.apply(model, plan, profile=profile):
-                model(x).backward()
-        model.zero_grad(set_to_none=True)
-        simulated = slackswap.simulate(profile, plan, _this_machine(profile)).peak_bytes
-        assert abs(memory.peak - simulated) <= SCALARS, (plan.strategy, memory.peak, simulated)
+        measured, simulated = _measured_and_simulated(model, x, profile, plan)
+        assert abs(measured - simulated) <= SCALARS, (plan.strategy, measured, simulated)
 
 
 def test_profiles_of_schema_1_still_load(tmp_path) -> None:
@@ -204,3 +211,41 @@ def test_profiles_of_schema_1_still_load(tmp_path) -> None:
     old = slackswap.StepProfile.load(path)
     assert old.gradient_bytes == 0  # counted as activations, as version 1 did
     assert old.keep_all_peak >= profile.keep_all_peak
+
+
+class _HoldsATable(torch.nn.Module):
+    """Makes a position table in forward and holds it past the step (a cache on the
+    module, as Mask2Former's sine position embedding is held by an ``lru_cache``): no
+    backward op reads it, yet it is resident through backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.ModuleList(torch.nn.Sequential(
+            torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 64))
+            for _ in range(4))
+        self.table: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(x.shape[0], dtype=x.dtype)[:, None]
+        self.table = torch.sin(positions * torch.linspace(0.1, 1.0, 4 * x.shape[1]))
+        for i, block in enumerate(self.body):
+            x = torch.tanh(block(x) + self.table[:, i * 64:(i + 1) * 64])
+        return x.square().mean()
+
+
+def test_a_tensor_held_past_the_step_is_resident_through_backward() -> None:
+    """The schedule let go of an activation no backward op reads at the end of forward,
+    though the step held it into backward (``released_after``): the keep-all peak counted
+    it, the simulator did not; and a plan offloaded it, as a checkpoint, freeing nothing:
+    Mask2Former's plans measured 0.7-1.3% over budget."""
+    torch.manual_seed(0)
+    model, x = _HoldsATable(), torch.randn(128, 64)
+    profile = slackswap.profile(model, x, mode="traced")
+    table = next(t.name for t in profile.tensors if t.shape == [128, 256] and t.name
+                 and t.name.endswith(":sin:0"))
+    assert table in profile.held_past_step  # moving it would free nothing
+    for plan in (Plan.keep_all(profile), slackswap.plan(profile, 0.7)):
+        measured, simulated = _measured_and_simulated(model, x, profile, plan)
+        assert abs(measured - simulated) <= SCALARS, (plan.strategy, measured, simulated)
+        if plan.budget_bytes is not None:
+            assert measured <= plan.budget_bytes + SCALARS, (measured, plan.budget_bytes)

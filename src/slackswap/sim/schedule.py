@@ -286,9 +286,12 @@ class _Builder:
 
     # -- helpers --------------------------------------------------------------------------
     def _keeps(self, t: TensorRecord) -> bool:
-        """Stays on the device from production to its last use."""
+        """Stays on the device from production to its last use, or until the step lets go
+        of it in backward (NOTE [held until let go]: one no backward op reads, held by a
+        module-level cache, as Mask2Former's sine position embedding)."""
         d = self.decision.get(t.id)
-        return d == Decision.KEEP or (d is None and bool(t.backward_consumers))
+        return d == Decision.KEEP or (d is None and (bool(t.backward_consumers) or (
+            t.released_after is not None and t.released_after >= self.first_backward)))
 
     def _gone(self, tid: int, pos: int) -> bool:
         """A saved tensor backward has unpacked for the last time before op ``pos``."""
