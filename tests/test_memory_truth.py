@@ -25,6 +25,7 @@ from slackswap.core.hardware import Hardware, load_hardware
 from slackswap.core.plan import Plan
 from slackswap.errors import InputError
 from slackswap.models import build_model
+from slackswap.planners import smallest_feasible_budget
 from slackswap.sim.schedule import build_schedule, min_working_set
 
 # The loss and autograd's seed gradient: scalars the caller and ``backward()`` hold past
@@ -285,3 +286,32 @@ def test_small_tensors_a_recipe_holds_are_resident_to_the_end_of_the_step() -> N
     simulated = slackswap.simulate(profile, plan, _this_machine(profile)).peak_bytes
     assert memory.peak <= plan.budget_bytes + SCALARS, (memory.peak, plan.budget_bytes)
     assert abs(memory.peak - simulated) <= SCALARS, (memory.peak, simulated)
+
+
+class _FunctionalCall(torch.nn.Module):
+    """Runs a sub-network through ``torch.func.functional_call`` with parameters made in
+    forward (its own, scaled): tensors no leaf stand in for the sub-network's weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(),
+                                       torch.nn.Dropout(0.1), torch.nn.Linear(64, 32))
+        self.head = torch.nn.Linear(32, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        params = {k: v * 1.0 for k, v in self.net.named_parameters()}
+        h = torch.func.functional_call(self.net, params, (x,))
+        return self.head(torch.tanh(h)).square().mean()
+
+
+def test_a_step_through_functional_call_is_measured_and_holds_its_plan() -> None:
+    """The tally hooked every parameter a module held as its forward began, and under
+    ``functional_call`` those are tensors made in forward, which take no
+    post-accumulate-grad hook: the measurement raised before the step ran."""
+    torch.manual_seed(0)
+    model, x = _FunctionalCall(), torch.randn(8, 16, 32)
+    profile = slackswap.profile(model, x, mode="traced")
+    plan = slackswap.plan(profile, smallest_feasible_budget(profile))
+    measured, simulated = _measured_and_simulated(model, x, profile, plan)
+    assert measured <= plan.budget_bytes + SCALARS, (measured, plan.budget_bytes)
+    assert abs(measured - simulated) <= SCALARS, (measured, simulated)
