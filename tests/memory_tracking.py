@@ -66,7 +66,9 @@ class ActivationMemory(MemTracker):
     def _track_module_params_and_buffers(self, module: torch.nn.Module,
                                          install_grad_hooks: bool = True) -> tuple[int, int]:
         """``MemTracker``'s, with the gradient hooks only on parameters that train: it
-        hooks every parameter, and a frozen one (LoRA's base weights) takes no hook."""
+        hooks every parameter, and a frozen one (LoRA's base weights) takes no hook, nor
+        a tensor ``torch.func.functional_call`` puts in a parameter's place, made in
+        forward (no leaf: it has no ``.grad``)."""
         memory = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
         if not install_grad_hooks:
             return memory
@@ -76,7 +78,7 @@ class ActivationMemory(MemTracker):
 
         handles = self._param_to_grad_hook_handles
         for param in module.parameters():
-            if param.requires_grad and handles.get(param) is None:
+            if param.requires_grad and param.is_leaf and handles.get(param) is None:
                 handles[param] = (param.register_hook(grad_hook),
                                   param.register_post_accumulate_grad_hook(
                                       lambda p: grad_hook(p.grad)))

@@ -25,6 +25,7 @@ from slackswap.core.hardware import Hardware, load_hardware
 from slackswap.core.plan import Plan
 from slackswap.errors import InputError
 from slackswap.models import build_model
+from slackswap.planners import smallest_feasible_budget
 from slackswap.sim.schedule import build_schedule, min_working_set
 
 # The loss and autograd's seed gradient: scalars the caller and ``backward()`` hold past
@@ -176,6 +177,19 @@ class _ReadsACachedTensor(torch.nn.Module):
         return (self.body(x) * _CACHED.view(-1)[:64]).square().mean()
 
 
+def _measured_and_simulated(model: torch.nn.Module, x: torch.Tensor, profile,
+                            plan: Plan) -> tuple[int, int]:
+    """The activation peak of ``model(x).backward()`` under ``plan``, measured and
+    simulated on this machine's link."""
+    memory = ActivationMemory(model, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # MemTracker on a CPU-only build
+        with memory, slackswap.apply(model, plan, profile=profile):
+            model(x).backward()
+    model.zero_grad(set_to_none=True)
+    return memory.peak, slackswap.simulate(profile, plan, _this_machine(profile)).peak_bytes
+
+
 def test_a_view_of_a_tensor_made_before_the_step_is_not_activation_memory() -> None:
     """The tally counted the view's storage (64 KiB, allocated before the step) as
     activation memory: BEiT measured 1.3% over a keep-all peak it holds exactly."""
@@ -183,14 +197,8 @@ def test_a_view_of_a_tensor_made_before_the_step_is_not_activation_memory() -> N
     model, x = _ReadsACachedTensor(), torch.randn(128, 64)
     profile = slackswap.profile(model, x, mode="traced")
     for plan in (Plan.keep_all(profile), slackswap.plan(profile, 0.7)):
-        memory = ActivationMemory(model, x)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # MemTracker on a CPU-only build
-            with memory, slackswap.apply(model, plan, profile=profile):
-                model(x).backward()
-        model.zero_grad(set_to_none=True)
-        simulated = slackswap.simulate(profile, plan, _this_machine(profile)).peak_bytes
-        assert abs(memory.peak - simulated) <= SCALARS, (plan.strategy, memory.peak, simulated)
+        measured, simulated = _measured_and_simulated(model, x, profile, plan)
+        assert abs(measured - simulated) <= SCALARS, (plan.strategy, measured, simulated)
 
 
 def test_profiles_of_schema_1_still_load(tmp_path) -> None:
@@ -204,3 +212,106 @@ def test_profiles_of_schema_1_still_load(tmp_path) -> None:
     old = slackswap.StepProfile.load(path)
     assert old.gradient_bytes == 0  # counted as activations, as version 1 did
     assert old.keep_all_peak >= profile.keep_all_peak
+
+
+class _HoldsATable(torch.nn.Module):
+    """Makes a position table in forward and holds it past the step (a cache on the
+    module, as Mask2Former's sine position embedding is held by an ``lru_cache``): no
+    backward op reads it, yet it is resident through backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.ModuleList(torch.nn.Sequential(
+            torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 64))
+            for _ in range(4))
+        self.table: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(x.shape[0], dtype=x.dtype)[:, None]
+        self.table = torch.sin(positions * torch.linspace(0.1, 1.0, 4 * x.shape[1]))
+        for i, block in enumerate(self.body):
+            x = torch.tanh(block(x) + self.table[:, i * 64:(i + 1) * 64])
+        return x.square().mean()
+
+
+def test_a_tensor_held_past_the_step_is_resident_through_backward() -> None:
+    """The schedule let go of an activation no backward op reads at the end of forward,
+    though the step held it into backward (``released_after``): the keep-all peak counted
+    it, the simulator did not; and a plan offloaded it, as a checkpoint, freeing nothing:
+    Mask2Former's plans measured 0.7-1.3% over budget."""
+    torch.manual_seed(0)
+    model, x = _HoldsATable(), torch.randn(128, 64)
+    profile = slackswap.profile(model, x, mode="traced")
+    table = next(t.name for t in profile.tensors if t.shape == [128, 256] and t.name
+                 and t.name.endswith(":sin:0"))
+    assert table in profile.held_past_step  # moving it would free nothing
+    for plan in (Plan.keep_all(profile), slackswap.plan(profile, 0.7)):
+        measured, simulated = _measured_and_simulated(model, x, profile, plan)
+        assert abs(measured - simulated) <= SCALARS, (plan.strategy, measured, simulated)
+        if plan.budget_bytes is not None:
+            assert measured <= plan.budget_bytes + SCALARS, (measured, plan.budget_bytes)
+
+
+def test_small_tensors_a_recipe_holds_are_resident_to_the_end_of_the_step() -> None:
+    """Llama in bf16 casts its attention's inputs to fp32 and saves those: the bf16 key
+    and value projections (768 bytes each) are saved by no one, and a recompute plan's
+    recipes hold them from forward to the step's end (NOTE [small unseen tensors held by
+    recipes] in ``sim/schedule.py``). The simulator let them go where forward did: the
+    recompute-only plans measured 2% over budget."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.LlamaConfig(
+        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, attention_dropout=0.1)
+
+    def llama() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return transformers.LlamaForCausalLM(config).train().to(torch.bfloat16)
+
+    ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    # profiled on a model of its own: the step measured makes what the profiled one did
+    profile = slackswap.profile(llama(), {"input_ids": ids, "labels": ids}, mode="traced")
+    model = llama()
+    plan = slackswap.plan(profile, 0.7, strategy="recompute-only")
+    assert any(d == "recompute" for d in plan.decisions.values())
+    torch.manual_seed(0)
+    memory = ActivationMemory(model, (ids,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # MemTracker on a CPU-only build
+        with memory:
+            with slackswap.apply(model, plan, profile=profile):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+    simulated = slackswap.simulate(profile, plan, _this_machine(profile)).peak_bytes
+    assert memory.peak <= plan.budget_bytes + SCALARS, (memory.peak, plan.budget_bytes)
+    assert abs(memory.peak - simulated) <= SCALARS, (memory.peak, simulated)
+
+
+class _FunctionalCall(torch.nn.Module):
+    """Runs a sub-network through ``torch.func.functional_call`` with parameters made in
+    forward (its own, scaled): tensors no leaf stand in for the sub-network's weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(),
+                                       torch.nn.Dropout(0.1), torch.nn.Linear(64, 32))
+        self.head = torch.nn.Linear(32, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        params = {k: v * 1.0 for k, v in self.net.named_parameters()}
+        h = torch.func.functional_call(self.net, params, (x,))
+        return self.head(torch.tanh(h)).square().mean()
+
+
+def test_a_step_through_functional_call_is_measured_and_holds_its_plan() -> None:
+    """The tally hooked every parameter a module held as its forward began, and under
+    ``functional_call`` those are tensors made in forward, which take no
+    post-accumulate-grad hook: the measurement raised before the step ran."""
+    torch.manual_seed(0)
+    model, x = _FunctionalCall(), torch.randn(8, 16, 32)
+    profile = slackswap.profile(model, x, mode="traced")
+    plan = slackswap.plan(profile, smallest_feasible_budget(profile))
+    measured, simulated = _measured_and_simulated(model, x, profile, plan)
+    assert measured <= plan.budget_bytes + SCALARS, (measured, plan.budget_bytes)
+    assert abs(measured - simulated) <= SCALARS, (measured, simulated)

@@ -172,7 +172,7 @@ def test_a_tensor_the_model_caches_is_never_moved() -> None:
     name = "wav2vec2_conformer"
     _, _, _, profile = _setup(name)
     cached = "wav2vec2_conformer.encoder.embed_positions:stack:0"
-    assert profile.held_past_step == {cached}
+    assert profile.held_past_step & profile.by_name.keys() == {cached}  # saved ones
     plan = slackswap.plan(profile, 0.3)
     assert plan.decisions.get(cached, "keep") == "keep"
     measured = _measured(name, plan)

@@ -288,14 +288,15 @@ class StepProfile(JsonFile, _Record):
 
     @cached_property
     def held_past_step(self) -> frozenset[str]:
-        """Saved activations the program itself still held when the step ended (a module
-        that caches a tensor it made, as Wav2Vec2-Conformer's rotary embedding does), in
-        a real step's profile (NOTE [held until let go]): moving one frees nothing, so
-        no strategy moves it (``PlanContext``)."""
+        """Saved activations and checkpoints the program itself still held when the step
+        ended (a module that caches a tensor it made, as Wav2Vec2-Conformer's rotary
+        embedding and Mask2Former's sine position embedding are), in a real step's
+        profile (NOTE [held until let go]): moving one frees nothing, so no strategy
+        moves it (``PlanContext``)."""
         if self.mode == "analytic" or not self.ops:
             return frozenset()
         last = len(self.ops) - 1
-        return frozenset(n for n, t in self.by_name.items()
+        return frozenset(n for n, t in (self.by_name | self.checkpointable).items()
                          if t.released_after == last and t.dropped_after is None
                          and t.producer is not None)
 

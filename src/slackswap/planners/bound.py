@@ -351,7 +351,8 @@ class _BoundLP(_DecisionRows, _MemoryRows, _TimeRows, _HostRows, _RebuildTiming,
         self.upper = np.ones(self.cols)
         self.upper[self.SF] = self.upper[self.SB] = np.inf  # idle time is unbounded
         offloadable = {p.checkpointable[n].id for n in p.offloadable_checkpoints
-                       if p.checkpointable[n].bytes >= MIN_PLANNED_BYTES}
+                       if p.checkpointable[n].bytes >= MIN_PLANNED_BYTES
+                       and n not in p.held_past_step}
         for u, col in self.chain.items():
             if u not in offloadable:
                 self.upper[self.F + col] = 0.0

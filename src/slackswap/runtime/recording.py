@@ -28,8 +28,10 @@ NOTE [small unseen tensors]
     a forward, as DeBERTa's relative positions make their constants). A small one (under
     ``MIN_PLANNED_BYTES``, the size no plan moves) is held by the recipe as a tensor from
     outside the step: a replay reads it as forward did, or, changed in place since,
-    stops (``Replayer._outside``). A larger one is read back only while autograd or a
-    plan still holds it, and a rebuild needing it after that stops.
+    stops (``Replayer._outside``), and is resident until the step's recipes go, as the
+    simulator holds it (NOTE [small unseen tensors held by recipes] in
+    ``sim/schedule.py``). A larger one is read back only while autograd or a plan still
+    holds it, and a rebuild needing it after that stops.
 NOTE [after the step's forward]
     The block may go on after the step's forward (the model and the loss the profile
     traced): ``loss.backward()`` inside it first makes the gradient seed (``ones_like``)

@@ -47,6 +47,7 @@ from typing import Literal
 
 from slackswap.core.plan import MIN_PLANNED_BYTES, Decision, Plan
 from slackswap.core.profile import StepProfile, TensorRecord
+from slackswap.core.watched import forward_tables, watched_ops
 
 __all__ = ["Item", "Residency", "Copy", "Schedule", "build_schedule", "min_working_set",
            "on_compute_stream"]
@@ -130,6 +131,9 @@ class _Step:
     # backward op -> (op, seconds, activations it reads or first needs, activations it makes)
     backward: list[tuple[int, float, list[int], list[int]]]
     ideal_time: float  # the sum of op times
+    # (forward op, the ops that write it, small activation it reads): NOTE [small unseen
+    # tensors held by recipes]
+    small_reads: list[tuple[int, list[int], int]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,7 +230,36 @@ def _step(profile: StepProfile) -> _Step:
     return _Step(first_backward, named, planned, kept, end, unpacked, released, mutators,
                  _group_resets(profile),
                  _lay_out_forward(profile, first_backward), backward,
-                 sum(op.time_s for op in ops))
+                 sum(op.time_s for op in ops), _small_reads(profile))
+
+
+def _small_reads(profile: StepProfile) -> list[tuple[int, list[int], int]]:
+    """NOTE [small unseen tensors held by recipes]
+        The runtime records the ops of the forward segments it watches for a plan (NOTE
+        [watch only what the plan rebuilds] in ``runtime/watch.py``). A watched op that
+        reads an activation under ``MIN_PLANNED_BYTES`` that no watched op wrote (made in
+        a segment nobody watched) holds it in its recipe, as a tensor from outside the
+        step (NOTE [small unseen tensors] in ``runtime/recording.py``), until the step's
+        recipes go: to the end of the step. Each is a few hundred bytes, and many only in
+        small models, but Llama in bf16 (its attention's inputs cast to fp32, the bf16
+        projections unsaved) measured 2% over its recompute-only plans' budgets when the
+        schedule let them go where forward did. So every forward op's reads of such an
+        activation are listed here with the ops that write it, and a plan whose watched
+        ops read one that none of its writers is among holds it to the step's end."""
+    if profile.mode == "analytic" or not profile.module_events:
+        return []  # the runtime watches every op of such a step (``can_watch``)
+    writers, tensors = forward_tables(profile).writers, profile.tensors
+    reads = []
+    for op in profile.ops:
+        if op.phase != "forward":
+            break
+        for u in dict.fromkeys(op.inputs):
+            t = tensors[u]
+            if (t.kind == "activation" and t.producer is not None and u not in op.outputs
+                    and t.bytes < MIN_PLANNED_BYTES
+                    and op.index not in (w := writers.get(u, [t.producer]))):
+                reads.append((op.index, w, u))
+    return reads
 
 
 def _group_resets(profile: StepProfile) -> list[int]:
@@ -281,14 +314,19 @@ class _Builder:
         self.resets = step.resets
         self.forward, self.backward = step.forward, step.backward
         self.ideal_time = step.ideal_time
+        self.small_reads = step.small_reads
+        self.profile, self.plan = profile, plan
         self.first_item: dict[int, int] = {}  # backward op -> its first item (rebuilds first)
         self.members: list[tuple[int, int]] = []  # (residency, op) joined that op's group
 
     # -- helpers --------------------------------------------------------------------------
     def _keeps(self, t: TensorRecord) -> bool:
-        """Stays on the device from production to its last use."""
+        """Stays on the device from production to its last use, or until the step lets go
+        of it in backward (NOTE [held until let go]: one no backward op reads, held by a
+        module-level cache, as Mask2Former's sine position embedding)."""
         d = self.decision.get(t.id)
-        return d == Decision.KEEP or (d is None and bool(t.backward_consumers))
+        return d == Decision.KEEP or (d is None and (bool(t.backward_consumers) or (
+            t.released_after is not None and t.released_after >= self.first_backward)))
 
     def _gone(self, tid: int, pos: int) -> bool:
         """A saved tensor backward has unpacked for the last time before op ``pos``."""
@@ -306,6 +344,20 @@ class _Builder:
     def _read(self, rid: int, item: int) -> None:
         self.uses[rid].append(item)
         self.items[item].reads.append(rid)
+
+    def _hold_small_reads(self) -> None:
+        """NOTE [small unseen tensors held by recipes]: held to the step's end."""
+        if not self.small_reads or not self.items:
+            return
+        watched = watched_ops(self.profile, self.plan)
+        if not watched:
+            return
+        last = len(self.items) - 1
+        for reader, writers, u in self.small_reads:
+            rid = self.forward.live.get(u)
+            if (rid is not None and reader in watched and last not in self.uses[rid]
+                    and not any(w in watched for w in writers)):
+                self.uses[rid].append(last)
 
     # -- forward ------------------------------------------------------------------------
     def _forward(self) -> None:
@@ -444,6 +496,7 @@ class _Builder:
         self._forward()
         self._backward()
         self._drop_unread_checkpoints()
+        self._hold_small_reads()
         for rid, pos in self.members:  # held until the group after ``pos`` begins
             r = bisect.bisect_right(self.resets, pos)
             if r < len(self.resets):
