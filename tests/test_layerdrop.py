@@ -152,6 +152,20 @@ def _planned(factory):
     return model, batch, profile, slackswap.plan(profile, 0.5)
 
 
+def _off_path_step(model, batch, plan, profile):
+    """The first seed's step that leaves the profiled path, under ``plan``: its measured
+    peak, its block and plain PyTorch's peak, its gradients checked against plain
+    PyTorch's."""
+    for seed in range(1, 6):
+        peak, block, got = _measured(model, batch, seed, plan, profile)
+        if block.stats.off_path:
+            break
+    assert block.stats.off_path, "no seed took another path"
+    plain, _, want = _measured(model, batch, seed)
+    _assert_same([got], [want])
+    return peak, block, plain
+
+
 @pytest.mark.parametrize("factory", [_switch, _whisper])
 def test_a_step_off_the_path_holds_no_more_than_plain_pytorch(factory) -> None:
     """The first try of a step that leaves the profiled path is let go of before the
@@ -162,13 +176,7 @@ def test_a_step_off_the_path_holds_no_more_than_plain_pytorch(factory) -> None:
     names = [t.name for t in profile.saved_activations if t.producer is not None]
     plan = Plan(fingerprint=profile.fingerprint, strategy="x",
                 decisions={n: ("keep", "offload")[i % 2] for i, n in enumerate(names)})
-    for seed in range(1, 6):
-        peak, block, got = _measured(model, batch, seed, plan, profile)
-        if block.stats.off_path:
-            break
-    assert block.stats.off_path, "no seed took another path"
-    plain, _, want = _measured(model, batch, seed)
-    _assert_same([got], [want])
+    peak, _, plain = _off_path_step(model, batch, plan, profile)
     assert peak <= plain * 1.01, (peak, plain)
 
 
@@ -184,13 +192,7 @@ def test_a_step_off_the_path_stays_within_the_plans_budget(factory, policy) -> N
     model, batch, profile, plan = _planned(factory)
     calls: Counter = Counter()
     with stand_ins(calls, policy) if policy else contextlib.nullcontext():
-        for seed in range(1, 6):
-            peak, block, got = _measured(model, batch, seed, plan, profile)
-            if block.stats.off_path:
-                break
-    assert block.stats.off_path, "no seed took another path"
-    plain, _, want = _measured(model, batch, seed)
-    _assert_same([got], [want])
+        peak, block, plain = _off_path_step(model, batch, plan, profile)
     budget = plan.budget_bytes
     assert peak <= 1.01 * budget + SCALARS, (peak, budget, plain)
     assert peak < plain  # (each model's off-path step is over the budget as plain PyTorch)
