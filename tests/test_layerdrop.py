@@ -240,3 +240,25 @@ def test_an_in_place_change_after_a_save_off_the_path_raises_as_plain_pytorch() 
     plain = changed(**batch).loss
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         plain.backward()
+
+
+@pytest.mark.parametrize("how", ["in_place", "out"])
+def test_a_write_no_version_counter_sees_after_a_save_off_the_path_is_read_back(how) -> None:
+    """NOTE [a step off the profiled path]: a forward hook that changes the input of
+    OPT's ``fc2`` through ``.data`` after ``fc2`` saved it (an in-place op, or an op's
+    ``out=``), which no version counter sees: plain PyTorch's backward reads the write,
+    and so does a step run again off the profiled path (the written activation is held
+    as it is, not read back from its copy taken before the write)."""
+    model, batch, profile, plan = _planned(_opt)
+
+    def written(module, args, output) -> None:
+        x = args[0].data
+        if how == "in_place":
+            x.clamp_(max=0.05)
+        else:
+            torch.mul(x, 0.5, out=x)
+
+    changed = copy.deepcopy(model)
+    for layer in changed.model.decoder.layers:
+        layer.fc2.register_forward_hook(written)
+    _off_path_step(changed, batch, plan, profile)

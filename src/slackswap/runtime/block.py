@@ -46,7 +46,7 @@ from slackswap.profiling.step import (
 from slackswap.runtime.checks import offload_deadlines, prepare, shapes_differ
 from slackswap.runtime.copies import copies_for
 from slackswap.runtime.recording import Recorder
-from slackswap.runtime.saved import COLLECTOR, OffPathSaves, SavedValues
+from slackswap.runtime.saved import COLLECTOR, OffPathSaves, OffPathWrites, SavedValues
 from slackswap.runtime.state import StateBefore, StepState
 from slackswap.runtime.stats import RuntimeStats
 from slackswap.runtime.watch import can_watch, watch_for
@@ -271,7 +271,8 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
                           "their activations to host memory: within the plan's budget, "
                           "but slower; set the model's LayerDrop rate to 0 to run the plan",
                           PathNotice, stacklevel=2)
-        return forward(*args, **kwargs)
+        with OffPathWrites(saves):
+            return forward(*args, **kwargs)
 
     def _other_saves(self) -> str | None:
         """What says the model returned having saved fewer or more tensors than in the
@@ -424,9 +425,14 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
 #     collector frees, and held the kept half of the first try through the second.
 #     Backward from a tensor kept from the first try is refused in one line. A model
 #     changed in place otherwise in forward (a parameter, an attribute) cannot be put
-#     back: such a step is refused as before. A saved activation written through
-#     ``.data`` after it was saved (which no version counter sees) comes back as it was
-#     saved, where plain PyTorch would read the write.
+#     back: such a step is refused as before. A saved activation written after it was
+#     saved where no version counter sees (through ``.data``, an op's ``out=`` there) is
+#     read by plain PyTorch's backward as written, not as saved: the second try runs
+#     under a dispatch mode that sees only its writes (``OffPathWrites``, one Python call
+#     per op), and a storage written while a host copy holds its value is held on the
+#     device from then on, its handles reading it there. Writes by no op (a NumPy array
+#     over the storage), and writes after the model returned, are not seen, as in the
+#     profiled step (NOTE [written after it was saved]).
 
 
 def guard_forward(model: torch.nn.Module, stack: contextlib.ExitStack | None) -> None:

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from slackswap.core.plan import MIN_PLANNED_BYTES, Decision
 from slackswap.errors import NESTED_BACKWARD, InputError, PathChanged, VerifyError, path_changed
@@ -34,6 +35,7 @@ from slackswap.runtime.recipes import (
     Node,
     detached,
     geometry,
+    op_info,
     plain_strided,
     view_of,
 )
@@ -591,7 +593,7 @@ class _HostCopy:
     """One value of a storage saved in a step off the profiled path, in host memory: the
     buffer, the handles over it, and its last reload while something still holds it."""
 
-    __slots__ = ("table", "copies", "vkey", "host", "storage", "handles", "back")
+    __slots__ = ("table", "copies", "vkey", "host", "storage", "handles", "back", "held")
 
     def __init__(self, table: dict[tuple[int, int], _HostCopy], copies: HostCopies,
                  vkey: tuple[int, int], host: torch.Tensor,
@@ -602,13 +604,16 @@ class _HostCopy:
         self.storage = StorageWeakRef(storage)
         self.handles = 0
         self.back: Any = None  # a weak reference to the last reload
+        # the storage's bytes on the device, held once forward wrote it after the copy
+        # where no version counter sees (NOTE [a step off the profiled path])
+        self.held: torch.Tensor | None = None
 
     def gone(self) -> None:
         self.handles -= 1
         if self.handles == 0:
             if self.table.get(self.vkey) is self:
                 del self.table[self.vkey]
-            host, self.host = self.host, None
+            host, self.host, self.held = self.host, None, None
             if host is not None:
                 self.copies.give_back(host)
 
@@ -669,19 +674,60 @@ class OffPathSaves:
                 copies.hold_in_flight(self.in_flight, self.stats)
         return _OnHost(copy, t)
 
+    def before_write(self, func: Any, args: tuple, kwargs: dict) -> None:
+        """An op of the step is about to write tensors in place: a storage whose value a
+        host copy holds is held on the device from now on, each handle over it reading it
+        as it will be at backward, as plain PyTorch's do (a write no version counter sees,
+        through ``.data``: NOTE [a step off the profiled path])."""
+        written = op_info(func)[4]
+        by_value = self.by_value
+        for position, x in (*enumerate(args), *kwargs.items()):
+            if (position not in written or not isinstance(x, torch.Tensor)
+                    or x.layout != torch.strided or x.is_meta):
+                continue
+            key = x.untyped_storage()._cdata
+            self.copies.before_write(key)  # an offload's copy still reading it goes first
+            for vkey, copy in by_value.items():
+                if vkey[0] == key and copy.held is None:
+                    copy.held = _storage_bytes(x)
+
     def unpack(self, packed: Any) -> torch.Tensor:
         if type(packed) is _Saved:
             return packed.unpack()
         if packed.counter._version != packed.version:
             raise _modified(f"a tensor of shape {list(packed.geometry.size)}")
         copy = packed.copy
-        base = copy.back() if copy.back is not None else None
+        base = copy.held if copy.held is not None else (
+            copy.back() if copy.back is not None else None)
         if base is None:
             copies = self.copies
             base = copies.ready(copies.reload(copy.host, packed.device), self.stats)
             copy.back = weakref.ref(base)
             self.stats.reloaded_bytes += copy.host.nbytes
         return view_of(base, packed.geometry)
+
+
+def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``t``'s whole storage (``streams.bytes_of``), made where no dispatch
+    mode sees it."""
+    with _UNSEEN():
+        return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+
+
+class OffPathWrites(TorchDispatchMode):
+    """The ops of a step run again off the profiled path, seen only for their writes
+    (:meth:`OffPathSaves.before_write`): each op pays one Python call, on a step that
+    copies every activation it saves to host memory."""
+
+    def __init__(self, saves: OffPathSaves) -> None:
+        super().__init__()
+        self.saves = saves
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.saves.by_value and op_info(func)[3]:  # it writes in place
+            self.saves.before_write(func, args, kwargs)
+        return func(*args, **kwargs)
 
 
 def _other_step(nbytes: int, name: str, planned: int, dtype: torch.dtype,
