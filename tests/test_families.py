@@ -1,0 +1,104 @@
+"""Families scouted for exactness and budget: real classes from tiny configs, planned
+with ``slackswap.plan(model, batch)`` and trained two SGD steps under the plan, loss and
+every gradient compared bit for bit with plain PyTorch from the same seed."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+
+import slackswap
+
+
+def _train(model: nn.Module, batch: tuple, plan=None, steps: int = 2) -> list:
+    """Loss and gradients of each of ``steps`` SGD steps, seeded by the step's number."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    out = []
+    for step in range(steps):
+        torch.manual_seed(100 + step)
+        with slackswap.apply(model, plan) if plan is not None else warnings.catch_warnings():
+            loss = model(*batch)
+        loss.backward()
+        out.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return out
+
+
+def _assert_same(got: list, want: list) -> None:
+    for step, ((loss, grads), (loss0, grads0)) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(loss, loss0), step
+        assert grads.keys() == grads0.keys(), step
+        for name, g in grads.items():
+            assert torch.equal(g, grads0[name]), (step, name)
+
+
+# -- quantization-aware training -----------------------------------------------------------
+class _QATNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.quant = torch.ao.quantization.QuantStub()
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                                  nn.Conv2d(8, 16, 3, 2, padding=1), nn.BatchNorm2d(16),
+                                  nn.ReLU())
+        self.fc = nn.Linear(16 * 8 * 8, 10)
+        self.dequant = torch.ao.quantization.DeQuantStub()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.body(self.quant(x)).flatten(1)
+        return F.cross_entropy(self.dequant(self.fc(h)), y)
+
+
+def _qat() -> tuple[nn.Module, tuple]:
+    """A conv net prepared for quantization-aware training as torch.ao does it: fused
+    conv-bn-relu, fake quantization with per-channel weight observers."""
+    torch.manual_seed(0)
+    model = _QATNet().train()
+    model.qconfig = torch.ao.quantization.get_default_qat_qconfig("x86")
+    torch.ao.quantization.fuse_modules_qat(model, [["body.0", "body.1", "body.2"],
+                                                   ["body.3", "body.4", "body.5"]],
+                                           inplace=True)
+    torch.ao.quantization.prepare_qat(model, inplace=True)
+    g = torch.Generator().manual_seed(1)
+    return model, (torch.randn(4, 3, 16, 16, generator=g),
+                   torch.randint(0, 10, (4,), generator=g))
+
+
+def test_qat_plan_leaves_the_model_as_it_was() -> None:
+    """A per-channel observer's ``min_val``/``max_val`` (and its fake quantizer's
+    ``scale``) are empty until the first step resizes them in place: the profiled step
+    put the buffers back with ``copy_`` and raised a shape mismatch out of
+    ``slackswap.plan``, leaving the model's gradients, attributes and RNG as the step
+    left them. Now they are resized back, and the first step under the plan is plain
+    PyTorch's bit for bit."""
+    model, batch = _qat()
+    reference = copy.deepcopy(model)
+    assert any(b.numel() == 0 for b in model.buffers())  # what the first step resizes
+    rng = torch.get_rng_state()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = slackswap.plan(model, batch, budget=0.8, hardware="a100-80gb")
+    assert any(d != "keep" for d in plan.decisions.values())
+    assert torch.equal(torch.get_rng_state(), rng)
+    for (name, b), b0 in zip(model.named_buffers(), reference.buffers(), strict=True):
+        assert b.shape == b0.shape and torch.equal(b, b0), name
+    assert all(p.grad is None for p in model.parameters())
+    _assert_same(_train(model, batch, plan, steps=1), _train(reference, batch, steps=1))
+
+
+@pytest.mark.xfail(strict=True, raises=slackswap.InputError, reason=(
+    "the plan's fingerprint holds buffer shapes, and the first step resizes the "
+    "observers' empty buffers: the second step under the same plan is refused as "
+    "'a different model' though the model is the one planned"))
+def test_qat_trains_two_steps_under_one_plan() -> None:
+    model, batch = _qat()
+    reference = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = slackswap.plan(model, batch, budget=0.8, hardware="a100-80gb")
+    _assert_same(_train(model, batch, plan), _train(reference, batch))
