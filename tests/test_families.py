@@ -10,7 +10,10 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
+from memory_tracking import ActivationMemory
+from test_memory_truth import SCALARS
 from torch import nn
+from zoo import Output
 
 import slackswap
 
@@ -102,3 +105,42 @@ def test_qat_trains_two_steps_under_one_plan() -> None:
         warnings.simplefilter("ignore")
         plan = slackswap.plan(model, batch, budget=0.8, hardware="a100-80gb")
     _assert_same(_train(model, batch, plan), _train(reference, batch))
+
+
+# -- a model that returns a loss, trained on another ---------------------------------------
+class _TwoHeads(nn.Module):
+    """Returns its own ``.loss`` (head ``a``) and logits (head ``b``), as DAC returns its
+    commitment loss beside the audio it decodes; training adds a loss on the logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+        self.b = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64), nn.Tanh())
+
+    def forward(self, x: torch.Tensor) -> Output:
+        return Output(self.a(x).square().mean(), self.b(x))
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "the profiled loss is output.loss whenever the model returns one, and an explicit "
+    "loss_fn is used only when it returns none: the plan is made for a backward without "
+    "head b's, and the step trained on loss_fn measures 103% of the budget (DAC, whose "
+    ".loss is per sample, is refused as 'not a differentiable scalar')"))
+def test_an_explicit_loss_fn_is_the_loss_planned_for() -> None:
+    torch.manual_seed(0)
+    model, x = _TwoHeads(), torch.randn(1024, 64)
+
+    def loss_fn(out: Output) -> torch.Tensor:
+        return out.loss + out.logits.square().mean()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = slackswap.plan(model, (x,), budget=0.97, hardware="a100-80gb", loss_fn=loss_fn)
+    memory = ActivationMemory(model, x)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # MemTracker on a CPU-only build
+        with memory, slackswap.apply(model, plan):
+            loss = loss_fn(model(x))
+            loss.backward()
+    assert memory.peak <= plan.budget_bytes + SCALARS, (memory.peak, plan.budget_bytes)
