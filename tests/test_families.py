@@ -121,12 +121,11 @@ class _TwoHeads(nn.Module):
         return Output(self.a(x).square().mean(), self.b(x))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the profiled loss is output.loss whenever the model returns one, and an explicit "
-    "loss_fn is used only when it returns none: the plan is made for a backward without "
-    "head b's, and the step trained on loss_fn measures 103% of the budget (DAC, whose "
-    ".loss is per sample, is refused as 'not a differentiable scalar')"))
 def test_an_explicit_loss_fn_is_the_loss_planned_for() -> None:
+    """The profiled loss was ``output.loss`` whenever the model returned one, a
+    ``loss_fn`` given used only where it returned none: the plan was made for a backward
+    without head b's, and the step trained on ``loss_fn`` measured 103% of the budget
+    (DAC, whose ``.loss`` is per sample, was refused as 'not a differentiable scalar')."""
     torch.manual_seed(0)
     model, x = _TwoHeads(), torch.randn(1024, 64)
 
