@@ -27,7 +27,8 @@ def _train(model: nn.Module, batch: tuple, plan=None, steps: int = 2) -> list:
         with slackswap.apply(model, plan) if plan is not None else warnings.catch_warnings():
             loss = model(*batch)
         loss.backward()
-        out.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        out.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                    if p.grad is not None}))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return out
@@ -143,3 +144,72 @@ def test_an_explicit_loss_fn_is_the_loss_planned_for() -> None:
             loss = loss_fn(model(x))
             loss.backward()
     assert memory.peak <= plan.budget_bytes + SCALARS, (memory.peak, plan.budget_bytes)
+
+
+# -- Hugging Face families that draw in forward --------------------------------------------
+def _informer() -> tuple[nn.Module, dict]:
+    """ProbSparse attention: each training forward samples its keys with ``torch.randint``."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    config = transformers.InformerConfig(
+        prediction_length=4, context_length=8, input_size=1, lags_sequence=[1, 2],
+        num_time_features=1, d_model=16, encoder_layers=2, decoder_layers=2,
+        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+        decoder_ffn_dim=32, dropout=0.1, attention_type="prob", sampling_factor=2, distil=True)
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    return transformers.InformerForPrediction(config), {
+        "past_values": torch.randn(2, 10, generator=g),
+        "past_time_features": torch.randn(2, 10, 1, generator=g),
+        "past_observed_mask": torch.ones(2, 10),
+        "future_values": torch.randn(2, 4, generator=g),
+        "future_time_features": torch.randn(2, 4, 1, generator=g)}
+
+
+def _patchtst() -> tuple[nn.Module, dict]:
+    """Masked pretraining: each training forward masks patches from ``torch.rand``."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    config = transformers.PatchTSTConfig(
+        num_input_channels=3, context_length=32, patch_length=8, patch_stride=8, d_model=16,
+        num_attention_heads=2, num_hidden_layers=2, ffn_dim=32, dropout=0.1,
+        attention_dropout=0.1, path_dropout=0.1, ff_dropout=0.1, random_mask_ratio=0.4,
+        do_mask_input=True)
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    return transformers.PatchTSTForPretraining(config), {
+        "past_values": torch.randn(2, 32, 3, generator=g)}
+
+
+class _Loss(nn.Module):
+    """Calls a Hugging Face model with a dict batch and returns its loss."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        return self.model(**batch).loss
+
+
+@pytest.mark.parametrize(("factory", "strategy", "budget"), [
+    (_informer, "recompute-only", 0.7), (_informer, "slackswap", 0.6),
+    (_patchtst, "recompute-only", 0.7), (_patchtst, "slackswap", 0.5)])
+def test_a_family_that_draws_in_forward_trains_as_plain_pytorch_within_budget(
+        factory, strategy: str, budget: float) -> None:
+    model, batch = factory()
+    model = _Loss(model).train()
+    reference = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = slackswap.plan(model, (batch,), budget=budget, hardware="a100-80gb",
+                              strategy=strategy)
+    assert any(d != "keep" for d in plan.decisions.values())
+    measured = copy.deepcopy(model)
+    memory = ActivationMemory(measured, batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # MemTracker on a CPU-only build
+        with memory, slackswap.apply(measured, plan):
+            measured(batch).backward()
+    assert memory.peak <= plan.budget_bytes + SCALARS, (memory.peak, plan.budget_bytes)
+    _assert_same(_train(model, (batch,), plan), _train(reference, (batch,)))
