@@ -81,9 +81,11 @@ def profile(
     runs a real step too (so the ops, and the ids a plan names, are exactly those the
     model runs there, data-dependent branches included) and prices each op on
     ``hardware`` as ``analytic`` does.
-    The loss is ``output.loss`` (or ``output["loss"]``) when the model returns one,
-    otherwise ``loss_fn(output)``: ``loss_fn`` takes whatever the model's forward returns
-    and returns the scalar loss tensor that backward starts from, e.g.
+    The loss is ``loss_fn(output)`` when ``loss_fn`` is given (even where the model
+    returns a loss of its own: the step trained on that loss_fn's backward is the one
+    planned), otherwise ``output.loss`` (or ``output["loss"]``): ``loss_fn`` takes whatever
+    the model's forward returns and returns the scalar loss tensor that backward starts
+    from, e.g.
     ``lambda out: torch.nn.functional.cross_entropy(out, targets)`` with the targets
     closed over (a model returning a one-element tensor needs none). On the command line
     ``--loss package.module:function`` names such a function.
@@ -491,12 +493,19 @@ def _described(output: Any) -> str:
     return f"a {type(output).__name__}"
 
 
-def _loss(output: Any, loss_fn: Callable[[Any], torch.Tensor] | None, name: str) -> torch.Tensor:
+def own_loss(output: Any) -> Any:
+    """The loss a model returns itself: ``output.loss`` or ``output["loss"]``, else None."""
     loss = getattr(output, "loss", None)
     if loss is None and isinstance(output, Mapping):
         loss = output.get("loss")
-    if loss is None and loss_fn is not None:
-        loss = loss_fn(output)
+    return loss
+
+
+def _loss(output: Any, loss_fn: Callable[[Any], torch.Tensor] | None, name: str) -> torch.Tensor:
+    # a loss_fn given is the loss trained on, even where the model returns one of its own
+    # (DAC returns a per-sample commitment loss beside the audio a loss is taken on): the
+    # profiled backward is the one the plan is applied to
+    loss = loss_fn(output) if loss_fn is not None else own_loss(output)
     if loss is None and isinstance(output, torch.Tensor) and output.numel() == 1:
         loss = output  # the model returns its loss
     if loss is None:

@@ -264,6 +264,8 @@ def leaves_no_trace(model: torch.nn.Module, batch: Iterable[torch.Tensor] = (),
         host_random.restore()
         with torch.no_grad():
             for buffer, saved in buffers.items():
+                if buffer.shape != saved.shape:  # resized in place: a per-channel
+                    buffer.resize_(saved.shape)  # observer's min_val, empty until a step
                 buffer.copy_(saved)
         attributes.restore()
         for param, grad in grads.items():

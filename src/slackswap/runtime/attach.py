@@ -19,6 +19,7 @@ NOTE [a block opened inside the model's call]
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 from collections.abc import Callable, Mapping
@@ -32,7 +33,13 @@ from slackswap.core.hardware import Hardware
 from slackswap.core.plan import Plan
 from slackswap.errors import InputError, SlackSwapError
 from slackswap.profiling.machine import resolve_hardware
-from slackswap.profiling.step import ATTACHED, check_attach, eager_module, model_fingerprint
+from slackswap.profiling.step import (
+    ATTACHED,
+    check_attach,
+    eager_module,
+    model_fingerprint,
+    own_loss,
+)
 from slackswap.runtime.block import apply, guard_forward, unguard
 from slackswap.runtime.oneshot import autocast_state, plan_model
 from slackswap.runtime.stats import RuntimeStats
@@ -78,7 +85,10 @@ class Attached:
                  loss_fn: Callable[[Any], torch.Tensor] | None) -> None:
         self.model = model
         self.budget, self.hardware, self.strategy = budget, hardware, strategy
-        self.loss_fn = loss_fn if loss_fn is not None else _output_sum
+        # the loop trains on the model's own loss where it returns one (as Trainer and
+        # Lightning do): profiled first, loss_fn only where the output carries none
+        fallback = loss_fn if loss_fn is not None else _output_sum
+        self.loss_fn = functools.partial(_own_loss_or, fallback=fallback)
         self.plans: dict[tuple, Plan] = {}
         self.stats: RuntimeStats | None = None  # what the last planned step did
         self._block: apply | None = None  # open between the model's pre-hook and hook
@@ -234,6 +244,13 @@ def _as_batch(module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
                          "keyword arguments its forward cannot take all by name; call it "
                          "with keywords only, or positionally only")
     return {**{p.name: a for p, a in zip(params, args, strict=True)}, **kwargs}
+
+
+def _own_loss_or(output: Any, fallback: Callable[[Any], torch.Tensor | None],
+                 ) -> torch.Tensor | None:
+    """The model's own loss where it returns one, else ``fallback(output)``."""
+    loss = own_loss(output)
+    return loss if loss is not None else fallback(output)
 
 
 def _output_sum(output: Any) -> torch.Tensor | None:
