@@ -165,7 +165,7 @@ def test_plan_command(tmp_path) -> None:
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--budget", "0.01"], "smallest feasible budget for this profile is"),
+    (["--budget", "0.01"], "smallest budget known to fit this profile is"),
     (["--budget", "-1"], "must be positive"),
     (["--budget", "lots"], "'lots' is not a byte count"),
     (["--budget", "0.5", "--strategy", "magic"], "unknown strategy 'magic'; strategies:"),

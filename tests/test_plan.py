@@ -647,7 +647,7 @@ def test_the_best_assignment_on_small_steps() -> None:
 
 def test_budget_below_every_plan_names_the_smallest() -> None:
     profile = expensive_small_cheap_large()
-    with pytest.raises(InputError, match=r"smallest feasible budget for this profile is"):
+    with pytest.raises(InputError, match=r"smallest budget known to fit this profile is"):
         slackswap.plan(profile, 0.05, GB_PER_S)
     with pytest.raises(InputError, match="unknown strategy 'magic'; strategies: slackswap"):
         slackswap.plan(profile, 0.5, GB_PER_S, strategy="magic")

@@ -102,9 +102,10 @@ def plan(
         floor = smallest_feasible_budget(profile, hw)
         reason = "fits no plan" if need < floor else f"is out of reach of '{strategy}'"
         raise InputError(
-            f"budget {format_bytes(need)} {reason}; the smallest feasible budget for this "
+            f"budget {format_bytes(need)} {reason}; the smallest budget known to fit this "
             f"profile is {format_bytes(floor)} ({floor / profile.keep_all_peak:.1%} of the "
-            f"keep-all peak)"
+            f"keep-all peak; a 'slackswap' plan mixing offload and recompute may fit a "
+            f"little below it)"
         )
     chosen = attempt[0].model_copy()  # (a cached plan is shared: its copy holds the result)
     chosen._result, chosen._hardware = attempt[1], hw.name
