@@ -125,7 +125,9 @@ class StateBefore:
     def restore(self) -> None:
         with torch.no_grad():
             for b, copy in zip(self.buffers, self.copies, strict=True):
-                if b.shape == copy.shape and b.dtype == copy.dtype:
+                if b.shape != copy.shape:  # resized in place (a quantization observer's
+                    b.resize_(copy.shape)  # empty min_val, sized by its first step)
+                if b.dtype == copy.dtype:
                     b.copy_(copy, non_blocking=True)  # after the snapshot, in stream order
         set_rng_state(self.rng, self.device)
         if self.host_random is not None:
