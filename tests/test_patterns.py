@@ -213,8 +213,8 @@ def _loss_after_the_model(model: nn.Module, x: torch.Tensor, steps: int = 2) -> 
 
 @pytest.mark.xfail(strict=True, reason="attach profiles with loss_fn and its plan moves what "
                    "the loss saves, but the loss runs after the model's block: every step is "
-                   "refused in backward ('plan names ... that this step did not produce'), "
-                   "its BatchNorm statistics already updated")
+                   "refused as the model returns ('runs after the block'); attach should plan "
+                   "only what the model's forward saves")
 def test_attach_with_a_loss_fn_whose_saves_the_plan_moves() -> None:
     model, x = _normed()
     want = _loss_after_the_model(model, x)
