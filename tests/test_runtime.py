@@ -627,14 +627,17 @@ def test_a_plan_for_another_model_is_refused_before_anything_runs() -> None:
 
 
 def test_a_plan_naming_what_the_step_does_not_make_is_refused() -> None:
-    """The backstop for ids that differ though model and batch match (other kernels)."""
+    """The backstop for ids that differ though model and batch match (other kernels):
+    refused as the block closes, before backward, or in backward when it runs inside."""
     profile, model, batch, _, _ = setup("llama-7b-tiny")
     plan = Plan(fingerprint=profile.fingerprint, strategy="x",
                 decisions={"model.layers.0.mlp:nope:0": "offload"})
-    with slackswap.apply(model, plan):
-        loss = model(**batch).loss
-    with pytest.raises(InputError, match="'model.layers.0.mlp:nope:0' .* did not produce"):
-        loss.backward()
+    for inside in (False, True):
+        with pytest.raises(InputError, match="'model.layers.0.mlp:nope:0' .* did not produce"), \
+                slackswap.apply(model, plan):
+            loss = model(**batch).loss
+            if inside:
+                loss.backward()
 
 
 def _without_dropout(model: torch.nn.Module) -> torch.nn.Module:

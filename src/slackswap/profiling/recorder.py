@@ -163,10 +163,20 @@ class StepRecorder(TorchDispatchMode):
     def mark_gradient(self, grad: torch.Tensor, param: torch.Tensor) -> None:
         """``grad`` is a weight gradient of ``param`` (arriving at, or stored as, its
         ``.grad``): model state, so it leaves activation memory. A storage larger than the
-        parameter (a gradient that is a view into an activation gradient) stays as it is."""
-        known = self._ids.get(grad.untyped_storage()._cdata)
-        if known is not None and not known[0].expired():
-            self._mark_gradient(known[1], param.untyped_storage().nbytes())
+        parameter (a gradient that is a view into an activation gradient) stays as it is.
+        A sparse gradient (``nn.Embedding(sparse=True)``) has no storage of its own: its
+        indices and values do; other layouts are left as they are."""
+        if grad.layout == torch.sparse_coo:
+            parts = [grad._indices(), grad._values()]
+        elif grad.layout == torch.strided:
+            parts = [grad]
+        else:
+            return
+        limit = param.untyped_storage().nbytes()
+        for part in parts:
+            known = self._ids.get(part.untyped_storage()._cdata)
+            if known is not None and not known[0].expired():
+                self._mark_gradient(known[1], limit)
 
     def _mark_gradient(self, tid: int, limit: int) -> None:
         record = self.tensors[tid]

@@ -46,7 +46,13 @@ from slackswap.profiling.step import (
 from slackswap.runtime.checks import offload_deadlines, prepare, shapes_differ
 from slackswap.runtime.copies import copies_for
 from slackswap.runtime.recording import Recorder
-from slackswap.runtime.saved import COLLECTOR, OffPathSaves, OffPathWrites, SavedValues
+from slackswap.runtime.saved import (
+    COLLECTOR,
+    OffPathSaves,
+    OffPathWrites,
+    SavedValues,
+    not_produced,
+)
 from slackswap.runtime.state import StateBefore, StepState
 from slackswap.runtime.stats import RuntimeStats
 from slackswap.runtime.watch import can_watch, watch_for
@@ -233,10 +239,32 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         if self._exit is not None:
             stack, self._exit = self._exit, None
             stack.__exit__(*exc)
+        error = exc[1]
+        if error is None and self._before is not None and not self.values.checked:
+            error = self._saved_after_the_block()
         # a refusal after the model returned (in the loss the profile traced), before
         # backward began: NOTE [refusals leave no trace]
-        self._refused(exc[1])
+        self._refused(error)
         self._before = None
+        if error is not exc[1]:
+            raise error
+
+    def _saved_after_the_block(self) -> InputError | None:
+        """The refusal of a step whose block closed, before backward, with activations
+        the plan moves still unsaved: what makes them (a loss the plan was profiled
+        with) runs after the block, where no plan reaches. Said here, where the buffers
+        and the RNG can still be put back, not in backward."""
+        missing = self.values.unproduced()
+        if not missing:
+            return None
+        if not self.values.saved_later(missing):  # not by this step at all
+            return not_produced(missing)
+        return InputError(
+            f"plan moves '{missing[0]}' (and {len(missing) - 1} more), which the step had "
+            "not saved when the block closed: the loss it was profiled with runs after "
+            "the block; compute the loss inside `with slackswap.apply(...)` (with "
+            "slackswap.attach, return the loss from the model or leave loss_fn out)"
+        )
 
     def run_forward(self, forward: Any, args: tuple, kwargs: dict) -> Any:
         """The model's own forward, run again as plain PyTorch when it leaves the

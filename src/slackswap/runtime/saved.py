@@ -510,20 +510,27 @@ class SavedValues:
             )
         self.stats.verified += 1
 
-    def _check_seen(self) -> None:
-        self.checked = True
+    def unproduced(self) -> list[str]:
+        """What the plan moves that this step has not saved so far."""
         produced = {node.name for node in self.state.nodes.values()}
         if self.watch is not None and self.recorder is not None:
             # saved where nobody watched, small ones included
             produced.update(self.watch.pack_names[:self.recorder.packs_seen])
-        missing = [n for n in self.decisions if n not in produced]
+        return [n for n in self.decisions if n not in produced]
+
+    def saved_later(self, names: list[str]) -> bool:
+        """Whether every one of ``names`` is saved later in the profiled step than this
+        step has come (by the loss after the model, say)."""
+        if self.watch is None or self.recorder is None:
+            return False
+        later = set(self.watch.pack_names[self.recorder.packs_seen:])
+        return all(n in later for n in names)
+
+    def _check_seen(self) -> None:
+        self.checked = True
+        missing = self.unproduced()
         if missing:
-            raise InputError(
-                f"plan names '{missing[0]}' (and {len(missing) - 1} more) that this step did "
-                "not produce: it was made for another model, batch shape or kernels, or "
-                "the model took a different code path than in the profiled step (a random "
-                "skip such as LayerDrop: set its rate to 0)"
-            )
+            raise not_produced(missing)
 
     # -- what is resident, and reloads -------------------------------------------------
     def hold(self, key: Any, nbytes: int) -> None:
@@ -765,3 +772,13 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
         a, b = torch.view_as_real(a), torch.view_as_real(b)
     ints = _SAME_SIZE_INTS[a.element_size()]
     return torch.equal(a.view(ints), b.view(ints))
+
+
+def not_produced(missing: list[str]) -> InputError:
+    """The refusal of a step that did not make what its plan moves."""
+    return InputError(
+        f"plan names '{missing[0]}' (and {len(missing) - 1} more) that this step did "
+        "not produce: it was made for another model, batch shape or kernels, or "
+        "the model took a different code path than in the profiled step (a random "
+        "skip such as LayerDrop: set its rate to 0)"
+    )
