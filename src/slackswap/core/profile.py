@@ -231,6 +231,10 @@ class StepProfile(JsonFile, _Record):
     # whether the step drew from Python's ``random`` or NumPy's global generator (the
     # runtime then puts them back with the step it puts back); left out when it did not
     host_random: bool = Field(default=False, exclude_if=lambda v: not v)
+    # the loss runs after the block that applies the plan (``slackswap.attach``'s block
+    # covers the model's call): what only the loss saves is out of the runtime's reach
+    # (``out_of_reach``); left out when not
+    loss_outside: bool = Field(default=False, exclude_if=lambda v: not v)
 
     @pydantic.model_validator(mode="after")
     def _consistent(self) -> StepProfile:
@@ -285,6 +289,24 @@ class StepProfile(JsonFile, _Record):
         ``PlanContext.plan`` holds every strategy to it)."""
         changed = self.changed_in_place
         return frozenset(n for n, t in self.checkpointable.items() if t.id not in changed)
+
+    @cached_property
+    def unmovable(self) -> frozenset[str]:
+        """What no strategy moves though it is saved and large enough: what the program
+        holds past the step (``held_past_step``) and what the runtime never sees saved
+        (``out_of_reach``)."""
+        return self.held_past_step | self.out_of_reach
+
+    @cached_property
+    def out_of_reach(self) -> frozenset[str]:
+        """With ``loss_outside``: activations only the loss saves, after the model returned
+        (``model_saves``), where no block applies the plan; autograd keeps them."""
+        if not self.loss_outside or self.model_saves is None:
+            return frozenset()
+        ms = self.model_saves
+        inside = {t for t, _ in self.saves[:ms]}
+        return frozenset(self.tensors[t].name for t, _ in self.saves[ms:]
+                         if t >= 0 and t not in inside)
 
     @cached_property
     def held_past_step(self) -> frozenset[str]:

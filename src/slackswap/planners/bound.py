@@ -352,11 +352,11 @@ class _BoundLP(_DecisionRows, _MemoryRows, _TimeRows, _HostRows, _RebuildTiming,
         self.upper[self.SF] = self.upper[self.SB] = np.inf  # idle time is unbounded
         offloadable = {p.checkpointable[n].id for n in p.offloadable_checkpoints
                        if p.checkpointable[n].bytes >= MIN_PLANNED_BYTES
-                       and n not in p.held_past_step}
+                       and n not in p.unmovable}
         for u, col in self.chain.items():
             if u not in offloadable:
                 self.upper[self.F + col] = 0.0
-        recomputable, held = p.recomputable, p.held_past_step
+        recomputable, held = p.recomputable, p.unmovable
         for i, t in enumerate(acts):
             if t.bytes < MIN_PLANNED_BYTES or t.written_after_save or t.name in held:
                 self.upper[[self.R + i, self.OFF + i]] = 0.0

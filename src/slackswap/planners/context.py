@@ -85,9 +85,9 @@ class PlanContext:
     def candidates(self) -> list[Candidate]:
         """Saved activations above the runtime's size floor that no write after their save
         pins (NOTE [written after it was saved]) and the program does not hold past the
-        step (``StepProfile.held_past_step``), in production order."""
+        step or never sees saved (``StepProfile.unmovable``), in production order."""
         p, out = self.profile, []
-        held = p.held_past_step
+        held = p.unmovable
         for t in p.saved_activations:
             if (t.producer is None or t.bytes < MIN_PLANNED_BYTES
                     or t.first_backward_use is None or t.written_after_save
@@ -127,7 +127,7 @@ class PlanContext:
         strategy makes a plan ``Plan.check`` or the runtime refuses."""
         p = self.profile
         recomputable, checkpoints = p.recomputable, p.checkpointable
-        offloadable, saved, held = p.offloadable_checkpoints, p.by_name, p.held_past_step
+        offloadable, saved, held = p.offloadable_checkpoints, p.by_name, p.unmovable
         decisions = {n: Decision.KEEP if (
             d == Decision.RECOMPUTE and n not in recomputable
             or d == Decision.OFFLOAD and n in checkpoints and n not in offloadable

@@ -191,8 +191,10 @@ class Attached:
         batch = _pytree.tree_map_only(torch.Tensor, _copy, _as_batch(module, args, kwargs))
         self._planning = True  # the profiled step calls the model: its forwards pass by
         try:
+            # the loss runs after the block, which covers the model's call: what only it
+            # saves stays as autograd saved it
             return plan_model(module, batch, self.budget, self.hardware, self.strategy,
-                              self.loss_fn)
+                              self.loss_fn, loss_outside=True)
         except SlackSwapError as e:  # which batch could not be planned
             shapes = [list(t.shape) for t in _pytree.tree_leaves(batch)
                       if isinstance(t, torch.Tensor)]

@@ -262,8 +262,7 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         return InputError(
             f"plan moves '{missing[0]}' (and {len(missing) - 1} more), which the step had "
             "not saved when the block closed: the loss it was profiled with runs after "
-            "the block; compute the loss inside `with slackswap.apply(...)` (with "
-            "slackswap.attach, return the loss from the model or leave loss_fn out)"
+            "the block; compute the loss inside `with slackswap.apply(...)`"
         )
 
     def run_forward(self, forward: Any, args: tuple, kwargs: dict) -> Any:

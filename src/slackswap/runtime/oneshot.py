@@ -9,6 +9,7 @@ import torch
 
 from slackswap.core.hardware import Hardware
 from slackswap.core.plan import Plan
+from slackswap.core.profile import StepProfile
 from slackswap.device_budget import device_budget, is_fit
 from slackswap.errors import InputError
 from slackswap.planners import plan
@@ -28,6 +29,7 @@ def plan_model(
     strategy: str = "slackswap",
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     group: Any = None,
+    loss_outside: bool = False,
 ) -> Plan:
     """A plan whose activation ids match what ``model`` runs on its own device.
 
@@ -46,7 +48,9 @@ def plan_model(
     preset's elsewhere) leaves once AdamW's mixed-precision model states and the CUDA
     context are taken out (:mod:`slackswap.device_budget`). ``loss_fn(output)``
     returns the scalar loss of a model whose output carries none (see
-    :func:`slackswap.profile`).
+    :func:`slackswap.profile`). ``loss_outside``: the loss runs after the block that will
+    apply the plan (``slackswap.attach``'s covers the model's call), so what only the loss
+    saves is not moved (``StepProfile.out_of_reach``).
 
     ``group``: a ``torch.distributed`` process group (``torch.distributed.group.WORLD``
     for all ranks). Its first rank profiles and plans, every rank receives that plan
@@ -57,12 +61,14 @@ def plan_model(
     if group is not None:
         return _broadcast_plan(model, batch, group,
                                lambda: plan_model(model, batch, budget, hardware, strategy,
-                                                  loss_fn))
+                                                  loss_fn, loss_outside=loss_outside))
     params = list(model.parameters())
     on_cuda = bool(params) and params[0].device.type == "cuda"
     hw = resolve_hardware(hardware)  # NOTE [assumed hardware]
     step = profile(model, batch, hw, mode="measured" if on_cuda else "traced",
                    loss_fn=loss_fn)
+    if loss_outside and step.model_saves is not None and step.model_saves < len(step.saves):
+        step = StepProfile.model_validate({**step.model_dump(), "loss_outside": True})
     if on_cuda and is_fit(budget):  # the device's own memory, not the preset's
         total = torch.cuda.mem_get_info(params[0].device)[1]
         budget = device_budget(step, hw, capacity=total,
