@@ -82,13 +82,11 @@ def profile(
     model runs there, data-dependent branches included) and prices each op on
     ``hardware`` as ``analytic`` does.
     The loss is ``loss_fn(output)`` when ``loss_fn`` is given (even where the model
-    returns a loss of its own: the step trained on that loss_fn's backward is the one
-    planned), otherwise ``output.loss`` (or ``output["loss"]``): ``loss_fn`` takes whatever
-    the model's forward returns and returns the scalar loss tensor that backward starts
-    from, e.g.
-    ``lambda out: torch.nn.functional.cross_entropy(out, targets)`` with the targets
-    closed over (a model returning a one-element tensor needs none). On the command line
-    ``--loss package.module:function`` names such a function.
+    returns one: the step trained on it is the one planned), else ``output.loss`` (or
+    ``output["loss"]``). ``loss_fn`` takes what the model's forward returns and returns
+    the scalar loss backward starts from, e.g. ``lambda out: F.cross_entropy(out, y)``
+    with the targets ``y`` closed over (a model returning a one-element tensor needs
+    none); ``--loss package.module:function`` on the command line.
     A model sharded with FSDP2's ``fully_shard`` is profiled as its unsharded self: in
     ``measured`` and ``traced`` modes its parameters are gathered whole for the step (a
     collective: every rank must call this), in ``analytic`` mode full-shape fakes stand
