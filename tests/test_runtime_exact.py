@@ -629,3 +629,77 @@ def test_a_path_change_after_the_model_returned_is_refused_saying_so() -> None:
     assert torch.equal(torch.get_rng_state(), rng)
     for name, b in model.named_buffers():
         assert torch.equal(b, buffers[name]), name
+
+
+class _Features(torch.nn.Module):
+    """BatchNorm and dropout in a method of their own, which forward calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.bn1 = torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64)
+        self.l2, self.bn2 = torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64)
+        self.drop, self.l3 = torch.nn.Dropout(0.1), torch.nn.Linear(64, 64)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(torch.tanh(self.bn1(self.l1(x))))
+        return torch.tanh(self.bn2(self.l2(h)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l3(self.features(x)).pow(2).mean()
+
+
+@pytest.mark.parametrize("decision", ["offload", "recompute"])
+def test_another_method_than_the_profiled_call_is_refused_before_it_runs(decision) -> None:
+    """NOTE [the model is called first]: a plan made on ``model(x)``, and in the block
+    a method of the model other than forward, a submodule called alone, or forward
+    called past the model's hooks: refused in one line before any module of the model
+    runs, so BatchNorm's running statistics and the RNG are as before the block; the
+    block then runs the planned call as plain PyTorch does, and a module that is not the
+    model's, called in the block before it, is the program's own."""
+    torch.manual_seed(0)
+    model, x = _Features().train(), torch.randn(256, 64)
+    reference = _Features().train()
+    reference.load_state_dict(model.state_dict())
+    torch.manual_seed(1)
+    profile = slackswap.profile(model, x, mode="traced")
+    names = [n for n in _names(profile) if decision == "offload" or n in profile.recomputable]
+    plan = _uniform(profile, decision, names)
+    model.load_state_dict(reference.state_dict())  # the buffers as before profiling
+    others = {
+        "features": (lambda: model.features(x).sum(), r"module 'l1' \(Linear\) ran"),
+        "submodule": (lambda: model.l3(model.drop(x)).sum(), r"module 'drop' \(Dropout\)"),
+        "forward": (lambda: model.forward(x), "forward was called directly"),
+    }
+    block = slackswap.apply(model, plan, profile=profile)
+    for call, said in others.values():
+        torch.manual_seed(2)
+        buffers = {n: b.clone() for n, b in model.named_buffers()}
+        rng = torch.get_rng_state()
+        with pytest.raises(InputError, match=said) as refused, block:
+            call()
+        assert "\n" not in str(refused.value)
+        assert "not another method" in str(refused.value)
+        assert torch.equal(torch.get_rng_state(), rng)
+        assert buffers.keys() == {n for n, _ in model.named_buffers()}
+        for name, b in model.named_buffers():  # running_mean/var, num_batches_tracked
+            assert torch.equal(b, buffers[name]), name
+    # code of the program's own before the model's call (a module not the model's, a
+    # draw, saves): not the step's, so the first step under the block stays on its path
+    aux = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Dropout(0.5))
+    got = []
+    for m in (model, reference):
+        torch.manual_seed(3)
+        with block if m is model else contextlib.nullcontext():
+            loss = aux(x).pow(2).mean() + m(x)
+        loss.backward()
+        got.append((loss.detach(), [p.grad.clone() for p in aux.parameters()]))
+        aux.zero_grad(set_to_none=True)
+    assert not block.stats.off_path
+    assert block.stats.offloaded_bytes + block.stats.recomputed_ops > 0
+    assert torch.equal(got[0][0], got[1][0])
+    for g, h in zip(got[0][1], got[1][1], strict=True):
+        assert torch.equal(g, h)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+    for (name, b), c in zip(model.named_buffers(), reference.buffers(), strict=True):
+        assert torch.equal(b, c), name

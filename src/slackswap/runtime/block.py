@@ -19,6 +19,8 @@ from typing import Any, NamedTuple
 
 import torch
 from torch._C._dynamo.eval_frame import get_eval_frame_callback as _get_eval_frame_callback
+from torch.nn.modules import module as nn_module
+from torch.utils.hooks import RemovableHandle
 
 from slackswap.core.plan import Decision, Plan
 from slackswap.core.profile import StepProfile
@@ -115,6 +117,9 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         self._units: list[torch.nn.Module] = []  # FSDP2's
         self._before: StateBefore | None = None  # NOTE [refusals leave no trace]
         self._handling: BaseException | None = None  # handled as the model was called
+        # NOTE [the model is called first]: removed as the model is called
+        self._first: RemovableHandle | None = None
+        self._ids: set[int] | None = None  # the model's modules', should one run first
         if batch is not None:
             self._check_model(model)
             named = dict(batch_tensors(batch))
@@ -191,6 +196,7 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         self.state = StepState(self._state)
         recorder = Recorder(self.state, self._watch, self._checkpoints, self.values,
                             self._wrappers)
+        recorder.quiet = True  # until the model is called (NOTE [the model is called first])
         self.values.new_step(self.state, recorder)
         self.values.copies.begin()  # NOTE [streams resolved once per block]
         self.values.in_forward = False
@@ -203,6 +209,9 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
                 _ACTIVE.append(self)
             stack.callback(_ACTIVE.remove, self)
             guard_forward(self.model, stack)  # NOTE [a step off the profiled path]
+            # NOTE [the model is called first]
+            self._first = nn_module.register_module_forward_pre_hook(self._first_call)
+            stack.callback(self._first.remove)
             # what forward left waiting for its group (NOTE [offloads issued in groups])
             stack.callback(self.values.issue_waiting)
             stack.callback(self.model.register_forward_pre_hook(
@@ -352,6 +361,25 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         self._buffers, self._modules = walk.buffers, walk.modules
         self._units = [walk.modules[i] for i in seen.units]
 
+    def _first_call(self, module: torch.nn.Module, args: tuple) -> None:
+        """NOTE [the model is called first]: a global forward pre-hook, from the block's
+        entry until the model is called: a module of the model called before it is
+        refused before it runs."""
+        if module is self.model:  # the step begins: nothing more to see
+            if self._first is not None:
+                self._first.remove()
+                self._first = None
+                if self.values.recorder is not None:
+                    self.values.recorder.quiet = False
+            return
+        if self._ids is None:
+            self._ids = {id(m) for m in self._modules}
+        if id(module) in self._ids:
+            name = next((n for n, m in self.model.named_modules() if m is module), "?")
+            raise InputError(
+                f"{rank_prefix()}the model's module '{name}' ({type(module).__name__}) "
+                f"ran in the block before the model was called: {_CALL_THE_MODEL}")
+
     def _check_call(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         """Before the model runs: it runs once in the block, on the plan's batch."""
         self._before = None  # a refusal here comes before this call changed anything
@@ -480,6 +508,9 @@ def _guarded(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     block = _ACTIVE[-1] if _ACTIVE else None
     if block is None or block.model is not model:
         return forward(*args, **kwargs)
+    if not block._calls:  # NOTE [the model is called first]: not through its hooks
+        raise InputError(f"{rank_prefix()}the model's forward was called directly, not "
+                         f"through its hooks: {_CALL_THE_MODEL}")
     try:
         return block.run_forward(forward, args, kwargs)
     except BaseException:
@@ -574,6 +605,32 @@ class _Walk:
     def named_as_seen(self) -> list[tuple[str, torch.nn.Module]]:
         return [("", m) for m in self.modules]
 
+
+# NOTE [the model is called first]
+#     A plan covers one call of the model, ``model(batch)``, and what the step may change
+#     before the runtime refuses it is taken as the model's forward pre-hook runs (NOTE
+#     [refusals leave no trace]), there and not as the block opens: a step run again off
+#     the profiled path must draw from where the model was called, after whatever the
+#     program drew in the block before it. Code that runs the model's modules another
+#     way (a method of the model other than forward, ``model.features(x)``; a submodule
+#     called alone; ``model.forward(x)``, past the hooks) calls no pre-hook of the model:
+#     nothing was taken, and a refusal half way (another code path, saves the plan does
+#     not name) left BatchNorm's running statistics updated and the RNG drawn. So from
+#     the block's entry until the model is called a global forward pre-hook sees every
+#     module call: one of the model's modules (not the model's wrappers) is refused in
+#     one line before it runs, and so is the model's forward called directly (its guard,
+#     ``guard_forward``, sees it). The hook removes itself as the model is called (one
+#     Python call a step; modules called before the model that are not the model's, a
+#     data augmentation, pay one more each). What such a method computes before it calls
+#     a module of the model runs as the program's own code would before the model's call
+#     (a draw there is not undone). That code is not the step's: until the model is
+#     called the recorder is quiet (no op checked or recorded, no save named, no module
+#     event counted), as the profiled step had nothing before the model's call. (A
+#     module called there, an ``nn.Identity`` even, was counted as a module event of
+#     the step in a block's first step, and the step ran again off the profiled path.)
+_CALL_THE_MODEL = ("a plan covers the model's own call (model(batch)), not another method "
+                   "of it or a submodule called alone; call the model as the plan was "
+                   "profiled, or profile and plan the module that runs")
 
 # what to do about a batch the plan was not made for
 _REPLAN = ("re-plan for this batch, or let slackswap.auto(model, budget) (or "
