@@ -323,3 +323,78 @@ def _profiles(rank: int) -> None:
 
 def test_a_sharded_model_is_profiled_as_its_unsharded_self() -> None:
     _spawn(_profiles, 2)
+
+
+def _clamped(module: torch.nn.Module, args: tuple, output: Any) -> None:
+    args[0].data.clamp_(max=0.05)  # after the module saved it: no version counter sees
+
+
+class _Written(torch.nn.Module):
+    """Layers each followed, on a random draw, by one more saved activation (a code path
+    of the step's own, every parameter used on each), and a head whose forward hook
+    writes its input, already saved by it and by the tanh before, through ``.data``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(4))
+        self.head = torch.nn.Linear(64, 64)
+        self.head.register_forward_hook(_clamped)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+            if torch.rand(()) > 0.5:
+                x = torch.tanh(x * 2)
+        return self.head(x).pow(2).mean()
+
+
+def _path(seed: int) -> list[bool]:
+    torch.manual_seed(seed)
+    return [bool(torch.rand(()) > 0.5) for _ in range(4)]
+
+
+def _written(rank: int, wrapper: str) -> None:
+    """Two steps under an offload plan, the first on the profiled path, the second off it,
+    against the same wrapper without SlackSwap: the same seed on every rank (FSDP2's
+    ranks must take one path, their gathers are collectives), a batch of each rank's."""
+    torch.manual_seed(0)
+    model, x = _Written(), torch.randn(64, 64) + rank
+    other = next(s for s in range(1, 50) if _path(s) != _path(0))
+    torch.manual_seed(0)  # rank 0's profile takes the path of seed 0
+    plan = slackswap.plan(_wrap(copy.deepcopy(model), wrapper), x, budget=0.7,
+                          hardware="a100-80gb", group=dist.group.WORLD)
+    assert any(d == "offload" for d in plan.decisions.values())
+    got = []
+    for planned in (plan, None):
+        net = _wrap(copy.deepcopy(model), wrapper)
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+        for seed in (0, other):
+            torch.manual_seed(seed)
+            block = slackswap.apply(net, planned) if planned else contextlib.nullcontext()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", slackswap.PathNotice)
+                with block:
+                    loss = net(x)
+            loss.backward()
+            if planned:
+                assert block.stats.off_path == (seed == other), (rank, wrapper, seed)
+            got.append((loss.detach(), [(p.grad.full_tensor() if hasattr(p.grad, "full_tensor")
+                                         else p.grad).clone() for p in net.parameters()]))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    for (loss, grads), (loss0, grads0) in zip(got[:2], got[2:], strict=True):
+        assert torch.equal(loss, loss0), (rank, wrapper)
+        for g, g0 in zip(grads, grads0, strict=True):
+            assert torch.equal(g, g0), (rank, wrapper)
+
+
+def _writes(rank: int) -> None:
+    for wrapper in ("ddp", "fsdp2"):
+        _written(rank, wrapper)
+
+
+def test_a_write_no_version_counter_sees_off_the_path_is_read_under_ddp_and_fsdp2() -> None:
+    """NOTE [a step off the profiled path]: across two ranks, a step run again off the
+    profiled path (``OffPathWrites``) reads a saved activation written through ``.data``
+    as plain DDP and plain FSDP2 do, bit for bit, and so does the step on the path."""
+    _spawn(_writes, 2)
