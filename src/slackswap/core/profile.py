@@ -235,6 +235,12 @@ class StepProfile(JsonFile, _Record):
     # covers the model's call): what only the loss saves is out of the runtime's reach
     # (``out_of_reach``); left out when not
     loss_outside: bool = Field(default=False, exclude_if=lambda v: not v)
+    # buffers the step resized in place, by name: their shapes before it (those of the
+    # fingerprint) and after (a per-channel quantization observer's ``min_val``, empty
+    # until its first step); the runtime takes either (NOTE [buffers the profiled step
+    # resized] in ``runtime/block.py``). Left out when none
+    resized_buffers: dict[str, tuple[list[NonNegativeInt], list[NonNegativeInt]]] = Field(
+        default_factory=dict, exclude_if=lambda v: not v)
 
     @pydantic.model_validator(mode="after")
     def _consistent(self) -> StepProfile:

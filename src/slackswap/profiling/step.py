@@ -135,7 +135,7 @@ def profile(
         saves=rec.saves,
         module_events=rec.module_events,
         model_saves=rec.model_saves,
-        host_random=guard.host_random,
+        host_random=guard.host_random, resized_buffers=guard.resized,
     )
 
 
@@ -330,16 +330,19 @@ def fingerprint(model: torch.nn.Module, batch: Batch) -> str:
 
 def model_fingerprint(model: torch.nn.Module,
                       modules: list[tuple[str, torch.nn.Module]] | None = None,
-                      state: dict[str, torch.Tensor] | None = None) -> str:
+                      state: dict[str, torch.Tensor] | None = None,
+                      shapes: dict[str, list[int]] | None = None) -> str:
     """32 hex digits: the module tree, parameter and buffer shapes and dtypes, train mode.
     ``modules`` and ``state``: ``model.named_modules()`` and :func:`model_state`, when the
-    caller has them already."""
+    caller has them already; ``shapes``: the shapes to take for these tensors, by name."""
     model = eager_module(model)
     modules = list(model.named_modules()) if modules is None else modules
     state = model_state(model, modules) if state is None else state
-    key = (tuple((n, module_class(m)) for n, m in modules),
-           tuple((n, t.shape, t.dtype, t.requires_grad) for n, t in state.items()),
-           model.training)
+    tensors = tuple((n, t.shape, t.dtype, t.requires_grad) for n, t in state.items())
+    if shapes:
+        tensors = tuple((n, torch.Size(shapes.get(n, shape)), *rest)
+                        for n, shape, *rest in tensors)
+    key = (tuple((n, module_class(m)) for n, m in modules), tensors, model.training)
     # the runtime checks the model every step: hash what it is only when it changed
     digest = _FINGERPRINTS.get(key)
     if digest is None:

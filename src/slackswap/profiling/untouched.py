@@ -72,6 +72,8 @@ class StateGuard(TorchDispatchMode):
             t.untyped_storage()._cdata: t for t in tensors if _real(t)}
         self.copies: dict[int, tuple[torch.Tensor, torch.UntypedStorage]] = {}
         self.host_random = False  # whether the step drew from :class:`HostRandom`'s streams
+        # buffers the step resized in place: name -> (shape before, shape after)
+        self.resized: dict[str, tuple[list[int], list[int]]] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -262,6 +264,8 @@ def leaves_no_trace(model: torch.nn.Module, batch: Iterable[torch.Tensor] = (),
         guard.restore()
         guard.host_random = host_random.changed() or attributes.drew()
         host_random.restore()
+        guard.resized = {name: (list(buffers[b].shape), list(b.shape))
+                         for name, b in model.named_buffers() if b.shape != buffers[b].shape}
         with torch.no_grad():
             for buffer, saved in buffers.items():
                 if buffer.shape != saved.shape:  # resized in place: a per-channel

@@ -120,6 +120,7 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         # NOTE [the model is called first]: removed as the model is called
         self._first: RemovableHandle | None = None
         self._ids: set[int] | None = None  # the model's modules', should one run first
+        self._resized_seen: _Checked | None = None  # NOTE [buffers the profiled step resized]
         if batch is not None:
             self._check_model(model)
             named = dict(batch_tensors(batch))
@@ -351,7 +352,7 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
             seen = _CHECKED[model] = _Checked(walk.key, list(state), digest, [
                 i for i, m in enumerate(walk.modules) if id(m) in units])
         refuse_own_checkpointing(model, walk.named_as_seen())
-        if seen.digest != self._fingerprint[:32]:
+        if seen.digest != self._fingerprint[:32] and not self._resized_by_step(model, seen):
             raise InputError(
                 f"{rank_prefix()}plan was made for a different model (its modules, "
                 "parameter shapes, which parameters train, or train/eval mode differ); "
@@ -360,6 +361,28 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         self._state = dict(zip(seen.names, walk.tensors, strict=True))
         self._buffers, self._modules = walk.buffers, walk.modules
         self._units = [walk.modules[i] for i in seen.units]
+
+    def _resized_by_step(self, model: torch.nn.Module, seen: _Checked) -> bool:
+        """Whether the model is the one planned but for buffers its profiled step
+        resized, each in its shape before that step or after (NOTE [buffers the profiled
+        step resized]); once per model walk a block sees."""
+        resized = self._profile.resized_buffers if self._profile is not None else None
+        if not resized:
+            return False
+        if seen is self._resized_seen:
+            return True
+        named = list(model.named_modules())
+        state = model_state(model, named)
+        before = {}
+        for name, (was, now) in resized.items():
+            t = state.get(name)
+            if t is None or list(t.shape) not in (was, now):
+                return False
+            before[name] = was
+        if model_fingerprint(model, named, state, before) != self._fingerprint[:32]:
+            return False
+        self._resized_seen = seen
+        return True
 
     def _first_call(self, module: torch.nn.Module, args: tuple) -> None:
         """NOTE [the model is called first]: a global forward pre-hook, from the block's
@@ -631,6 +654,25 @@ class _Walk:
 _CALL_THE_MODEL = ("a plan covers the model's own call (model(batch)), not another method "
                    "of it or a submodule called alone; call the model as the plan was "
                    "profiled, or profile and plan the module that runs")
+
+# NOTE [buffers the profiled step resized]
+#     A plan is checked against the model every step by its fingerprint, which holds each
+#     parameter's and buffer's shape. Some buffers are sized by the first step that runs:
+#     a per-channel quantization observer's ``min_val`` and ``max_val`` and its fake
+#     quantizer's ``scale`` and ``zero_point`` (torch.ao's QAT) are empty, or of one
+#     element, until then. The profiled step puts them back as they were (NOTE [a profiled
+#     step leaves no trace]), so the first step under the plan is the one profiled, and
+#     the second, on a model those buffers now size, was refused as another model. The
+#     profile keeps which buffers its step resized, with their shapes before and after it
+#     (``StepProfile.resized_buffers``), and a model whose fingerprint differs from the
+#     plan's is still the planned one when those buffers, each in one of its two shapes,
+#     account for all of it (the fingerprint taken again with their shapes as before).
+#     Worked out when the model's walk changes (once, as the first step sizes them), not
+#     every step. Whether the step after the first still takes the profiled path (an
+#     observer that has seen a step runs other ops: a running min and max) is the path
+#     checks' business, as on any step: saves, watched ops and the model's count of saves
+#     (NOTE [a step off the profiled path]). The bytes those buffers grow by, a few per
+#     channel, are not in the profile's model state.
 
 # what to do about a batch the plan was not made for
 _REPLAN = ("re-plan for this batch, or let slackswap.auto(model, budget) (or "
