@@ -299,3 +299,36 @@ def test_the_compiled_profile_names_activations_as_the_profiler_does() -> None:
     eager = slackswap.profile(model, (x,), mode="traced", kernels="native")
     same = set(compiled.slackswap.profile.by_name) & set(eager.by_name)
     assert {"blocks.0.0:native_layer_norm:0", "blocks.0.1:addmm:0", "blocks.0.2:gelu:0"} <= same
+
+
+def test_an_op_a_rebuild_runs_again_is_recomputed_whole() -> None:
+    """BERT with a padding mask at 0.7, recompute-only: the plan rebuilds the embeddings'
+    dropout, whose input the embeddings' LayerNorm made and no plan saves; that
+    LayerNorm's mean and rstd were kept, so its node was tagged MUST_SAVE and the
+    partition saved its output instead, refused as "the partitioner did not follow the
+    plan" (NOTE [an op a rebuild runs again]). Now the LayerNorm is recomputed whole,
+    the plan is simulated so within its budget, and the step is torch.compile's."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=64, num_labels=3,
+        problem_type="single_label_classification")  # set: no second graph on its write
+    model = transformers.BertForSequenceClassification(config).train()
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 10:] = 0
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": torch.tensor([0, 2])}
+    reference = copy.deepcopy(model)
+    compiled = slackswap.compile(model, batch, budget=0.7, strategy="recompute-only",
+                                 backend="aot_eager")
+    _assert_applied_is_plan(compiled)
+    graph = compiled.slackswap.graphs[0]
+    norm = {n for n in graph.profile.by_name if n.startswith("bert.embeddings.LayerNorm:")}
+    assert norm and norm <= set(graph.applied.recomputed)
+    simulated = slackswap.simulate(graph.profile, graph.plan, compiled.slackswap.hardware)
+    assert simulated.feasible and simulated.peak_bytes <= graph.plan.budget_bytes
+    for _ in range(2):
+        _assert_steps_as_torch_compile(compiled, model, reference, batch)

@@ -266,6 +266,29 @@ def test_two_ranks_under_fsdp2_that_keeps_units_gathered_until_backward() -> Non
     _spawn(_run, 2, "fsdp2-kept", ["gpt2-xl-tiny", "bn-cnn"])
 
 
+def _attached(rank: int, wrapper: str) -> None:
+    """``slackswap.attach`` on the wrapped model, each rank planning at its first call."""
+    model, batch = _model("gpt-neox-tiny")
+    reference = _steps(_wrap(copy.deepcopy(model), wrapper), batch, None)
+    net = _wrap(copy.deepcopy(model), wrapper)
+    with slackswap.attach(net, budget=0.5, hardware="a100-80gb") as attached:
+        losses, grads = _steps(net, batch, None)
+    assert len(attached.plans) == 1, rank
+    assert all(torch.equal(a, b) for a, b in zip(losses, reference[0], strict=True)), rank
+    for got, want in zip(grads, reference[1], strict=True):
+        assert got.keys() == want.keys() and all(
+            torch.equal(got[k], want[k]) for k in got), (rank, wrapper)
+    if wrapper != "ddp":
+        assert all(type(p).__name__ == "DTensor" for p in net.parameters())  # sharded again
+
+
+def test_two_ranks_attached_under_fsdp2_train_bit_identically() -> None:
+    """attach profiles inside the model's call, after FSDP2's root pre-forward hook has
+    gathered the root unit: the profile left the root resharded under that forward, whose
+    first op failed on a sharded ``DTensor`` (NOTE [units gathered before the profile])."""
+    _spawn(_attached, 2, "fsdp2")
+
+
 def _mismatch(rank: int) -> None:
     model, batch = _model("gpt2-xl-tiny")
     if rank == 1:  # this rank's batch has another shape

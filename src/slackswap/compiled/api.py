@@ -81,6 +81,17 @@ _BACKENDS = ("aot_eager", "inductor")
 #     Offloads are the subject of NOTE [compiled offload].
 
 
+# NOTE [an op a rebuild runs again]
+#     A rebuild runs again every op on its chain through tensors no plan saves (dropout's
+#     input, made by a LayerNorm whose mean and rstd backward reads). Such an op is tagged
+#     MUST_SAVE when it has a saved output the plan keeps, and the partition then saved
+#     the never-saved tensor the rebuild starts from instead: memory the plan did not
+#     hold, refused as "the partitioner did not follow the plan" (BERT's embeddings at
+#     0.7, recompute-only). As with an op one of whose outputs is recomputed, every saved
+#     output of an op a rebuild runs is recomputed too (``uniform_per_op``), and the plan
+#     is simulated again that way, within the budget, before it is tagged.
+
+
 # NOTE [the min-cut's free rebuilds]
 #     Plain torch.compile saves less than eager autograd: its partitioner (the default
 #     min-cut, no activation budget) runs cheap forward ops again in backward (pointwise
@@ -301,6 +312,11 @@ class CompiledPlan:
             # a strategy may write its own reload starts, or none: the pass's are these
             plan = ctx.plan(attempt[0].strategy, attempt[0].decisions)
             attempt = plan, ctx.simulate(plan)
+        if attempt is not None:  # NOTE [an op a rebuild runs again]
+            uniform = uniform_per_op(joint, attempt[0])
+            if uniform is not attempt[0]:
+                plan = ctx.plan(attempt[0].strategy, uniform.decisions)
+                attempt = plan, ctx.simulate(plan)
         if attempt is None or not attempt[1].feasible:
             return None
         check_offloadable(joint, attempt[0])

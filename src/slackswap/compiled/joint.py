@@ -32,6 +32,7 @@ from slackswap.core.hardware import Hardware
 from slackswap.core.plan import Decision, Plan
 from slackswap.core.profile import OpRecord, StepProfile, TensorRecord
 from slackswap.errors import InputError
+from slackswap.planners.recompute import rebuild_ops
 from slackswap.profiling.naming import ActivationNamer, is_random, is_replayable, op_kind
 from slackswap.profiling.recorder import dtype_name, op_category, op_flops
 
@@ -316,7 +317,7 @@ def _read_ops(ordered: list[tuple[fx.Node, bool]], forward: set[str],
         outs = _tensor_vals(node.meta.get("val"))
         out_ids: list[int] = []
         module = _module(node)
-        random = is_random(func)
+        random = _draws(func)
         for k, val in enumerate(outs):
             if val is None:
                 continue
@@ -405,22 +406,47 @@ def _device(placeholders: list[fx.Node]) -> str:
     return "cpu"
 
 
+def _draws(func: torch._ops.OpOverload) -> bool:
+    """Whether the partitioner rebuilds ``func`` under a saved RNG state (NOTE [compiled
+    recompute]): a random op, or one tagged ``nondeterministic_seeded``, which attention
+    kernels are (CPU's flash attention with ``dropout_p=0`` too). Counted as random only
+    where eager dropout draws (``is_random``), CLIP's and UNet2DModel's rebuilt attention
+    saved RNG states no plan held: 15% over the budget measured at 0.4."""
+    return is_random(func) or torch.Tag.nondeterministic_seeded in func.tags
+
+
 def uniform_per_op(joint: JointGraph, plan: Plan) -> Plan:
     """The plan with each op's saved outputs under one decision: a graph recomputes an op,
-    not one of its outputs, so an op with any output to recompute recomputes them all
-    (NOTE [compiled recompute])."""
+    not one of its outputs, so an op with any output to recompute recomputes them all,
+    and so does an op a rebuild runs again (NOTE [compiled recompute])."""
     p = joint.profile
     decisions = dict(plan.decisions)
-    for op in p.ops:
-        if op.phase != "forward":
-            break
-        names = [p.tensors[t].name for t in op.outputs if p.tensors[t].saved]
-        if any(decisions.get(n) == Decision.RECOMPUTE for n in names):
-            decisions.update({n: Decision.RECOMPUTE for n in names})
+    before: dict[str, str] = {}
+    while decisions != before:  # a newly recomputed output may have a chain of its own
+        before, rebuilt = dict(decisions), _rebuilt_ops(p, decisions)
+        for op in p.ops:
+            if op.phase != "forward":
+                break
+            names = [p.tensors[t].name for t in op.outputs if p.tensors[t].saved]
+            if op.index in rebuilt and (
+                    any(decisions.get(n) == Decision.RECOMPUTE for n in names)
+                    or all(n in p.recomputable for n in names)):
+                decisions.update({n: Decision.RECOMPUTE for n in names})
     if decisions == plan.decisions:
         return plan
     prefetch = {n: i for n, i in plan.prefetch.items() if decisions.get(n) == Decision.OFFLOAD}
     return plan.model_copy(update={"decisions": decisions, "prefetch": prefetch})
+
+
+def _rebuilt_ops(p: StepProfile, decisions: dict[str, str]) -> set[int]:
+    """The forward ops the rebuilds of ``decisions`` run: each recomputed activation's
+    producer, and the producers of the never-saved tensors on its chain."""
+    rebuilt: set[int] = set()
+    for name, d in decisions.items():
+        record = p.by_name.get(name)
+        if d == Decision.RECOMPUTE and record is not None and record.producer is not None:
+            rebuilt.update(rebuild_ops(p, record.producer))
+    return rebuilt
 
 
 def tag_joint(gm: fx.GraphModule, joint: JointGraph, plan: Plan) -> None:

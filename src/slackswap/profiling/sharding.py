@@ -114,6 +114,9 @@ def unsharded(model: torch.nn.Module) -> Iterator[None]:
     if not units or id(model) in _WHOLE:
         yield
         return
+    # NOTE [units gathered before the profile]: a unit FSDP2 has gathered already (the
+    # root, whose pre-forward hook ran before attach's) stays gathered on exit
+    sharded = [unit for unit in units if not _gathered(unit)]
     for unit in units:
         unit.unshard()
     _WHOLE.add(id(model))
@@ -122,8 +125,25 @@ def unsharded(model: torch.nn.Module) -> Iterator[None]:
             yield
     finally:
         _WHOLE.discard(id(model))
-        for unit in units:
+        for unit in sharded:
             unit.reshard()
+
+
+# NOTE [units gathered before the profile]
+#     ``slackswap.attach`` profiles inside the model's call, in a forward pre-hook that
+#     runs after FSDP2's own (``fully_shard`` prepends its hook): the root unit's
+#     parameters are gathered and registered for the forward about to run. Resharding
+#     every unit after the profiled step registered the root's sharded ``DTensor``s again
+#     under that forward, which then failed in its first op ("mixed torch.Tensor and
+#     DTensor"). Only the units that were sharded before the profile are sharded after.
+def _gathered(unit: torch.nn.Module) -> bool:
+    """Whether every parameter group of the FSDP2 unit is gathered (unsharded) now."""
+    state = unit._get_fsdp_state()  # type: ignore[operator]
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:  # releases with one group a unit
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [] if group is None else [group]
+    return bool(groups) and all(g.is_unsharded for g in groups)
 
 
 def _skipped(*args: Any, **kwargs: Any) -> None:
