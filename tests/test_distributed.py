@@ -244,8 +244,9 @@ class _Group:
                 codes = [self._processes[r].exitcode for r in dead]
                 self.close(kill=True)
                 why = (f"ranks {dead} exited (exit codes {codes})" if dead else
-                       f"{self.world - len(errors)} of {self.world} ranks still ran after "
-                       f"{limit_s:.0f} s")
+                       f"{self.world - len(errors)} of {self.world} ranks still ran " + (
+                           "10 s after another raised" if any(errors.values())
+                           else f"after {limit_s:.0f} s"))
                 pytest.fail("\n".join([why, *(f"rank {r} raised:\n{e}"
                                               for r, e in sorted(errors.items()) if e)]))
         failed = {r: e for r, e in errors.items() if e}
