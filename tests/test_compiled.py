@@ -89,12 +89,13 @@ def _assert_applied_is_plan(compiled: nn.Module) -> None:
 # are the output itself (it was read as saved by no plan, and refused)
 _ZOO_LANGUAGE_MODELS = ["t5", "bart", "deberta", "mamba", "perceiver", "funnel", "bigbird_full",
                         "mixtral"]
-# in the default run: every tiny preset, T5 (an encoder-decoder: the decoder's loss), Mamba
-# (no attention), DeBERTa (its own relative attention) and Mixtral (NOTE on it above: the
-# only cover of a split's getitems); BART, Perceiver, Funnel and BigBird (full attention)
-# check the same loss_type fallback and one graph on more architectures, 10-20 s each on
-# two cores, under ``pytest -m full``
-_FULL_ONLY = {"bart", "perceiver", "funnel", "bigbird_full"}
+# in the default run: a tiny preset of each family (BERT, GPT-2, Llama), T5 (an
+# encoder-decoder: the decoder's loss), Mamba (no attention), DeBERTa (its own relative
+# attention) and Mixtral (NOTE on it above: the only cover of a split's getitems); BART,
+# Perceiver, Funnel and BigBird (full attention) check the same loss_type fallback and one
+# graph on more architectures, 10-20 s each on two cores, under ``pytest -m full``, and so
+# does BERT-large-MLM (bert-large-tiny's graph with its head on the masked positions)
+_FULL_ONLY = {"bart", "perceiver", "funnel", "bigbird_full", "bert-large-mlm-tiny"}
 # the presets as the README plans them: their plan recomputes at 0.8 (checked applied)
 _PRESETS_APPLIED = ["llama-7b-tiny", "gpt2-xl-tiny", "bert-large-tiny"]
 
@@ -106,9 +107,10 @@ def _language_model(name: str) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     return model, batch
 
 
-@pytest.mark.parametrize("name", sorted(n for n in MODEL_PRESETS if n.endswith("-tiny"))
-                         + [pytest.param(n, marks=pytest.mark.full) if n in _FULL_ONLY else n
-                            for n in _ZOO_LANGUAGE_MODELS])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.full) if n in _FULL_ONLY
+                                  else n for n in sorted(n for n in MODEL_PRESETS
+                                                         if n.endswith("-tiny"))
+                                  + _ZOO_LANGUAGE_MODELS])
 def test_labels_in_the_batch_compile_to_one_graph_that_trains_as_eager(name: str) -> None:
     """Every preset and the zoo's language models, built as users build them, labels in
     the batch, dropout on: one graph (a break is an error, a recompile a second graph),
@@ -116,8 +118,8 @@ def test_labels_in_the_batch_compile_to_one_graph_that_trains_as_eager(name: str
     ``loss_type`` as it was (NOTE [a loss resolved before the graph]). GPT-2's unset
     ``loss_type`` no longer breaks the graph; dropout draws the same masks, kept or
     rebuilt with its RNG state; on Llama, GPT-2 and BERT-large the plan at 0.8 recomputes
-    and the partition applied is the plan. The default run takes the presets and four of
-    the zoo's models (``_FULL_ONLY``: the rest, under ``pytest -m full``)."""
+    and the partition applied is the plan. The default run takes a preset of each family and
+    four of the zoo's models (``_FULL_ONLY``: the rest, under ``pytest -m full``)."""
     model, batch = _language_model(name)
     assert "labels" in batch and model.training
     reference = copy.deepcopy(model)

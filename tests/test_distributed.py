@@ -9,10 +9,12 @@ import contextlib
 import copy
 import faulthandler
 import gc
+import queue
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import warnings
 from pathlib import Path
 from typing import Any
@@ -174,63 +176,121 @@ def _run(rank: int, wrapper: str, names: list[str]) -> None:
         _check(rank, wrapper, name)  # its wrapped models are gone when it returns
 
 
-def _rank(rank: int, world: int, folder: str, fn: Any, *args: Any) -> None:
-    """One rank: ``fn(rank, *args)`` in a gloo group, then a mark that it passed."""
+def _serve(rank: int, world: int, folder: str, tasks: Any, results: Any) -> None:
+    """One rank of a ``_Group``: in a gloo group, ``fn(rank, *args)`` for each task sent,
+    each answered with None or the traceback it raised, until None is sent."""
     faulthandler.enable()  # a crash prints every thread's stack to the captured stderr
     dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank,
                             world_size=world)
     torch.set_num_threads(1)
     try:
-        fn(rank, *args)
-        Path(folder, f"passed-{rank}").touch()
+        while (task := tasks.get()) is not None:
+            fn, args = task
+            try:
+                fn(rank, *args)
+                error = None
+            except BaseException:  # noqa: BLE001 - the test fails with it, in the parent
+                error = traceback.format_exc()
+            # NOTE: a DDP reducer freed after the group is destroyed drops the group's last
+            # reference while holding the GIL; gloo's worker thread may then wait on the
+            # GIL to free a finished work item, and the process hangs at exit
+            gc.collect()
+            results.put((rank, error))
     finally:
-        # NOTE: a DDP reducer freed after the group is destroyed drops the group's last
-        # reference while holding the GIL; gloo's worker thread may then wait on the GIL
-        # to free a finished work item, and the process hangs at exit
         gc.collect()
         dist.destroy_process_group()
 
 
-def _passed(folder: str, world: int) -> bool:
-    return all(Path(folder, f"passed-{r}").exists() for r in range(world))
+class _Group:
+    """``world`` processes in one gloo group, started once and handed the file's tests in
+    turn. Started for each test, a rank (a process importing torch and SlackSwap, then the
+    group's rendezvous and, after the test, its teardown) took 15 s on two loaded cores,
+    most of the three cheapest tests' 21 to 26 s. A test whose rank raised, crashed or
+    hung stops the group (the others may wait in a collective for it); the next test
+    starts another."""
+
+    def __init__(self, world: int) -> None:
+        context = mp.get_context("spawn")
+        self.world, self.broken = world, False
+        self._folder = tempfile.TemporaryDirectory()
+        self._tasks = [context.SimpleQueue() for _ in range(world)]
+        self._results = context.Queue()
+        self._processes = [
+            context.Process(target=_serve, daemon=True,
+                            args=(rank, world, self._folder.name, self._tasks[rank],
+                                  self._results))
+            for rank in range(world)]
+        for process in self._processes:
+            process.start()
+
+    def run(self, fn: Any, *args: Any, limit_s: float) -> None:
+        """``fn(rank, *args)`` on every rank; a rank that raises or crashes fails the test,
+        and so does a hang (after ``limit_s``)."""
+        for tasks in self._tasks:
+            tasks.put((fn, args))
+        errors: dict[int, str | None] = {}
+        deadline = time.monotonic() + limit_s
+        while len(errors) < self.world:
+            if any(errors.values()):  # the other ranks get a moment to say theirs
+                deadline = min(deadline, time.monotonic() + 10)
+            try:
+                rank, error = self._results.get(timeout=1)
+                errors[rank] = error
+                continue
+            except queue.Empty:
+                pass
+            dead = [r for r, p in enumerate(self._processes) if not p.is_alive()]
+            if dead or time.monotonic() > deadline:
+                codes = [self._processes[r].exitcode for r in dead]
+                self.close(kill=True)
+                why = (f"ranks {dead} exited (exit codes {codes})" if dead else
+                       f"{self.world - len(errors)} of {self.world} ranks still ran " + (
+                           "10 s after another raised" if any(errors.values())
+                           else f"after {limit_s:.0f} s"))
+                pytest.fail("\n".join([why, *(f"rank {r} raised:\n{e}"
+                                              for r, e in sorted(errors.items()) if e)]))
+        failed = {r: e for r, e in errors.items() if e}
+        if failed:
+            self.close(kill=True)
+            pytest.fail("\n".join(f"rank {r} raised:\n{e}" for r, e in sorted(failed.items())))
+
+    def close(self, kill: bool = False) -> None:
+        """Stop the ranks; ranks that hang or crash while exiting (PyTorch's gloo teardown,
+        see ``_serve``) after every test passed are stopped with a warning."""
+        self.broken = True
+        if not kill:
+            for tasks in self._tasks:
+                tasks.put(None)
+            for process in self._processes:
+                process.join(timeout=30)
+            if any(p.is_alive() or p.exitcode for p in self._processes):
+                warnings.warn("every test's ranks passed, but one hung or crashed while "
+                              "exiting; stopped it", stacklevel=2)
+        for process in self._processes:
+            if process.is_alive():
+                process.kill()
+                process.join()
+        self._folder.cleanup()
 
 
-def _joined(context: Any, folder: str, world: int) -> bool:
-    """Whether every rank has exited; a rank killed by a signal (its stack is in the
-    captured stderr, see ``_rank``) fails the test unless every rank had passed."""
-    try:
-        return context.join(timeout=5)
-    except mp.ProcessExitedException as crash:
-        if not _passed(folder, world):
-            raise
-        warnings.warn(f"every rank passed, but {crash} while exiting", stacklevel=3)
-        return True
+_GROUPS: dict[int, _Group] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _groups() -> Any:
+    """The file's groups of ranks, stopped after its last test."""
+    yield
+    while _GROUPS:
+        _GROUPS.popitem()[1].close()
 
 
 def _spawn(fn: Any, world: int, *args: Any, limit_s: float = 240) -> None:
-    """``fn(rank, *args)`` in ``world`` processes; a rank that raises or crashes fails the
-    test, and so does a hang (after ``limit_s``). Ranks that all passed their checks but
-    hang or crash while exiting (PyTorch's gloo teardown, see ``_rank``) are stopped with
-    a warning."""
-    with tempfile.TemporaryDirectory() as folder:
-        context = mp.spawn(_rank, args=(world, folder, fn, *args), nprocs=world,
-                           join=False)
-        deadline = time.monotonic() + limit_s
-        passed_at = None
-        while not _joined(context, folder, world):
-            passed = _passed(folder, world)
-            if passed and passed_at is None:
-                passed_at = time.monotonic()
-            if passed_at is not None and time.monotonic() > passed_at + 30:
-                for process in context.processes:
-                    process.kill()
-                warnings.warn("every rank passed, but one hung while exiting; stopped it",
-                              stacklevel=2)
-                return
-            if time.monotonic() > deadline:
-                for process in context.processes:
-                    process.kill()
-                pytest.fail(f"{world} ranks still ran after {limit_s:.0f} s")
+    """``fn(rank, *args)`` on ``world`` ranks of a gloo group, the group this file's tests
+    share (``_Group``)."""
+    group = _GROUPS.get(world)
+    if group is None or group.broken:
+        group = _GROUPS[world] = _Group(world)
+    group.run(fn, *args, limit_s=limit_s)
 
 
 def test_two_ranks_train_bit_identically_under_fsdp2() -> None:
