@@ -141,9 +141,15 @@ def module_hooks_in_forward(model, batch, plan, profile) -> tuple[int, int, dict
     from torch.nn.modules import module as nn_module
 
     seen: list[tuple[int, int]] = []
+    called: list[bool] = []
 
     def look(module, args):
-        if module is model:  # the model's call starts: every hook of the block is in place
+        # the first module the model calls: every hook of the block is in place, and the
+        # block's own hook for a module run before the model's call is gone (NOTE [the
+        # model is called first])
+        if module is model:
+            called.append(True)
+        elif called and not seen:
             hooked = sum(bool(m._forward_pre_hooks or m._forward_hooks)
                          for m in model.modules() if m is not model)
             seen.append((len(nn_module._global_forward_pre_hooks), hooked))
