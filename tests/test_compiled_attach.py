@@ -107,6 +107,8 @@ def test_refusals_are_one_line_and_leave_the_model_as_it_was() -> None:
     model, data = tiny_lm()
     with pytest.raises(InputError, match="loss_fn is for the eager"):
         slackswap.attach(model, compile=True, loss_fn=lambda out: out.loss)
+    with pytest.raises(InputError, match="group= is for the eager runtime"):
+        slackswap.attach(model, compile=True, group=object())
     with pytest.raises(InputError, match="compile=True"):
         slackswap.attach(model, backend="aot_eager")
     with pytest.raises(InputError, match="unknown backend"):

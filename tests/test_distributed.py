@@ -327,13 +327,23 @@ def test_two_ranks_under_fsdp2_that_keeps_units_gathered_until_backward() -> Non
 
 
 def _attached(rank: int, wrapper: str) -> None:
-    """``slackswap.attach`` on the wrapped model, each rank planning at its first call."""
+    """``slackswap.attach`` on the wrapped model, planned at its first call by rank 0 for
+    both ranks (``group=``)."""
     model, batch = _model("gpt-neox-tiny")
     reference = _steps(_wrap(copy.deepcopy(model), wrapper), batch, None)
     net = _wrap(copy.deepcopy(model), wrapper)
-    with slackswap.attach(net, budget=0.5, hardware="a100-80gb") as attached:
+    # rank 1 names other hardware, as measured profiles differ by rank: rank 0 plans
+    hardware = "a100-80gb" if rank == 0 else "h100-sxm"
+    with slackswap.attach(net, budget=0.5, hardware=hardware,
+                          group=dist.group.WORLD) as attached:
         losses, grads = _steps(net, batch, None)
     assert len(attached.plans) == 1, rank
+    # every rank runs rank 0's plan, received whole (its profile, priced on rank 0's
+    # hardware, with it)
+    (plan,) = attached.plans.values()
+    plans: list[Any] = [None, None]
+    dist.all_gather_object(plans, (plan.model_dump_json(), plan._profile.model_dump_json()))
+    assert plans[0] == plans[1], rank
     assert all(torch.equal(a, b) for a, b in zip(losses, reference[0], strict=True)), rank
     for got, want in zip(grads, reference[1], strict=True):
         assert got.keys() == want.keys() and all(

@@ -43,7 +43,7 @@ def plan(profile_or_model, *args, **kwargs) -> Plan:
 def attach(model: torch.nn.Module, budget: str | int | float = 0.5,
            hardware: str | Hardware | None = None, strategy: str = "slackswap",
            loss_fn: Callable[[Any], torch.Tensor] | None = None, *,
-           compile: bool = False, backend: str = "inductor",  # noqa: A002
+           group: Any = None, compile: bool = False, backend: str = "inductor",  # noqa: A002
            **compile_kwargs: Any) -> Attached | CompiledAttached:
     """Plan and apply SlackSwap to every training forward of ``model``, with no change to
     the training loop; ``.detach()`` (or leaving ``with slackswap.attach(...):``) undoes it.
@@ -51,7 +51,9 @@ def attach(model: torch.nn.Module, budget: str | int | float = 0.5,
     Eager (``compile=False``, the default): the first training forward of each batch
     shape profiles one step and plans it, and each such forward runs under
     ``slackswap.apply`` (``slackswap.runtime.attach.attach``: ``loss_fn`` is the loss
-    profiled with when the model returns none).
+    profiled with when the model returns none; ``group``: a ``torch.distributed``
+    process group whose first rank plans each batch shape for all its ranks, as
+    ``slackswap.plan(..., group=)`` does).
 
     Compiled (``compile=True``): the model is compiled in place, as ``model.compile()``
     compiles it, by ``slackswap.compile``'s partitioner: the first call of each batch
@@ -65,6 +67,9 @@ def attach(model: torch.nn.Module, budget: str | int | float = 0.5,
     are out); ``hardware`` and ``strategy`` are ``slackswap.plan``'s.
     """
     if compile:
+        if group is not None:
+            raise InputError("slackswap.attach(..., compile=True) plans the graph each "
+                             "rank compiles; group= is for the eager runtime: leave it out")
         if loss_fn is not None:
             raise InputError("slackswap.attach(..., compile=True) plans the graph the model "
                              "compiles to, whose backward is your loss's; loss_fn is for "
@@ -77,7 +82,7 @@ def attach(model: torch.nn.Module, budget: str | int | float = 0.5,
                          "slackswap.attach(..., compile=True)")
     from slackswap.runtime.attach import attach as attach_eager
 
-    return attach_eager(model, budget, hardware, strategy, loss_fn)
+    return attach_eager(model, budget, hardware, strategy, loss_fn, group)
 
 
 def __getattr__(name: str):

@@ -51,7 +51,8 @@ _SCALARS = (bool, int, float, str, type(None), torch.dtype, torch.device)
 
 def attach(model: torch.nn.Module, budget: str | int | float = 0.5,
            hardware: str | Hardware | None = None, strategy: str = "slackswap",
-           loss_fn: Callable[[Any], torch.Tensor] | None = None) -> Attached:
+           loss_fn: Callable[[Any], torch.Tensor] | None = None, group: Any = None,
+           ) -> Attached:
     """Apply a plan to every forward of ``model`` that records a graph for backward: with
     grad enabled, in training mode, or in eval mode with a parameter or input that
     requires grad (training with dropout off); other forwards (``no_grad``,
@@ -70,10 +71,18 @@ def attach(model: torch.nn.Module, budget: str | int | float = 0.5,
     Attach a ``torch.compile``'d model as compiled (its forward then runs eagerly); one
     called from compiled code is refused. ``.detach()`` (or leaving ``with
     slackswap.attach(...):``) undoes it.
+
+    ``group``: a ``torch.distributed`` process group whose ranks train ``model``
+    together (``torch.distributed.group.WORLD`` for all); each batch shape is then
+    planned once, by the group's first rank, and every rank runs that plan, as
+    ``slackswap.plan(..., group=)`` does: on GPUs each rank measures its own profile,
+    which may differ from another's, and ranks that ran different plans under FSDP2
+    could rebuild at different points (a rebuild may gather parameters, a collective).
+    Every rank must then make its first call with each new batch shape together.
     """
     check_attach(model, budget, strategy)
     # once, here: None (said) or "auto" names one hardware for every batch shape
-    return Attached(model, budget, resolve_hardware(hardware), strategy, loss_fn)
+    return Attached(model, budget, resolve_hardware(hardware), strategy, loss_fn, group)
 
 
 class Attached:
@@ -82,8 +91,8 @@ class Attached:
 
     def __init__(self, model: torch.nn.Module, budget: str | int | float,
                  hardware: str | Hardware | None, strategy: str,
-                 loss_fn: Callable[[Any], torch.Tensor] | None) -> None:
-        self.model = model
+                 loss_fn: Callable[[Any], torch.Tensor] | None, group: Any = None) -> None:
+        self.model, self.group = model, group
         self.budget, self.hardware, self.strategy = budget, hardware, strategy
         # the loop trains on the model's own loss where it returns one (as Trainer and
         # Lightning do): profiled first, loss_fn only where the output carries none
@@ -194,7 +203,7 @@ class Attached:
             # the loss runs after the block, which covers the model's call: what only it
             # saves stays as autograd saved it
             return plan_model(module, batch, self.budget, self.hardware, self.strategy,
-                              self.loss_fn, loss_outside=True)
+                              self.loss_fn, group=self.group, loss_outside=True)
         except SlackSwapError as e:  # which batch could not be planned
             shapes = [list(t.shape) for t in _pytree.tree_leaves(batch)
                       if isinstance(t, torch.Tensor)]

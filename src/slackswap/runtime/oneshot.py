@@ -129,19 +129,21 @@ class AutoPlan:
 
     Each new shape is profiled and planned (seconds on a small model), so pad batches to
     a few lengths rather than to each batch's longest sequence. ``plans`` holds them, by
-    the fingerprint of model and batch and the autocast state.
+    the fingerprint of model and batch and the autocast state. ``group``: each shape is
+    planned by the group's first rank and run by all (see :func:`plan_model`).
     """
 
     def __init__(self, model: torch.nn.Module, budget: str | int | float = 0.5,
                  hardware: str | None = None, strategy: str = "slackswap",
-                 loss_fn: Callable[[Any], torch.Tensor] | None = None) -> None:
+                 loss_fn: Callable[[Any], torch.Tensor] | None = None,
+                 group: Any = None) -> None:
         self.model, self.budget, self.hardware = model, budget, hardware
-        self.strategy, self.loss_fn = strategy, loss_fn
+        self.strategy, self.loss_fn, self.group = strategy, loss_fn, group
         self.plans: dict[str, Plan] = {}
 
     def __call__(self, batch: Any) -> apply:
         key = fingerprint(self.model, batch) + repr(autocast_state(self.model))
         if key not in self.plans:
             self.plans[key] = plan_model(self.model, batch, self.budget, self.hardware,
-                                         self.strategy, self.loss_fn)
+                                         self.strategy, self.loss_fn, group=self.group)
         return apply(self.model, self.plans[key])
