@@ -48,6 +48,15 @@ from slackswap.planners.baselines import checkpoint_blocks
 from slackswap.planners.context import PlanContext
 from slackswap.reproduce import cached_profile
 from slackswap.sim import simulate
+from slackswap.sim.collectives import (
+    NIC_BUSBW,
+    NVLINK_BUSBW,
+    OVERLAP_SLOWDOWN,
+    CommStep,
+    DataParallel,
+    Unit,
+    data_parallel_step,
+)
 from slackswap.sim.schedule import min_working_set
 
 if sys.version_info >= (3, 11):
@@ -69,6 +78,7 @@ STACKS = ("eager", "fused")
 # (the BERT rows) moves about as much per pass; its rows amortise it over 32 and 128
 # micro-batches, where it is negligible either way.
 ADAMW_BYTES_PER_PARAM = 28
+RANKS_PER_NODE = 8  # GPUs a node of every data-parallel row holds (runs.toml)
 TARGET_MEDIAN, TARGET_MAX = 0.10, 0.20  # issue 13's targets for |simulated / published - 1|
 
 
@@ -110,6 +120,14 @@ class Run:
     modelled: bool = True  # False: the run used something the product does not model
     simulated_stack: str = "eager"  # the product's stack setting for this run
     optimizer_shards: int = 1  # ranks that share one optimizer update (FSDP, ZeRO-1)
+    data_parallel: str = "none"  # none, fsdp, hsdp or ddp (NOTE [data-parallel collectives])
+    shard_ranks: int = 1  # ranks a unit is sharded over (fsdp, hsdp), or replicated (ddp)
+    replicas: int = 1  # hsdp: replica groups, one a node
+    nic_gbps: int = 0  # hsdp: the network a node states, Gb/s
+    gather_bytes: int = 2  # bytes a parameter element moves when gathered
+    reduce_bytes: int = 2  # bytes a gradient element moves when reduced
+    zero1: bool = False  # ddp: parameters gathered from their owners after each update
+    comm_source: str = ""  # where the collectives' dtypes and sizes are read
 
     @property
     def per_token(self) -> bool:
@@ -168,6 +186,10 @@ def load_runs(path: Path = RUNS) -> list[Run]:
         if run.checkpointing == "selective" and run.modelled:
             raise InputError(f"{run.id}: selective checkpointing is not modelled; "
                              "set modelled = false and say so in notes")
+        if run.data_parallel not in ("none", "fsdp", "hsdp", "ddp"):
+            raise InputError(f"{run.id}: data_parallel is none, fsdp, hsdp or ddp")
+        if run.data_parallel != "none" and len(run.comm_source) < 40:
+            raise InputError(f"{run.id}: a data-parallel row needs comm_source")
         if not (run.source_repo and run.source_file and len(run.source_where) > 40):
             raise InputError(f"{run.id}: every row needs source_repo, source_file and "
                              "source_where saying where the number is")
@@ -236,6 +258,83 @@ def optimizer_seconds(run: Run, prof: StepProfile, hw: Hardware) -> float:
     return seconds / run.grad_accum
 
 
+def step_units(prof: StepProfile, step_s: float) -> tuple[tuple[Unit, Unit], list[Unit]]:
+    """The step as FSDP units (NOTE [data-parallel collectives]): each transformer block,
+    and the root's work before and after the blocks in each phase, each unit's op time
+    scaled so that all of it is the simulated step ``step_s`` (which adds the host's and
+    a plan's costs to the ops), and each unit's parameter elements.
+
+    Forward ops belong to the unit of their module. A backward op's module is the one
+    autograd ran it under, which the profile does not always resolve (a model's whole
+    backward may name its last block), so the backward is split so: the root's ops before
+    the first block's (loss and head), the embeddings' backward (the root's, last), and
+    the rest over the blocks in proportion to their forward time."""
+    layers = prof.layers
+
+    def unit_of(path: str) -> int:
+        for i, layer in enumerate(layers):
+            if path == layer or path.startswith(layer + "."):
+                return i
+        return -1
+
+    fwd = [0.0] * len(layers)
+    root_fwd, root_bwd = [0.0, 0.0], [0.0, 0.0]  # before the blocks, after them
+    blocks_bwd, in_blocks = 0.0, False
+    for op in prof.ops:
+        i = unit_of(op.module)
+        if op.phase == "forward":
+            if i >= 0:
+                fwd[i] += op.time_s
+            else:
+                root_fwd[int(any(fwd))] += op.time_s
+        elif op.kind.startswith("embedding"):
+            root_bwd[1] += op.time_s
+        elif i < 0 and not in_blocks:
+            root_bwd[0] += op.time_s
+        else:
+            in_blocks = True
+            blocks_bwd += op.time_s
+    forward_total = sum(fwd) or 1.0
+    bwd = [blocks_bwd * f / forward_total for f in fwd]
+    total = sum(op.time_s for op in prof.ops) or 1.0
+    scale = step_s / total
+    params = [0] * len(layers)
+    root_params = 0
+    for t in prof.tensors:
+        if t.kind == "parameter":
+            i = unit_of((t.name or "").rsplit(".", 1)[0])
+            n = math.prod(t.shape)
+            if i >= 0:
+                params[i] += n
+            else:
+                root_params += n
+    # forward: embeddings, blocks, then norm, head and loss; backward: the head's, the
+    # blocks', then the embeddings'
+    first = Unit(root_fwd[0] * scale, root_bwd[1] * scale, root_params)
+    last = Unit(root_fwd[1] * scale, root_bwd[0] * scale, 0)
+    blocks = [Unit(f * scale, b * scale, p) for f, b, p in zip(fwd, bwd, params, strict=True)]
+    return (first, last), blocks
+
+
+def data_parallel(run: Run, slowdown: float = 1.0) -> DataParallel | None:
+    """The run's ranks as the collectives' model sees them (NOTE [data-parallel
+    collectives]); None for one GPU. A shard group inside a node runs at NVLink's bus
+    bandwidth; one across nodes (more ranks than a node's 8) at its network's, a NIC per
+    GPU. HSDP's network is the node's, shared by its 8 ranks."""
+    if run.data_parallel == "none":
+        return None
+    nic = NIC_BUSBW.get(run.nic_gbps, 0.0)
+    across = run.shard_ranks > RANKS_PER_NODE
+    if across and not nic:
+        raise InputError(f"{run.id}: a shard group across nodes needs nic_gbps")
+    return DataParallel(
+        kind=run.data_parallel, shard_ranks=run.shard_ranks,  # type: ignore[arg-type]
+        intra_busbw=nic if across else NVLINK_BUSBW[run.hardware],
+        gather_bytes=run.gather_bytes, reduce_bytes=run.reduce_bytes,
+        replicas=run.replicas, inter_busbw=nic, ranks_per_node=RANKS_PER_NODE,
+        sync_every=run.grad_accum, zero1=run.zero1, overlap_slowdown=slowdown)
+
+
 @dataclass(frozen=True)
 class Outcome:
     """A row simulated: the step, and throughput per GPU against the published."""
@@ -248,12 +347,25 @@ class Outcome:
     matmul_share: float  # matmul kernels' share of the profile's op time
     hbm_bound_matmul_share: float  # share of matmuls below half the matmul cap (HBM-bound)
     before: float | None  # the ratio before calibration (published/before.toml)
+    exposed_s: float = 0.0  # collectives left exposed (NOTE [data-parallel collectives])
+    sharing_s: float = 0.0  # compute slowed by collectives sharing its SMs
+    comm_s: float = 0.0  # the collectives' own time, summed, per micro-batch
 
     @property
     def simulated(self) -> float:
-        """Sequences or tokens per second per GPU, optimizer estimate included."""
-        per_step = self.run.micro_batch * (self.run.seq if self.run.per_token else 1)
-        return per_step / (self.step_s + self.optimizer_s)
+        """Sequences or tokens per second per GPU, optimizer estimate and communication
+        included."""
+        return self._per_step / (self.step_s + self.optimizer_s + self.exposed_s
+                                 + self.sharing_s)
+
+    @property
+    def _per_step(self) -> float:
+        return self.run.micro_batch * (self.run.seq if self.run.per_token else 1)
+
+    def ratio_at(self, extra_s: float) -> float:
+        """The ratio with ``extra_s`` in place of the communication (0: none)."""
+        step = self.step_s + self.optimizer_s + extra_s
+        return self._per_step / step / self.run.published_per_gpu
 
     @property
     def ratio(self) -> float:
@@ -286,9 +398,16 @@ def simulate_run(run: Run, before: dict[str, float] | None = None) -> Outcome:
     slow = hw.compute.matmul_efficiency_cap / 2  # of peak: below it, not FLOP-bound
     hbm_bound = sum(op.time_s for op in matmuls
                     if op.time_s and op.flops / op.time_s < slow * hw.peak(op.dtype))
+    exposed = sharing = comm = 0.0
+    if (dp := data_parallel(run)) is not None:
+        root, blocks = step_units(prof, step)
+        alone = data_parallel_step(root, blocks, dp)
+        shared: CommStep = data_parallel_step(
+            root, blocks, dataclasses.replace(dp, overlap_slowdown=OVERLAP_SLOWDOWN))
+        exposed, sharing, comm = alone.exposed_s, shared.step_s - alone.step_s, alone.comm_s
     return Outcome(run, strategy, step, optimizer_seconds(run, prof, hw), compute / total,
                    sum(op.time_s for op in matmuls) / total, hbm_bound / total,
-                   (before or {}).get(run.id))
+                   (before or {}).get(run.id), exposed, sharing, comm)
 
 
 def _num(x: float) -> str:
