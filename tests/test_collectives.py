@@ -75,7 +75,7 @@ def test_sharing_the_sms_slows_the_compute_under_a_collective() -> None:
     assert shared.slowdown_s >= 0.25
     assert shared.step_s >= alone.step_s + 0.25 - 1e-12
     assert shared.compute_s == pytest.approx(WORK)
-    assert OVERLAP_SLOWDOWN == pytest.approx(1.189)
+    assert OVERLAP_SLOWDOWN == 1.189  # arXiv:2507.03114
 
 
 def test_ddp_all_reduces_once_per_accumulation_and_zero1_gathers_after() -> None:

@@ -17,11 +17,15 @@ NOTE [data-parallel collectives]
       busbw "~200 GB/s" at 1 GB.
     - NVLink inside an 8-GPU H100 or H200 node (NVLink4, NVSwitch): 360e9. NVIDIA/nccl
       issue #1229 (H100 cluster): reduce-scatter busbw 360 GB/s at 4 nodes, falling
-      with more (ring); the smallest scale reported, taken for the node.
+      with more (ring); the smallest scale reported, taken for the node (inside a node
+      nothing slower than NVLink is crossed, so at least that).
     - Between nodes, per NIC: 46e9 for 400 Gb/s, 92e9 for 800 Gb/s. NVIDIA/nccl-tests
       issue #290, a maintainer (AddyLaddy): "For NDR @ 400Gbps you should see 46-48GB/s
       per NIC"; the low end, doubled for 800 Gb/s. A node's NICs are shared by its
-      ranks, which all run their replica all-reduce at once (HSDP).
+      ranks, which all run their replica all-reduce at once (HSDP). A shard group across
+      nodes with a NIC per GPU runs a ring a NIC, so its bus bandwidth is at most the
+      node's NICs together (8 x 46e9) and NVLink's: #1229's 360 GB/s at 4 nodes of 8
+      H100s with 400 Gb/s NICs is that bound.
     Overlap, as the frameworks schedule it (the model of :func:`sharded_step`):
     - FSDP gathers a unit's parameters before its forward and again before its backward,
       one unit ahead of the compute (forward prefetch; BACKWARD_PRE), and
