@@ -129,6 +129,7 @@ class Run:
     gather_bytes: int = 2  # bytes a parameter element moves when gathered
     reduce_bytes: int = 2  # bytes a gradient element moves when reduced
     zero1: bool = False  # ddp: parameters gathered from their owners after each update
+    fsdp2: bool = False  # fully_shard: copies out of each gather, into each reduction
     comm_source: str = ""  # where the collectives' dtypes and sizes are read
 
     @property
@@ -318,7 +319,8 @@ def step_units(prof: StepProfile, step_s: float) -> tuple[tuple[Unit, Unit], lis
     return (first, last), blocks
 
 
-def data_parallel(run: Run, slowdown: float = 1.0) -> DataParallel | None:
+def data_parallel(run: Run, slowdown: float = 1.0,
+                  hw: Hardware | None = None) -> DataParallel | None:
     """The run's ranks as the collectives' model sees them (NOTE [data-parallel
     collectives]); None for one GPU. A shard group inside a node runs at NVLink's bus
     bandwidth; one across nodes (more ranks than a node's 8), with a NIC per GPU, at the
@@ -329,6 +331,11 @@ def data_parallel(run: Run, slowdown: float = 1.0) -> DataParallel | None:
         return None
     nic = NIC_BUSBW.get(run.nic_gbps, 0.0)
     across = run.shard_ranks > RANKS_PER_NODE
+    copy = 0.0
+    if run.fsdp2:  # FSDP2's copies at the preset's HBM rate for a block's parameters
+        m = (hw or load_hardware(run.hardware)).memory
+        block = 12 * run.hidden * run.hidden * run.gather_bytes  # about a block's
+        copy = m.hbm_bandwidth * step_efficiency(m.bandwidth_efficiency, block)
     if across and not nic:
         raise InputError(f"{run.id}: a shard group across nodes needs nic_gbps")
     return DataParallel(
@@ -337,7 +344,8 @@ def data_parallel(run: Run, slowdown: float = 1.0) -> DataParallel | None:
         else NVLINK_BUSBW[run.hardware],
         gather_bytes=run.gather_bytes, reduce_bytes=run.reduce_bytes,
         replicas=run.replicas, inter_busbw=nic, ranks_per_node=RANKS_PER_NODE,
-        sync_every=run.grad_accum, zero1=run.zero1, overlap_slowdown=slowdown)
+        sync_every=run.grad_accum, zero1=run.zero1, overlap_slowdown=slowdown,
+        copy_bandwidth=copy)
 
 
 # NOTE [kernel terms carried]: the h200 preset's terms read from its kernel trace, and
@@ -386,10 +394,12 @@ class Outcome:
     matmul_share: float  # matmul kernels' share of the profile's op time
     hbm_bound_matmul_share: float  # share of matmuls below half the matmul cap (HBM-bound)
     before: float | None  # the ratio before calibration (published/before.toml)
-    exposed_s: float = 0.0  # collectives left exposed (NOTE [data-parallel collectives])
+    exposed_s: float = 0.0  # collectives left exposed, with FSDP2's copies (NOTE
+    # [data-parallel collectives])
     sharing_s: float = 0.0  # compute slowed by collectives sharing its SMs
     comm_s: float = 0.0  # the collectives' own time, summed, per micro-batch
     carried_step_s: float | None = None  # the step with h200's kernel terms (not applied)
+    copy_out_s: float = 0.0  # FSDP2's copies out of its gathers, within exposed_s
 
     @property
     def simulated(self) -> float:
@@ -449,16 +459,18 @@ def simulate_run(run: Run, before: dict[str, float] | None = None) -> Outcome:
         prof_c = cached_profile(register(run), hw_carried)
         plan_c = every_block_recomputed(prof_c, hw_carried) if plan is not None else None
         carried = simulate(prof_c, plan_c, hw_carried).step_time_s
-    exposed = sharing = comm = 0.0
-    if (dp := data_parallel(run)) is not None:
+    exposed = sharing = comm = copy_out = 0.0
+    if (dp := data_parallel(run, hw=hw)) is not None:
         root, blocks = step_units(prof, step)
         alone = data_parallel_step(root, blocks, dp)
         shared: CommStep = data_parallel_step(
             root, blocks, dataclasses.replace(dp, overlap_slowdown=OVERLAP_SLOWDOWN))
-        exposed, sharing, comm = alone.exposed_s, shared.step_s - alone.step_s, alone.comm_s
+        exposed, sharing, comm = alone.exposed_s + alone.copy_out_s, \
+            shared.step_s - alone.step_s, alone.comm_s
+        copy_out = alone.copy_out_s
     return Outcome(run, strategy, step, optimizer_seconds(run, prof, hw), compute / total,
                    sum(op.time_s for op in matmuls) / total, hbm_bound / total,
-                   (before or {}).get(run.id), exposed, sharing, comm, carried)
+                   (before or {}).get(run.id), exposed, sharing, comm, carried, copy_out)
 
 
 def _num(x: float) -> str:
@@ -632,8 +644,19 @@ def _communication_says(outcomes: list[Outcome]) -> list[str]:
         f"compute of the unit before (a block of these models computes for milliseconds; "
         f"its parameters cross NVLink in a fraction of that): what shows is the root "
         f"unit's gather before the forward and its reduction after the backward "
-        f"({_span_ms([o.exposed_s for o in fsdp8])} on the FSDP rows), and the SMs the "
-        f"collectives share."]
+        f"({_span_ms([o.exposed_s - o.copy_out_s for o in fsdp8])} on the FSDP rows), "
+        f"and the SMs the collectives share."]
+    fsdp2 = [o for o in dp if o.run.fsdp2]
+    if fsdp2:
+        lines.append(
+            f"- **FSDP2's copies** (torchtitan's rows): `fully_shard` copies each unit's "
+            f"parameters out of its gather's buffer on the compute stream, and its "
+            f"gradients into the reduction's buffer in fp32 (PyTorch's _fsdp_collectives.py), "
+            f"memory-bound copies of the whole model's parameters twice a step and of its "
+            f"gradients once, at the preset's HBM rate: "
+            f"{_span_ms([o.copy_out_s for o in fsdp2])} of copies out, in the 'exposed' "
+            f"column. FSDP1 (the Composer and FMS rows) gathers into its flat parameter "
+            f"itself and makes neither.")
     if hsdp:
         lines.append(
             f"- **HSDP's replica all-reduces** cross the network the row states (the Llama-2 "
@@ -855,7 +878,9 @@ def _evidence() -> list[str]:
         "GB/s a 400 Gb/s NIC), timed by nccl-tests' own formulas "
         "(doc/PERFORMANCE.md), and the compute they overlap slowed by 18.9% (Lee et al. "
         "2025, arXiv:2507.03114, the average of their runs). Which dtype each framework "
-        "gathers and reduces in is read per row (`comm_source` in runs.toml). In "
+        "gathers and reduces in is read per row (`comm_source` in runs.toml); FSDP2's "
+        "copies around its collectives at the preset's HBM rate (PyTorch's "
+        "_fsdp_collectives.py). In "
         "`slackswap.sim.collectives`, called by this script only.",
     ]
 

@@ -93,3 +93,18 @@ def test_one_gpu_moves_nothing() -> None:
     step = data_parallel_step(ROOT, BLOCKS, _dp(shard_ranks=1))
     assert step.step_s == pytest.approx(WORK + 0.0)
     assert step.comm_s == 0.0
+
+
+def test_fsdp2_copies_out_of_its_gathers_and_into_its_reductions() -> None:
+    # at 1 byte/s a copy of P one-byte elements moves 2P bytes: 2P s. Root gathered
+    # [0, 1], copied out [1, 5], embeddings [5, 5.5]; block 0 copied and run [5.5, 8.5];
+    # block 1 [8.5, 11.5]; head, loss and its backward [11.5, 12.5]; block 1 backward
+    # copied and run [12.5, 16.5], its gradients copied in and reduced [16.5, 19]; block 0
+    # [16.5, 20.5], [20.5, 23]; embeddings' backward [20.5, 20.75]; the root's gradients
+    # copied in (4 s) and reduced (1 s) [23, 28]
+    step = data_parallel_step(ROOT, BLOCKS, _dp(copy_bandwidth=1.0, grad_bytes=1))
+    assert step.step_s == pytest.approx(28.0)
+    assert step.copy_out_s == pytest.approx(4.0 + 4 * 2.0)
+    assert step.compute_s == pytest.approx(WORK)
+    assert step.exposed_s == pytest.approx(28.0 - WORK - 12.0)
+    assert step.comm_s == pytest.approx(5.0)  # the collectives themselves are unchanged

@@ -45,6 +45,15 @@ NOTE [data-parallel collectives]
       slows the computation by 18.9% on average (at most 40.0%) against the same
       computation alone, over GPT and LLaMA models on A100, H100, MI250 and MI210. An
       average of their runs, not a measurement of these GPUs' kernels.
+    - FSDP2 (``fully_shard``) gathers into one flat buffer and copies each parameter out
+      of it before the unit runs (``foreach_all_gather_copy_out``: ``split_with_sizes_copy``
+      on the compute stream, reading and writing the unsharded parameters), and copies the
+      gradients into the reduce-scatter's input, cast to the reduction's dtype, before
+      reducing (``foreach_reduce``: ``torch._chunk_cat`` on the reduce-scatter stream):
+      torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py. Both are memory-bound
+      copies, priced at ``copy_bandwidth``; the copy-out delays the unit's compute, the
+      copy-in its reduce-scatter. FSDP1's flat parameter is the gather's output itself
+      (no copy-out), and its gradient is reduced in place where the dtypes agree.
 """
 
 from __future__ import annotations
@@ -84,7 +93,8 @@ class DataParallel:
     moves when gathered; ``reduce_bytes``: a gradient element when reduced.
     ``intra_busbw``: the shard group's bus bandwidth; ``inter_busbw``: the network's per
     node, shared by ``ranks_per_node`` ranks (hsdp). ``sync_every``: micro-batches per
-    gradient reduction (ddp with gradient accumulation)."""
+    gradient reduction (ddp with gradient accumulation). ``copy_bandwidth``: FSDP2's
+    copies around its collectives, at this rate (0: FSDP1, which makes none)."""
 
     kind: Literal["fsdp", "hsdp", "ddp"]
     shard_ranks: int
@@ -97,23 +107,27 @@ class DataParallel:
     sync_every: int = 1
     zero1: bool = False
     overlap_slowdown: float = 1.0
+    copy_bandwidth: float = 0.0  # FSDP2's copy-out and copy-in, bytes/s; 0: FSDP1, none
+    grad_bytes: int = 2  # bytes of a gradient element as the backward makes it
 
 
 @dataclass(frozen=True)
 class CommStep:
     """A step with its communication: ``step_s`` in all; ``compute_s`` the compute alone
     (the simulated step); ``comm_s`` the collectives' own time, summed; ``slowdown_s`` what
-    sharing the SMs added to the compute; ``exposed_s`` what the collectives added to the
-    step beyond that."""
+    sharing the SMs added to the compute; ``copy_out_s`` FSDP2's copies out of its
+    gathers, on the compute stream; ``exposed_s`` what the collectives (with FSDP2's
+    copies into its reductions) added to the step beyond those."""
 
     step_s: float
     compute_s: float
     comm_s: float
     slowdown_s: float
+    copy_out_s: float = 0.0
 
     @property
     def exposed_s(self) -> float:
-        return self.step_s - self.compute_s - self.slowdown_s
+        return self.step_s - self.compute_s - self.slowdown_s - self.copy_out_s
 
 
 def gather_s(size: float, ranks: int, busbw: float) -> float:
@@ -141,35 +155,52 @@ class _Channels:
 
     def __init__(self, dp: DataParallel) -> None:
         self.dp, self.now, self.intra, self.inter = dp, 0.0, 0.0, 0.0
-        self.comm = self.slow = self.work = 0.0
+        self.comm = self.slow = self.work = self.copies = 0.0
 
-    def issue(self, seconds: float, at: float, network: bool = False) -> float:
-        """Queue a collective issued at ``at``; when it ends."""
+    def issue(self, seconds: float, at: float, network: bool = False,
+              prelude: float = 0.0) -> float:
+        """Queue a collective issued at ``at``, after ``prelude`` seconds of copying on its
+        stream; when it ends."""
         self.comm += seconds
         if network:
-            self.inter = max(self.inter, at) + seconds
+            self.inter = max(self.inter, at) + prelude + seconds
             return self.inter
-        self.intra = max(self.intra, at) + seconds
+        self.intra = max(self.intra, at) + prelude + seconds
         return self.intra
 
-    def compute(self, work: float, ready: float = 0.0) -> float:
-        """Run ``work`` once ``ready``; when it starts."""
+    def compute(self, work: float, ready: float = 0.0, copy: float = 0.0) -> float:
+        """Run ``copy`` (FSDP2's copy-out) then ``work`` once ``ready``; when it starts."""
         start = max(self.now, ready)
-        took = slowed(work, max(self.intra, self.inter) - start, self.dp.overlap_slowdown)
-        self.now, self.work, self.slow = start + took, self.work + work, \
+        took = slowed(work, max(self.intra, self.inter) - start - copy,
+                      self.dp.overlap_slowdown)
+        self.now, self.work, self.slow = start + copy + took, self.work + work, \
             self.slow + took - work
+        self.copies += copy
         return start
 
     def done(self) -> CommStep:
         end = max(self.now, self.intra, self.inter)
-        return CommStep(end, self.work, self.comm, self.slow)
+        return CommStep(end, self.work, self.comm, self.slow, self.copies)
+
+    def copy_s(self, moved: float) -> float:
+        """An FSDP2 copy moving ``moved`` bytes, read and written (0 under FSDP1)."""
+        bw = self.dp.copy_bandwidth
+        return moved / bw if bw > 0 else 0.0
+
+    def copy_out_s(self, params: int) -> float:
+        """FSDP2's copy of ``params`` gathered elements out of the gather's buffer."""
+        return self.copy_s(2 * params * self.dp.gather_bytes)
 
 
 def _reduce(ch: _Channels, params: int, at: float) -> None:
     """A unit's gradients reduce-scattered at ``at``; under HSDP, the shard all-reduced
     across the replicas after."""
     dp = ch.dp
-    end = ch.issue(gather_s(params * dp.reduce_bytes, dp.shard_ranks, dp.intra_busbw), at)
+    # FSDP2's copy-in: the gradients read as the backward made them, written in the
+    # reduction's dtype
+    copy_in = ch.copy_s(params * (dp.grad_bytes + dp.reduce_bytes))
+    end = ch.issue(gather_s(params * dp.reduce_bytes, dp.shard_ranks, dp.intra_busbw), at,
+                   prelude=copy_in)
     if dp.kind == "hsdp" and dp.replicas > 1:
         per_rank = dp.inter_busbw / dp.ranks_per_node
         shard = params * dp.reduce_bytes / dp.shard_ranks
@@ -188,13 +219,14 @@ def sharded_step(root: tuple[Unit, Unit], blocks: list[Unit], dp: DataParallel) 
         return ch.issue(gather_s(unit.params * dp.gather_bytes, dp.shard_ranks,
                                  dp.intra_busbw), at)
 
-    began = ch.compute(root[0].forward_s, gather(Unit(0, 0, params), 0.0))
+    began = ch.compute(root[0].forward_s, gather(Unit(0, 0, params), 0.0),
+                       ch.copy_out_s(params))
     nxt = gather(blocks[0], began) if blocks else 0.0
     for k, unit in enumerate(blocks):
         start = max(ch.now, nxt)
         if k + 1 < len(blocks):
             nxt = gather(blocks[k + 1], start)
-        ch.compute(unit.forward_s, start)
+        ch.compute(unit.forward_s, start, ch.copy_out_s(unit.params))
     began = ch.compute(root[1].forward_s + root[1].backward_s)
     back = list(reversed(blocks))
     nxt = gather(back[0], began) if back else 0.0
@@ -202,7 +234,7 @@ def sharded_step(root: tuple[Unit, Unit], blocks: list[Unit], dp: DataParallel) 
         start = max(ch.now, nxt)
         if k + 1 < len(back):
             nxt = gather(back[k + 1], start)
-        ch.compute(unit.backward_s, start)
+        ch.compute(unit.backward_s, start, ch.copy_out_s(unit.params))
         _reduce(ch, unit.params, ch.now)
     ch.compute(root[0].backward_s)
     _reduce(ch, params, ch.now)
