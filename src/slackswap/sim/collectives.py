@@ -33,7 +33,13 @@ NOTE [data-parallel collectives]
       order on one channel; a unit's compute waits for its gather. The root unit
       (embeddings, final norm, head) is gathered once, before the forward, and
       reduce-scattered after the whole backward, both exposed. HSDP then all-reduces
-      each reduce-scattered shard across the replicas on the network, a second channel.
+      each reduce-scattered shard across the replicas on the network, a second channel
+      (FSDP1 issues it on its reduce-scatter's stream, so the next reduce-scatter waits
+      for it; taken apart here, which hides a little more where an all-reduce outlasts a
+      block's backward).
+    - All-gathers and reduce-scatters share one channel, in issue order (FSDP runs them on
+      two streams, which then share NVLink's bandwidth: the same bytes in about the same
+      time).
     - DDP all-reduces gradient buckets as the backward produces them (taken: one bucket
       a unit), on the micro-batch that synchronises (one per ``sync_every``: gradient
       accumulation skips the others, ``no_sync``); ZeRO-1 then gathers the updated
