@@ -77,3 +77,27 @@ def test_a_row_with_an_unknown_stack_is_refused(tmp_path: Path) -> None:
     bad.write_text(text.replace('simulated_stack = "fused"', 'simulated_stack = "compiled"', 1))
     with pytest.raises(InputError, match="simulated_stack"):
         fidelity.load_runs(bad)
+
+
+def test_data_parallel_rows_state_their_collectives() -> None:
+    fidelity = _fidelity()
+    runs = {r.id: r for r in fidelity.load_runs()}
+    for run in runs.values():  # a run over several GPUs says how they share the model
+        assert (run.data_parallel == "none") == (run.gpus == 1), run.id
+    # inside a node: NVLink's bus bandwidth; a shard group over 4 nodes, a 400 Gb/s NIC
+    # per GPU: the lesser of NVLink's and the node's 8 NICs' (8 x 46 GB/s)
+    assert fidelity.data_parallel(runs["mpt-7b-h100"]).intra_busbw == 360e9
+    assert fidelity.data_parallel(runs["llama3.1-8b-fsdp-h200"]).intra_busbw == 360e9
+    hsdp = fidelity.data_parallel(runs["llama2-7b-fsdp-a100"])
+    assert (hsdp.kind, hsdp.replicas, hsdp.inter_busbw) == ("hsdp", 16, 46e9)
+    assert fidelity.data_parallel(runs["bert-large-p1-a100"]) is None
+
+
+def test_a_data_parallel_row_without_its_source_is_refused(tmp_path: Path) -> None:
+    fidelity = _fidelity()
+    text = (ROOT / "benchmarks" / "published" / "runs.toml").read_text()
+    bad = tmp_path / "runs.toml"
+    bad.write_text("\n".join(line for line in text.splitlines()
+                             if not line.startswith("comm_source")))
+    with pytest.raises(InputError, match="comm_source"):
+        fidelity.load_runs(bad)
