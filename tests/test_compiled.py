@@ -309,15 +309,17 @@ def test_an_op_a_rebuild_runs_again_is_recomputed_whole() -> None:
     LayerNorm's mean and rstd were kept, so its node was tagged MUST_SAVE and the
     partition saved its output instead, refused as "the partitioner did not follow the
     plan" (NOTE [an op a rebuild runs again]). Now the LayerNorm is recomputed whole,
-    the plan is simulated so within its budget, and the step is torch.compile's."""
+    the plan is simulated so within its budget, and the step is torch.compile's. The
+    classifier's problem type is left unset: its first call with labels sets it, which
+    made a second graph, planned again (NOTE [a problem type resolved before the
+    graph])."""
     import transformers
 
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
     config = transformers.BertConfig(
         vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, max_position_embeddings=64, num_labels=3,
-        problem_type="single_label_classification")  # set: no second graph on its write
+        num_attention_heads=4, max_position_embeddings=64, num_labels=3)
     model = transformers.BertForSequenceClassification(config).train()
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
@@ -334,3 +336,6 @@ def test_an_op_a_rebuild_runs_again_is_recomputed_whole() -> None:
     assert simulated.feasible and simulated.peak_bytes <= graph.plan.budget_bytes
     for _ in range(2):
         _assert_steps_as_torch_compile(compiled, model, reference, batch)
+    assert len(compiled.slackswap.graphs) == 1  # one graph, planned once
+    assert model.config.problem_type == reference.config.problem_type == (
+        "single_label_classification")

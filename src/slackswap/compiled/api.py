@@ -565,17 +565,57 @@ def _known_loss(module: torch.nn.Module) -> bool:
     return getattr(module, "loss_type", None) in LOSS_MAPPING
 
 
+# NOTE [a problem type resolved before the graph]
+#     transformers' sequence classifiers pick their loss on their first call with labels
+#     and write it to their config: ``config.problem_type``, left None, becomes
+#     "regression" (one label), "single_label_classification" (integer labels) or
+#     "multi_label_classification" (``modeling_bert.py``'s forward, and the shared
+#     ``ForSequenceClassificationLoss``). Dynamo guards on it: the graph traced with it
+#     None failed its guard on the next call, so ``slackswap.compile`` traced, profiled
+#     and planned the step twice. The compiled call sets it first, by the same rule, to
+#     what the model would set on that call, once: the model ends as it would have.
+_PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
+
+
+def _decides_problem_type(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is a transformers sequence classifier that sets its config's
+    problem type on its first call with labels (NOTE [a problem type resolved before the
+    graph])."""
+    config = getattr(model, "config", None)
+    return (config is not None and hasattr(config, "problem_type")
+            and type(model).__name__.endswith("ForSequenceClassification"))
+
+
+def resolve_problem_type(model: torch.nn.Module, kwargs: dict[str, Any]) -> None:
+    """Set ``model.config.problem_type`` as its first call with these ``labels`` would."""
+    config, labels = model.config, kwargs.get("labels")
+    if config.problem_type is not None or not isinstance(labels, torch.Tensor):
+        return
+    num_labels = getattr(model, "num_labels", config.num_labels)
+    if num_labels == 1:
+        config.problem_type = _PROBLEM_TYPES[0]
+    elif num_labels > 1 and labels.dtype in (torch.long, torch.int):
+        config.problem_type = _PROBLEM_TYPES[1]
+    else:
+        config.problem_type = _PROBLEM_TYPES[2]
+
+
 def with_losses_resolved(forward: Callable[..., Any], model: torch.nn.Module
                          ) -> Callable[..., Any]:
     """``forward`` run with the ``loss_type`` of ``model``'s modules that would fall back
-    set to the fallback's for the call, and put back after; ``forward`` itself when none
-    would (NOTE [a loss resolved before the graph])."""
+    set to the fallback's for the call, and put back after, and a sequence classifier's
+    problem type set as its call would set it; ``forward`` itself when neither applies
+    (NOTE [a loss resolved before the graph], NOTE [a problem type resolved before the
+    graph])."""
     modules = _falling_back(model)
-    if not modules:
+    decides = _decides_problem_type(model)
+    if not modules and not decides:
         return forward
 
     @functools.wraps(forward)
     def call(*args: Any, **kwargs: Any) -> Any:
+        if decides:
+            resolve_problem_type(model, kwargs)
         unknown = [(m, m.__dict__.get("loss_type", _UNSET)) for m in modules
                    if not _known_loss(m)]
         for m, _ in unknown:
