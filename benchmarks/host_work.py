@@ -47,6 +47,7 @@ from slackswap.models import build_model, with_layers
 from slackswap.profiling.kernels import TargetKernels
 from slackswap.runtime.calibrate import device_call_costs
 from slackswap.runtime.copies import HostCopies
+from slackswap.runtime.saved import SavedValues
 from slackswap.runtime.streams import stand_ins
 
 COSTS = Path(__file__).with_name("host_costs_h200.json")
@@ -109,11 +110,15 @@ def kernels_by_name() -> Any:
 #     forwards under :class:`CheapOps`, which hands out the outputs of an op it has seen
 #     with the same arguments as new meta tensors of the shapes it gave then: a plain
 #     forward then takes about 14 ms on this CPU, near the H200 host's. Its own Python
-#     call for every op is paid by the plain and the planned forward alike, and by the
-#     runtime's own calls to torch (a detach, a view of host bytes), which on a GPU cost
-#     a C++ call: so this way overstates the runtime by those. No library caches a meta
-#     op's output geometry by its arguments: FakeTensorMode's cache returns fake tensors,
-#     a subclass, which the runtime keeps as saved and never moves.
+#     call for every op is paid by the plain and the planned forward alike; the
+#     runtime's own calls to torch in its pack hook (a detach, a view of host bytes, a
+#     host buffer laid out), which on a GPU cost a C++ call each, are kept out of it
+#     (``_hooks_unseen``: the hook runs with Python dispatch off, as no mode of the
+#     runtime's needs to see its calls); in backward, those of the unpack hook are not
+#     (the rebuilds it runs are the model's ops), so backward's figure is overstated.
+#     No library caches a meta op's output geometry by its arguments: FakeTensorMode's
+#     cache returns fake tensors, a subclass, which the runtime keeps as saved and never
+#     moves.
 def _geometry_key(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
         return (x.shape, x.stride(), x.dtype, x.device)
@@ -154,6 +159,35 @@ class CheapOps(TorchDispatchMode):
         outs = [torch.empty_strided(shape, stride, dtype=dtype, device="meta")
                 for shape, stride, dtype in geometries]
         return outs[0] if single else tuple(outs)
+
+
+@contextlib.contextmanager
+def _hooks_unseen() -> Any:
+    """The runtime's saved-tensor hooks run out of :class:`CheapOps`'s sight (NOTE [ops
+    at a GPU host's cost])."""
+    # (unpack not: the rebuilds it runs are the model's ops, which the GPU's host runs)
+    originals = {"pack": SavedValues.pack}
+
+    def unseen(original: Any) -> Any:
+        def hook(self: Any, x: Any) -> Any:
+            with torch._C._DisableTorchDispatch():
+                return original(self, x)
+        return hook
+
+    for name, original in originals.items():
+        setattr(SavedValues, name, unseen(original))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(SavedValues, name, original)
+
+
+@contextlib.contextmanager
+def cheap_ops() -> Any:
+    """NOTE [ops at a GPU host's cost]."""
+    with CheapOps(), _hooks_unseen():
+        yield
 
 
 @contextlib.contextmanager
@@ -313,7 +347,7 @@ def main() -> None:
     torch.set_num_threads(1)
     net, batch, plan, guide = meta_workload(args.model, args.layers, args.budget,
                                             args.strategy)
-    with CheapOps() if args.cheap_ops else contextlib.nullcontext():
+    with cheap_ops() if args.cheap_ops else contextlib.nullcontext():
         result = measure(net, batch, plan, guide, args.steps, args.policy)
     costs = json.loads(args.costs.read_text())
     result["predicted"] = predict(result, costs["costs_us"])

@@ -21,7 +21,7 @@ from slackswap.runtime.streams import bytes_of, stand_ins
 from slackswap.sim.schedule import build_schedule
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
-from host_work import meta_workload, one_step  # noqa: E402
+from host_work import CheapOps, cheap_ops, meta_workload, one_step  # noqa: E402
 
 POLICIES = ["behind", "done"]
 
@@ -142,6 +142,29 @@ def test_offloads_packed_before_one_op_are_issued_together() -> None:
     step = _counted("offload-only", 0.9)
     offloads = step["forward"]["copy"]
     assert 0 < _groups("offload-only", 0.9) < offloads
+
+
+def test_ops_at_a_gpu_hosts_cost_leave_the_runtimes_work_as_it_was() -> None:
+    """NOTE [ops at a GPU host's cost]: with the meta kernels' outputs handed out by
+    geometry, the planned step does the same work, call for call (the same packs,
+    watched ops, rebuilds and device calls); and an op's output made again is a new
+    storage of the first call's geometry, as the op makes it."""
+    for strategy in ("slackswap", "recompute-only"):
+        counted = _counted(strategy, 0.9)
+        net, batch, plan, profile = meta_workload("gpt2-xl", 2, 0.9, strategy)
+        with cheap_ops():
+            one_step(net, batch, plan, profile)
+            cheap = one_step(net, batch, plan, profile)
+        for key in ("forward", "backward", "packs", "watched_ops", "stats"):
+            assert cheap[key] == counted[key], (strategy, key)
+    x = torch.empty(4, 6, device="meta")
+    with CheapOps() as mode:
+        a, b = torch.mm(x, x.T), torch.mm(x, x.T)
+        view = x.t()
+    assert len(mode.seen) == 1 and a.untyped_storage()._cdata != b.untyped_storage()._cdata
+    assert (b.shape, b.stride(), b.dtype) == (a.shape, a.stride(), a.dtype) == ((4, 4), (4, 1),
+                                                                              torch.float32)
+    assert view.untyped_storage()._cdata == x.untyped_storage()._cdata  # views run as they are
 
 
 def test_the_counts_are_of_the_step_the_gpu_runs() -> None:
