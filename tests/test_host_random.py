@@ -180,3 +180,75 @@ def test_whisper_with_specaugment_and_layerdrop_trains_as_plain_pytorch() -> Non
     attached, attached_batch = fresh()
     with slackswap.attach(attached, budget=0.5, hardware="a100-80gb"):
         _assert_same(_train(attached, attached_batch, 4, whisper), want)
+
+
+_GLOBAL = torch.Generator()  # a generator the model reaches by no attribute of its own
+
+
+class _Noised(nn.Module):
+    """Noise drawn from a ``torch.Generator`` passed to the call (diffusers'
+    ``AutoencoderKL(x, generator=g)`` samples its latent so) and, with no layerdrop, from
+    a global one (a step run again off the profiled path draws a global again from where
+    the first try left it: not promised), then a block that a LayerDrop-style
+    ``torch.rand`` draw skips."""
+
+    def __init__(self, layerdrop: float = 0.0) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(16, 32), nn.Linear(32, 8)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32))
+            for _ in range(4))
+        self.layerdrop = layerdrop
+
+    def forward(self, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        h = self.inp(x)
+        h = h + torch.randn(h.shape, generator=generator)
+        if not self.layerdrop:
+            h = h * (torch.rand(h.shape, generator=_GLOBAL) > 0.2)
+        for i, block in enumerate(self.blocks):
+            if not (i == 2 and self.training and torch.rand([]) < self.layerdrop):
+                h = h + block(h)
+        return self.out(h).logsumexp(-1).mean()
+
+
+def test_planning_leaves_a_generator_passed_to_the_call_or_global_as_it_was() -> None:
+    torch.manual_seed(0)
+    model, x, passed = _Noised().train(), torch.randn(4, 24, 16), torch.Generator()
+    passed.manual_seed(3)
+    _GLOBAL.manual_seed(4)
+    before = passed.get_state(), _GLOBAL.get_state()
+    slackswap.plan(model, {"x": x, "generator": passed}, budget=0.5, hardware="a100-80gb")
+    assert torch.equal(passed.get_state(), before[0])
+    assert torch.equal(_GLOBAL.get_state(), before[1])
+
+
+def test_a_step_run_again_off_the_profiled_path_draws_a_passed_generator_again() -> None:
+    """The skip drawn otherwise than profiled is found after the noise was drawn from the
+    call's ``generator``: the step runs again with that generator put back too."""
+    torch.manual_seed(0)
+    model, x = _Noised(layerdrop=0.5).train(), torch.randn(4, 24, 16)
+    reference = copy.deepcopy(model)
+    torch.manual_seed(1)
+    plan = slackswap.plan(model, {"x": x, "generator": torch.Generator()}, budget=0.5,
+                          hardware="a100-80gb")
+    assert set(plan.decisions.values()) - {"keep"}  # it moves something
+    blocks = []
+
+    def run(planned: bool):
+        passed = torch.Generator().manual_seed(3)
+
+        def step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+            if not planned:
+                return model(x, generator=passed)
+            blocks.append(slackswap.apply(model, plan))
+            with blocks[-1]:
+                return model(x, generator=passed)
+        return step
+
+    want = _train(reference, x, 6, run(False))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PathNotice)
+        got = _train(model, x, 6, run(True))
+    off = [b.stats.off_path for b in blocks]
+    assert any(off) and not all(off), off
+    _assert_same(got, want)

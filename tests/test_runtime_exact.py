@@ -139,6 +139,39 @@ def test_recomputing_what_reads_an_op_that_cannot_replay_is_refused_and_says_why
                  _step(model, x))
 
 
+class _NearestCode(torch.nn.Module):
+    """A vector quantizer's lookup: ``cdist`` saves its output for a backward that never
+    runs (``argmin`` cuts the graph), so that output is let go of in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+        self.codes = torch.nn.Parameter(torch.randn(32, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        index = torch.cdist(h, self.codes).argmin(-1)
+        q = torch.nn.functional.embedding(index, self.codes)
+        return (h + (q - h).detach()).square().sum() + (q - h.detach()).square().sum()
+
+
+def test_recomputing_from_a_saved_tensor_that_backward_never_reads_is_refused_up_front(
+        ) -> None:
+    """argmin's output (saved by the embedding) replays bit for bit, but its input, the
+    distances, is saved only for a backward that never runs: gone after forward, a rebuild
+    would make it again by ``_euclidean_dist``, which is not known to replay. Recomputing
+    argmin is refused before the model runs (it was allowed, and failed in backward)."""
+    torch.manual_seed(0)
+    model, x = _NearestCode(), torch.randn(512, 16)
+    profile = slackswap.profile(model, x, kernels="native")
+    [argmin] = [n for n in _names(profile) if ":argmin:" in n]
+    assert argmin not in profile.recomputable
+    with pytest.raises(InputError, match=f"cannot recompute '{re.escape(argmin)}'"):
+        slackswap.apply(model, _uniform(profile, "recompute", [argmin]), profile=profile)
+    _assert_same(_step(model, x, _uniform(profile, "offload", [argmin]), profile, verify=True),
+                 _step(model, x))
+
+
 def test_recomputing_a_kernel_that_cannot_replay_is_refused_up_front() -> None:
     torch.manual_seed(0)
     model, x = _Recurrent("LSTM"), torch.randn(4, 12, 16)

@@ -349,8 +349,10 @@ class StepProfile(JsonFile, _Record):
         """Saved activations a plan may recompute: every op that wrote them in forward (the
         producer, then in-place ops) is replayable, and so, transitively, is every input
         those ops read that a rebuild may have to make again (one autograd never saved,
-        one changed in place later, read at an earlier value, or one backward has read
-        for the last time before the rebuild: autograd holds it no more). No op on the
+        one saved for a backward op that never runs, as a distance before ``argmin``, let
+        go of with its node in forward, one changed in place later, read at an earlier
+        value, or one backward has read for the last time before the rebuild: autograd
+        holds it no more). No op on the
         way reads a tensor the step made by no op (unnamed, not the batch's) that is too
         large for the runtime to hold (NOTE [small unseen tensors] in
         ``slackswap.runtime.recording``)."""
@@ -385,6 +387,7 @@ class StepProfile(JsonFile, _Record):
                              if u not in op.outputs
                              and self.tensors[u].kind == "activation"
                              and (not self.tensors[u].saved or u in mutated
+                                  or self.tensors[u].last_backward_read is None
                                   or at is not None and self.tensors[u].gone_before(at))]
             return True
 

@@ -24,6 +24,9 @@ NOTE [a profiled step leaves no trace]
       and collects every hidden state twice),
     - the RNG streams: the CPU's, every CUDA device's, any generator a module holds
       (``torch.Generator``, NumPy's ``Generator`` or ``RandomState``, ``random.Random``),
+      any ``torch.Generator`` an op of the step drew from (``generator=``: one passed to
+      the model's call, as diffusers' ``AutoencoderKL(x, generator=g)`` takes, or a
+      global; :class:`StateGuard` takes its state before its first draw),
       and the process-wide ones outside torch, Python's ``random`` and NumPy's global
       generator (:class:`HostRandom`): Hugging Face's wav2vec2, HuBERT and their kin draw
       SpecAugment's masks from ``np.random`` in every training forward, so a profiled
@@ -72,11 +75,17 @@ class StateGuard(TorchDispatchMode):
             t.untyped_storage()._cdata: t for t in tensors if _real(t)}
         self.copies: dict[int, tuple[torch.Tensor, torch.UntypedStorage]] = {}
         self.host_random = False  # whether the step drew from :class:`HostRandom`'s streams
+        # each ``torch.Generator`` an op drew from (``generator=``), as before its first
+        # draw: one the model holds nowhere (a call's argument, a global) is put back too
+        self.generators: dict[int, _GeneratorState] = {}
         # buffers the step resized in place: name -> (shape before, shape after)
         self.resized: dict[str, tuple[list[int], list[int]]] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        generator = kwargs.get("generator")
+        if isinstance(generator, torch.Generator) and id(generator) not in self.generators:
+            self.generators[id(generator)] = _GeneratorState(generator)
         if func._schema.is_mutable and self.watched:
             written = written_arguments(func)
             for position, x in (*enumerate(args), *kwargs.items()):
@@ -96,6 +105,9 @@ class StateGuard(TorchDispatchMode):
             for owner, saved in self.copies.values():
                 owner.untyped_storage().copy_(saved)
         self.copies.clear()
+        for generator in self.generators.values():
+            generator.restore()
+        self.generators.clear()
 
 
 def _tensors(model: torch.nn.Module, batch: Iterable[torch.Tensor]) -> list[torch.Tensor]:
@@ -215,10 +227,13 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def held_generators(modules: Iterable[torch.nn.Module]) -> list[_GeneratorState]:
-    """The state of each generator the modules hold as an attribute, to put back."""
-    return [_GeneratorState(v) for m in modules for v in vars(m).values()
-            if isinstance(v, _GENERATORS)]
+def held_generators(modules: Iterable[torch.nn.Module], passed: Iterable[Any] = (),
+                    ) -> list[_GeneratorState]:
+    """The state of each generator the modules hold as an attribute, and of each
+    ``torch.Generator`` among ``passed`` (the model call's arguments), to put back."""
+    return [*(_GeneratorState(v) for m in modules for v in vars(m).values()
+              if isinstance(v, _GENERATORS)),
+            *(_GeneratorState(v) for v in passed if isinstance(v, torch.Generator))]
 
 
 class HostRandom:

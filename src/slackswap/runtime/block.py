@@ -423,7 +423,8 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
             # a plan with no profile: the other random streams too, not knowing
             drew = self._profile is None or self._profile.host_random
             self._before = StateBefore(self._buffers, self._device, self.values.copies,
-                                       self._modules if drew else None)
+                                       self._modules if drew else None,
+                                       (*args, *kwargs.values()))
         self._handling = sys.exc_info()[1]  # the model may be called in an except block
 
     def _forward_done(self, module: torch.nn.Module, args: tuple, output: Any) -> None:

@@ -4,6 +4,7 @@ how (nodes), which storages came from outside the step, and how forward changed 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -107,16 +108,20 @@ class StateBefore:
     block ends. ``host_random``, the modules of a step whose profile drew from random
     streams besides torch's own (SpecAugment's masks in wav2vec2): Python's ``random``,
     NumPy's global generator and the generators those modules hold too, drawn again by a
-    step run again (reading NumPy's costs about 0.1 ms, so not for every model)."""
+    step run again (reading NumPy's costs about 0.1 ms, so not for every model). A
+    ``torch.Generator`` passed to the model's call (diffusers' ``generator=``) is put
+    back on every step; one the model reaches otherwise (a global) is not."""
 
     __slots__ = ("buffers", "copies", "rng", "device", "host_random", "generators")
 
     def __init__(self, buffers: list[torch.Tensor], device: torch.device | None,
-                 host: Any, host_random: list[torch.nn.Module] | None = None) -> None:
+                 host: Any, host_random: list[torch.nn.Module] | None = None,
+                 arguments: Iterable[Any] = ()) -> None:
         self.device = device if device is not None and device.type == "cuda" else None
         self.rng = rng_state(self.device)
         self.host_random = HostRandom() if host_random is not None else None
-        self.generators = held_generators(host_random or ())
+        # a ``torch.Generator`` passed to the model's call is drawn from again too
+        self.generators = held_generators(host_random or (), arguments)
         self.buffers = buffers
         # in host memory (``HostCopies.snapshot``): the device's is the plan's
         with torch.no_grad():
