@@ -187,23 +187,22 @@ _GLOBAL = torch.Generator()  # a generator the model reaches by no attribute of 
 
 class _Noised(nn.Module):
     """Noise drawn from a ``torch.Generator`` passed to the call (diffusers'
-    ``AutoencoderKL(x, generator=g)`` samples its latent so) and, with no layerdrop, from
-    a global one (a step run again off the profiled path draws a global again from where
-    the first try left it: not promised), then a block that a LayerDrop-style
+    ``AutoencoderKL(x, generator=g)`` samples its latent so) and (with no layerdrop, or
+    ``global_draw``) from a global one, then a block that a LayerDrop-style
     ``torch.rand`` draw skips."""
 
-    def __init__(self, layerdrop: float = 0.0) -> None:
+    def __init__(self, layerdrop: float = 0.0, global_draw: bool = False) -> None:
         super().__init__()
         self.inp, self.out = nn.Linear(16, 32), nn.Linear(32, 8)
         self.blocks = nn.ModuleList(
             nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32))
             for _ in range(4))
-        self.layerdrop = layerdrop
+        self.layerdrop, self.global_draw = layerdrop, global_draw
 
     def forward(self, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         h = self.inp(x)
         h = h + torch.randn(h.shape, generator=generator)
-        if not self.layerdrop:
+        if not self.layerdrop or self.global_draw:
             h = h * (torch.rand(h.shape, generator=_GLOBAL) > 0.2)
         for i, block in enumerate(self.blocks):
             if not (i == 2 and self.training and torch.rand([]) < self.layerdrop):
@@ -222,11 +221,15 @@ def test_planning_leaves_a_generator_passed_to_the_call_or_global_as_it_was() ->
     assert torch.equal(_GLOBAL.get_state(), before[1])
 
 
-def test_a_step_run_again_off_the_profiled_path_draws_a_passed_generator_again() -> None:
+@pytest.mark.parametrize("global_draw", [False, True], ids=["passed", "passed-and-global"])
+def test_a_step_run_again_off_the_profiled_path_draws_its_generators_again(
+        global_draw: bool) -> None:
     """The skip drawn otherwise than profiled is found after the noise was drawn from the
-    call's ``generator``: the step runs again with that generator put back too."""
+    call's ``generator`` (and a global one): the step runs again with those put back too
+    (NOTE [generators a profiled step drew from])."""
     torch.manual_seed(0)
-    model, x = _Noised(layerdrop=0.5).train(), torch.randn(4, 24, 16)
+    _GLOBAL.manual_seed(5)
+    model, x = _Noised(layerdrop=0.5, global_draw=global_draw).train(), torch.randn(4, 24, 16)
     reference = copy.deepcopy(model)
     torch.manual_seed(1)
     plan = slackswap.plan(model, {"x": x, "generator": torch.Generator()}, budget=0.5,
@@ -245,7 +248,9 @@ def test_a_step_run_again_off_the_profiled_path_draws_a_passed_generator_again()
                 return model(x, generator=passed)
         return step
 
+    _GLOBAL.manual_seed(6)
     want = _train(reference, x, 6, run(False))
+    _GLOBAL.manual_seed(6)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PathNotice)
         got = _train(model, x, 6, run(True))

@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import random
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -78,6 +79,7 @@ class StateGuard(TorchDispatchMode):
         # each ``torch.Generator`` an op drew from (``generator=``), as before its first
         # draw: one the model holds nowhere (a call's argument, a global) is put back too
         self.generators: dict[int, _GeneratorState] = {}
+        self.drawn: list[torch.Generator] = []  # them, once put back
         # buffers the step resized in place: name -> (shape before, shape after)
         self.resized: dict[str, tuple[list[int], list[int]]] = {}
 
@@ -107,6 +109,7 @@ class StateGuard(TorchDispatchMode):
         self.copies.clear()
         for generator in self.generators.values():
             generator.restore()
+        self.drawn = [g.generator for g in self.generators.values()]
         self.generators.clear()
 
 
@@ -227,6 +230,26 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
+# NOTE [generators a profiled step drew from]
+#     A ``torch.Generator`` the model reaches by none of its attributes (a global one,
+#     ``torch.rand(..., generator=NOISE)``) is drawn from by the step, and by a step the
+#     runtime runs again off the profiled path (NOTE [a step off the profiled path]) from
+#     where its first try left it: a wrong draw, so a gradient other than plain
+#     PyTorch's. The profiled step sees every generator an op draws from (``generator=``,
+#     :class:`StateGuard`); they are kept per model (the model weakly: the generators as
+#     the op received them, a wrapper of its own over the same generator, which would die
+#     with the op) for the runtime to take the state of before each step
+#     (``drawn_from``). A plan applied to a model this process never profiled (read from
+#     a file) does not know them.
+_DRAWN: weakref.WeakKeyDictionary[torch.nn.Module, list[torch.Generator]] = (
+    weakref.WeakKeyDictionary())
+
+
+def drawn_from(model: torch.nn.Module) -> list[torch.Generator]:
+    """The generators the last profiled step of ``model`` drew from."""
+    return _DRAWN.get(model, [])
+
+
 def held_generators(modules: Iterable[torch.nn.Module], passed: Iterable[Any] = (),
                     ) -> list[_GeneratorState]:
     """The state of each generator the modules hold as an attribute, and of each
@@ -277,6 +300,7 @@ def leaves_no_trace(model: torch.nn.Module, batch: Iterable[torch.Tensor] = (),
         yield guard
     finally:
         guard.restore()
+        _DRAWN[model] = guard.drawn  # NOTE [generators a profiled step drew from]
         guard.host_random = host_random.changed() or attributes.drew()
         host_random.restore()
         guard.resized = {name: (list(buffers[b].shape), list(b.shape))

@@ -45,6 +45,7 @@ from slackswap.profiling.step import (
     refusing_saved_tensor_hooks,
     wrappers,
 )
+from slackswap.profiling.untouched import drawn_from
 from slackswap.runtime.checks import offload_deadlines, prepare, shapes_differ
 from slackswap.runtime.copies import copies_for
 from slackswap.runtime.recording import Recorder
@@ -422,9 +423,11 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         with recorder.quieted() if recorder is not None else contextlib.nullcontext():
             # a plan with no profile: the other random streams too, not knowing
             drew = self._profile is None or self._profile.host_random
+            # generators passed to the call, and those the profiled step drew from
+            # (NOTE [generators a profiled step drew from])
             self._before = StateBefore(self._buffers, self._device, self.values.copies,
                                        self._modules if drew else None,
-                                       (*args, *kwargs.values()))
+                                       (*args, *kwargs.values(), *drawn_from(module)))
         self._handling = sys.exc_info()[1]  # the model may be called in an except block
 
     def _forward_done(self, module: torch.nn.Module, args: tuple, output: Any) -> None:

@@ -109,8 +109,9 @@ class StateBefore:
     streams besides torch's own (SpecAugment's masks in wav2vec2): Python's ``random``,
     NumPy's global generator and the generators those modules hold too, drawn again by a
     step run again (reading NumPy's costs about 0.1 ms, so not for every model). A
-    ``torch.Generator`` passed to the model's call (diffusers' ``generator=``) is put
-    back on every step; one the model reaches otherwise (a global) is not."""
+    ``torch.Generator`` passed to the model's call (diffusers' ``generator=``), or that
+    the model's profiled step drew from (a global: NOTE [generators a profiled step drew
+    from]), is put back too."""
 
     __slots__ = ("buffers", "copies", "rng", "device", "host_random", "generators")
 
