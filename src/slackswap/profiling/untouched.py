@@ -239,8 +239,9 @@ def _same(a: Any, b: Any) -> bool:
 #     :class:`StateGuard`); they are kept per model (the model weakly: the generators as
 #     the op received them, a wrapper of its own over the same generator, which would die
 #     with the op) for the runtime to take the state of before each step
-#     (``drawn_from``). A plan applied to a model this process never profiled (read from
-#     a file) does not know them.
+#     (``drawn_from``); a later profiled step that drew from none (an analytic one, on
+#     fake tensors) leaves them known. A plan applied to a model this process never
+#     profiled (read from a file) does not know them.
 _DRAWN: weakref.WeakKeyDictionary[torch.nn.Module, list[torch.Generator]] = (
     weakref.WeakKeyDictionary())
 
@@ -300,7 +301,8 @@ def leaves_no_trace(model: torch.nn.Module, batch: Iterable[torch.Tensor] = (),
         yield guard
     finally:
         guard.restore()
-        _DRAWN[model] = guard.drawn  # NOTE [generators a profiled step drew from]
+        if guard.drawn:  # (an analytic step, on fake tensors, draws from none)
+            _DRAWN[model] = guard.drawn  # NOTE [generators a profiled step drew from]
         guard.host_random = host_random.changed() or attributes.drew()
         host_random.restore()
         guard.resized = {name: (list(buffers[b].shape), list(b.shape))
