@@ -64,6 +64,7 @@ NOTE [data-parallel collectives]
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -227,24 +228,28 @@ def sharded_step(root: tuple[Unit, Unit], blocks: list[Unit], dp: DataParallel) 
 
     began = ch.compute(root[0].forward_s, gather(Unit(0, 0, params), 0.0),
                        ch.copy_out_s(params))
-    nxt = gather(blocks[0], began) if blocks else 0.0
-    for k, unit in enumerate(blocks):
-        start = max(ch.now, nxt)
-        if k + 1 < len(blocks):
-            nxt = gather(blocks[k + 1], start)
-        ch.compute(unit.forward_s, start, ch.copy_out_s(unit.params))
+    _prefetched(ch, blocks, began, gather, backward=False)
     began = ch.compute(root[1].forward_s + root[1].backward_s)
-    back = list(reversed(blocks))
-    nxt = gather(back[0], began) if back else 0.0
-    for k, unit in enumerate(back):
-        start = max(ch.now, nxt)
-        if k + 1 < len(back):
-            nxt = gather(back[k + 1], start)
-        ch.compute(unit.backward_s, start, ch.copy_out_s(unit.params))
-        _reduce(ch, unit.params, ch.now)
+    _prefetched(ch, list(reversed(blocks)), began, gather, backward=True)
     ch.compute(root[0].backward_s)
     _reduce(ch, params, ch.now)
     return ch.done()
+
+
+def _prefetched(ch: _Channels, units: list[Unit], began: float,
+                gather: Callable[[Unit, float], float], backward: bool) -> None:
+    """Each of ``units`` computed in turn (its backward, then its gradients' reduction,
+    where ``backward``), the next one's gather issued as it starts, the first's at
+    ``began``."""
+    nxt = gather(units[0], began) if units else 0.0
+    for k, unit in enumerate(units):
+        start = max(ch.now, nxt)
+        if k + 1 < len(units):
+            nxt = gather(units[k + 1], start)
+        ch.compute(unit.backward_s if backward else unit.forward_s, start,
+                   ch.copy_out_s(unit.params))
+        if backward:
+            _reduce(ch, unit.params, ch.now)
 
 
 def replicated_step(root: tuple[Unit, Unit], blocks: list[Unit],
