@@ -2,7 +2,8 @@
 
 Run: python benchmarks/host_work.py [--model gpt2-xl] [--layers 12] [--budget 0.5]
         [--strategy slackswap] [--policy behind|done] [--steps 5]
-        [--costs benchmarks/host_costs_h200.json] [--json OUT]
+        [--costs benchmarks/host_costs_h200.json] [--json OUT] [--cheap-ops]
+        [--keep offload|recompute]
      python benchmarks/host_work.py --measure-costs OUT   # on a CUDA GPU
 
 On an H200 the runtime's Python starved the GPU (``docs/results-gpu.md``), and a timed
@@ -43,6 +44,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import slackswap
+from slackswap.core.plan import Decision
 from slackswap.models import build_model, with_layers
 from slackswap.profiling.kernels import TargetKernels
 from slackswap.runtime.calibrate import device_call_costs
@@ -79,6 +81,19 @@ def meta_workload(model: str, layers: int | None, budget: float, strategy: str,
         profile = slackswap.profile(net, batch, hardware, mode="traced", name=name)
     plan = slackswap.plan(profile, budget, hardware, strategy=strategy)
     return net, batch, plan, profile
+
+
+def keeping(plan: Any, decision: str) -> Any:
+    """``plan`` with its ``decision`` ('offload' or 'recompute') activations kept, and
+    the prefetch points of what it no longer offloads dropped: what the other kind
+    costs the host without it (not a plan to train with: its budget is the original's)."""
+    kept = plan.model_copy(deep=True)
+    kept.decisions = {k: Decision.KEEP if v == decision else v
+                      for k, v in plan.decisions.items()}
+    kept.prefetch = {k: at for k, at in plan.prefetch.items()
+                     if kept.decisions.get(k) == Decision.OFFLOAD}
+    kept._profile = plan._profile
+    return kept
 
 
 @contextlib.contextmanager
@@ -221,18 +236,22 @@ def counting_calls(calls: Counter, *methods: tuple[type, str],
 
 
 def one_step(net: Any, batch: dict, plan: Any = None, guide: Any = None,
-             policy: str = "behind", copies: bool = False) -> dict[str, Any]:
+             policy: str = "behind", copies: bool = False,
+             links: Counter | None = None) -> dict[str, Any]:
     """One training step (planned, or plain when ``plan`` is None): forward and backward
     host seconds (this thread's CPU time: what another process takes of the machine's
     cores is not counted), and what the runtime did in each; ``copies``: what each
     offload and reload cost inside the runtime too (a step of its own: that bookkeeping
-    costs time)."""
-    calls: Counter = Counter()
+    costs time). ``links``: the counter of stand-in links kept open across steps
+    (:func:`steps_counted`), as a GPU's links are; without it the step opens its own."""
+    calls: Counter = links if links is not None else Counter()
+    start = Counter(calls)
     inside: dict[str, list] = {}
     timed = ((HostCopies, "offload"), (HostCopies, "reload"), (HostCopies, "ready"))
     net.zero_grad(set_to_none=True)
     gc.collect()  # each step pays for the collections its own objects set off, no earlier's
-    with (stand_ins(calls, policy), counting_calls(calls, (HostCopies, "poll")),
+    with (stand_ins(calls, policy) if links is None else contextlib.nullcontext(),
+          counting_calls(calls, (HostCopies, "poll")),
           counting_calls(calls, *timed, inside=inside) if copies else contextlib.nullcontext(),
           no_packed_sequence_check()):
         begin = time.thread_time()
@@ -243,16 +262,19 @@ def one_step(net: Any, batch: dict, plan: Any = None, guide: Any = None,
             with slackswap.apply(net, plan, profile=guide) as runtime, kernels_by_name():
                 loss = net(**batch).loss
         forward_s = time.thread_time() - begin
-        in_forward = Counter(calls)
+        in_forward = Counter(calls) - start
         begin = time.thread_time()
         with kernels_by_name():
             loss.backward()
         backward_s = time.thread_time() - begin
+    in_step = Counter(calls) - start
     for key in ("offload", "reload", "ready"):  # the runtime's methods, not device calls
         in_forward.pop(key, None)
-        calls.pop(key, None)
+        in_step.pop(key, None)
+        if links is not None:
+            calls.pop(key, None)
     step: dict[str, Any] = {"forward_s": forward_s, "backward_s": backward_s,
-                            "forward": dict(in_forward), "backward": dict(calls - in_forward),
+                            "forward": dict(in_forward), "backward": dict(in_step - in_forward),
                             "inside": {k: [n, s, dict(c)] for k, (n, s, c) in inside.items()}}
     if runtime is not None:
         stats, recorder = runtime.stats, runtime.values.recorder
@@ -263,18 +285,40 @@ def one_step(net: Any, batch: dict, plan: Any = None, guide: Any = None,
     return step
 
 
+# NOTE [links kept across steps]
+#     On a GPU the runtime makes a device's link once and keeps it from step to step (its
+#     streams resolved as each block opens), and an event recorded in one step may be
+#     asked about in the next: a host buffer taken from the pool waits for the event of
+#     the copy that last used it, often the last backward's reload. Counted with a new
+#     stand-in link per step, that call went to the step that made the event, and every
+#     step resolved a new link's stream once more. :func:`steps_counted` keeps one
+#     stand-in link's counter open across the steps, and each step counts what it called.
+@contextlib.contextmanager
+def steps_counted(policy: str) -> Any:
+    """NOTE [links kept across steps]: the counter to pass as ``one_step(links=)``."""
+    with stand_ins(Counter(), policy) as links:
+        yield links
+
+
 def measure(net: Any, batch: dict, plan: Any, guide: Any, steps: int,
             policy: str) -> dict[str, Any]:
     """Planned and plain steps interleaved (drift hits both alike), after a warm-up each;
     the fastest of each."""
-    one_step(net, batch, plan, guide, policy)
-    one_step(net, batch)
+    with steps_counted(policy) as links:
+        return _measured(net, batch, plan, guide, steps, policy, links)
+
+
+def _measured(net: Any, batch: dict, plan: Any, guide: Any, steps: int, policy: str,
+              links: Counter) -> dict[str, Any]:
+    one_step(net, batch, plan, guide, policy, links=links)
+    one_step(net, batch, links=links)
     planned, plain = [], []
     for _ in range(steps):
-        planned.append(one_step(net, batch, plan, guide, policy))
-        plain.append(one_step(net, batch))
+        planned.append(one_step(net, batch, plan, guide, policy, links=links))
+        plain.append(one_step(net, batch, links=links))
     last = planned[-1]
-    last["inside"] = one_step(net, batch, plan, guide, policy, copies=True)["inside"]
+    last["inside"] = one_step(net, batch, plan, guide, policy, copies=True,
+                              links=links)["inside"]
     # the least of each: another process on the machine only ever adds to a step's time
     return {**last,
             "forward_s": min(s["forward_s"] for s in planned),
@@ -335,6 +379,9 @@ def main() -> None:
     parser.add_argument("--costs", type=Path, default=COSTS)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--measure-costs", type=Path, metavar="OUT")
+    parser.add_argument("--keep", choices=["offload", "recompute"],
+                        help="keep what the plan offloads (or recomputes): the host cost "
+                             "of the other kind alone")
     parser.add_argument("--cheap-ops", action="store_true",
                         help="the forward's ops at a GPU host's cost (NOTE [ops at a GPU "
                              "host's cost])")
@@ -347,6 +394,8 @@ def main() -> None:
     torch.set_num_threads(1)
     net, batch, plan, guide = meta_workload(args.model, args.layers, args.budget,
                                             args.strategy)
+    if args.keep:
+        plan = keeping(plan, args.keep)
     with cheap_ops() if args.cheap_ops else contextlib.nullcontext():
         result = measure(net, batch, plan, guide, args.steps, args.policy)
     costs = json.loads(args.costs.read_text())
@@ -354,7 +403,8 @@ def main() -> None:
     decisions = Counter(d.value for d in plan.decisions.values())
     print(f"{args.model}@{args.layers} {args.strategy} at {args.budget:.0%} (h200 plan: "
           f"{decisions.get('offload', 0)} offloaded, {decisions.get('recompute', 0)} "
-          f"recomputed), policy {args.policy}, per step:")
+          f"recomputed{', the rest kept' if args.keep else ''}), policy {args.policy}, "
+          "per step:")
     stats = result["stats"]
     offloads, reloads = result["forward"].get("copy", 0), result["backward"].get("copy", 0)
     print(f"  packs {result['packs']}, watched ops {result['watched_ops']}, offloads "

@@ -21,7 +21,14 @@ from slackswap.runtime.streams import bytes_of, stand_ins
 from slackswap.sim.schedule import build_schedule
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
-from host_work import CheapOps, cheap_ops, meta_workload, one_step  # noqa: E402
+from host_work import (  # noqa: E402
+    CheapOps,
+    cheap_ops,
+    keeping,
+    meta_workload,
+    one_step,
+    steps_counted,
+)
 
 POLICIES = ["behind", "done"]
 
@@ -78,8 +85,9 @@ def _counted(strategy: str, budget: float, policy: str = "behind") -> dict:
     """Two layers of gpt2-xl on the meta device, planned for the H200: one warm step,
     then the counts of the next."""
     net, batch, plan, profile = meta_workload("gpt2-xl", 2, budget, strategy)
-    one_step(net, batch, plan, profile, policy)
-    return one_step(net, batch, plan, profile, policy)
+    with steps_counted(policy) as links:  # NOTE [links kept across steps]
+        one_step(net, batch, plan, profile, policy, links=links)
+        return one_step(net, batch, plan, profile, policy, links=links)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -134,6 +142,39 @@ def _groups(strategy: str, budget: float) -> int:
     _, _, plan, profile = meta_workload("gpt2-xl", 2, budget, strategy)
     offloaded = {c.tensor for c in build_schedule(profile, plan).d2h}
     return len(set(offload_issues(profile, offloaded).values()))
+
+
+def test_each_step_counts_the_device_calls_it_made() -> None:
+    """NOTE [links kept across steps]: with the links kept from step to step, as on a
+    GPU, the compute stream is resolved once a block, and an event a step waits for
+    is counted in that step, wherever it was recorded: two repeated steps count alike,
+    and a host buffer's wait for its last copy (an event of the step before) is the
+    later step's."""
+    net, batch, plan, profile = meta_workload("gpt2-xl", 2, 0.9, "offload-only")
+    with steps_counted("behind") as links:
+        one_step(net, batch, plan, profile, links=links)
+        second = one_step(net, batch, plan, profile, links=links)
+        third = one_step(net, batch, plan, profile, links=links)
+    assert second["forward"] == third["forward"] and second["backward"] == third["backward"]
+    assert second["forward"]["current_stream"] == 1
+    # the pool hands out buffers whose copies (the last backward's reloads) it waits for
+    assert second["forward"].get("event_synchronize", 0) > 0
+    alone = one_step(net, batch, plan, profile)  # a link of its own: that wait is not its
+    assert alone["forward"].get("event_synchronize", 0) == 0
+
+
+@pytest.mark.parametrize("kind", ["offload", "recompute"])
+def test_a_plan_with_one_kind_of_decision_kept_does_none_of_it(kind: str) -> None:
+    """``--keep``: the plan's offloads (or rebuilds) kept, what the other kind costs the
+    host alone: no copy (or no watched op) in the step, the same packs."""
+    net, batch, plan, profile = meta_workload("gpt2-xl", 2, 0.9, f"{kind}-only")
+    kept = keeping(plan, kind)
+    assert kind in {d.value for d in plan.decisions.values()}
+    assert kind not in {d.value for d in kept.decisions.values()}
+    one_step(net, batch, kept, profile)
+    step = one_step(net, batch, kept, profile)
+    assert step["forward"].get("copy", 0) == 0 and not step["watched_ops"]
+    assert step["packs"] == len(profile.saves)
 
 
 def test_offloads_packed_before_one_op_are_issued_together() -> None:

@@ -153,6 +153,9 @@ def device_call_costs(repeats: int = 2000) -> dict[str, float]:
         "new_event": link.event,
         "event_record": lambda: event.record(link.compute),
         "event_query": event.query,
+        # a finished copy's event, as a pooled host buffer's last copy is by then
+        # (NOTE [links kept across steps] in benchmarks/host_work.py)
+        "event_synchronize": event.synchronize,
         "wait_event": lambda: link.compute.wait_event(event),
         "copy": lambda: link.copy(host, small),  # a tensor's copy
         "byte_view": lambda: bytes_of(small),  # NOTE [a tensor's copy, not its storage's]
