@@ -24,6 +24,7 @@ from torch._subclasses.fake_tensor import (
     FakeTensor,
     FakeTensorMode,
 )
+from torch.distributed._tools import mod_tracker
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.func import functional_call
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
@@ -537,7 +538,7 @@ def _run_step(
     collecting = gc.isenabled()
     gc.disable()
     try:
-        with (_same_name_warning_off(), tracker, recorder, extra,
+        with (_same_name_warning_off(), _tracker_grad_hooks_removed(), tracker, recorder, extra,
               refusing_own_checkpoint_calls(), refusing_saved_tensor_hooks(StepRecorder.pack),
               module_events(recorder.module_event)):
             with torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack):
@@ -552,6 +553,40 @@ def _run_step(
     finally:
         if collecting:
             gc.enable()
+
+
+@contextlib.contextmanager
+def _tracker_grad_hooks_removed() -> Iterator[None]:
+    """Remove, once the profiled step is done (or has raised), the gradient hooks that
+    ``ModTracker`` registers in this thread on every module's inputs and outputs.
+
+    NOTE [ModTracker's gradient hooks hold the graph]
+        ``ModTracker`` follows backward through ``register_multi_grad_hook``, whose hook
+        closes over the ``grad_fn`` of each tensor it is registered on, and lives in that
+        node's hooks: a cycle through autograd's C++ nodes that no collector frees, and
+        ``ModTracker`` keeps no handle. Left there, the profiled step's graph outlived it,
+        and with its ``AccumulateGrad`` nodes every parameter that trained before the
+        last module's input: a model dropped after ``slackswap.plan(model, batch)`` or
+        ``attach`` stayed in memory (a ResNet-18's parameters but the last layer's; on a
+        GPU, device memory). The hooks are removed through the handles
+        ``register_multi_grad_hook`` returns, which unlinks the closures from the nodes."""
+    register = mod_tracker.register_multi_grad_hook
+    thread = threading.get_ident()
+    handles: list[Any] = []
+
+    def registering(*args: Any, **kwargs: Any) -> Any:
+        handle = register(*args, **kwargs)
+        if threading.get_ident() == thread:
+            handles.append(handle)
+        return handle
+
+    mod_tracker.register_multi_grad_hook = registering
+    try:
+        yield
+    finally:
+        mod_tracker.register_multi_grad_hook = register
+        for handle in handles:
+            handle.remove()
 
 
 @contextlib.contextmanager
