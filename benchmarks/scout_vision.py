@@ -4,7 +4,7 @@ clipping, parameters and buffers after each optimizer step).
 
 Needs torchvision and timm (not in the project's test dependencies):
 
-    python benchmarks/scout_vision.py resnet18 tv_vit --modes fp32 --json out.json
+    python benchmarks/scout_vision.py tv_resnet18 timm_vit_tiny --precisions fp32 --json out.json
 
 Each (model, mode) prints PASS, REFUSED (the one-line error) or FAIL (what differed, or the
 traceback's last line).
