@@ -404,3 +404,59 @@ def test_lightning_three_steps_bit_identical() -> None:
     stats = callback.attached.stats
     assert stats.recomputed_ops > 0 and stats.offloaded_bytes > 0  # the plan ran
     assert not model._forward_pre_hooks and not model._forward_hooks
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_callbacks_refuse_a_model_their_framework_compiles(tmp_path: Path, compiled: bool,
+                                                           ) -> None:
+    """``TrainingArguments(torch_compile=True)`` and ``trainer.fit(torch.compile(module))``
+    compile around the callback: the eager plan was refused only at the first forward,
+    with advice a Trainer cannot take, and ``compile=True`` made no plan and trained
+    without one, silently. Both are refused when training begins, the model unchanged."""
+    import pytorch_lightning as pl
+
+    from slackswap.integrations import hf, lightning
+
+    options = {"compile": True, "backend": "aot_eager"} if compiled else {}
+    model, data = tiny_lm()
+    before = params(model)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2, use_cpu=True,
+        report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True,
+        torch_compile=True, torch_compile_backend="aot_eager")
+    callback = hf.SlackSwapCallback(budget=0.5, **options)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
+                                   callbacks=[callback])
+    with pytest.raises(InputError, match=r"torch_compile=True\) compiles the model"):
+        trainer.train()
+    assert callback.attached is None and model._compiled_call_impl is None
+    assert not model._forward_pre_hooks and not model._forward_hooks
+    assert_same(params(model), before)
+
+    class LitMLP(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(),
+                                           torch.nn.Linear(32, 1))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(x)
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            return self(batch).pow(2).mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    module = LitMLP()
+    before = params(module)
+    callback = lightning.SlackSwapCallback(budget=0.75, **options)
+    trainer = pl.Trainer(max_steps=2, accelerator="cpu", devices=1, callbacks=[callback],
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    with pytest.raises(InputError, match=r"LightningModule was compiled"):
+        trainer.fit(torch.compile(module, backend="aot_eager"),
+                    torch.utils.data.DataLoader(torch.randn(8, 8), batch_size=2))
+    assert callback.attached is None and module._compiled_call_impl is None
+    assert not module._forward_pre_hooks and not module._forward_hooks
+    assert_same(params(module), before)

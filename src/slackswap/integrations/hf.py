@@ -13,6 +13,7 @@ from transformers import TrainerCallback
 import slackswap
 from slackswap.compiled.attach import CompiledAttached
 from slackswap.core.hardware import Hardware
+from slackswap.errors import InputError
 from slackswap.runtime.attach import Attached
 
 __all__ = ["SlackSwapCallback"]
@@ -36,6 +37,14 @@ class SlackSwapCallback(TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, model: torch.nn.Module,
                        **kwargs: Any) -> None:
         self._detach()  # an earlier train() that raised did not reach on_train_end
+        if getattr(args, "torch_compile", False):
+            # the Trainer compiled its wrapper of the model: dynamo traces through attach's
+            # hooks (refused at the first forward) and through compile=True's own compiled
+            # call (no plan ever made, silently), so neither could apply a plan
+            raise InputError("SlackSwapCallback: TrainingArguments(torch_compile=True) "
+                             "compiles the model around SlackSwap, where no plan reaches its "
+                             "ops; set torch_compile=False (SlackSwapCallback(compile=True) "
+                             "trains it compiled under the plan)")
         self.attached = slackswap.attach(model, **self.options)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -21,6 +21,7 @@ except ImportError:
 import slackswap
 from slackswap.compiled.attach import CompiledAttached
 from slackswap.core.hardware import Hardware
+from slackswap.errors import InputError
 from slackswap.runtime.attach import Attached
 
 __all__ = ["SlackSwapCallback"]
@@ -47,6 +48,14 @@ class SlackSwapCallback(Callback):
 
     def on_train_start(self, trainer: Any, pl_module: torch.nn.Module) -> None:
         self._detach()
+        if getattr(pl_module, "_compiler_ctx", None) is not None:
+            # trainer.fit(torch.compile(module)) compiles training_step: dynamo traces
+            # through attach's hooks (refused at the first forward) and through
+            # compile=True's own compiled call (no plan ever made, silently)
+            raise InputError("SlackSwapCallback: the LightningModule was compiled "
+                             "(trainer.fit(torch.compile(module))), so no plan reaches its "
+                             "ops; fit the module itself (SlackSwapCallback(compile=True) "
+                             "trains it compiled under the plan)")
         self.attached = slackswap.attach(pl_module.get_submodule(self.module), **self.options)
 
     def on_train_end(self, trainer: Any, pl_module: torch.nn.Module) -> None:
