@@ -362,7 +362,9 @@ def test_hf_trainer_three_steps_bit_identical(tmp_path: Path) -> None:
     reference = copy.deepcopy(model)
     expected = train(reference, data, [])
     callback = SlackSwapCallback(budget=0.5)
-    assert train(model, data, [callback]) == expected
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="SlackSwapCallback")  # the step planned
+        assert train(model, data, [callback]) == expected
     assert_same(params(model), params(reference))
     assert callback.attached.stats.offloaded_bytes > 0  # the plan ran
     assert not model._forward_pre_hooks and not model._forward_hooks  # detached at the end
@@ -399,7 +401,9 @@ def test_lightning_three_steps_bit_identical() -> None:
     reference = copy.deepcopy(model)
     expected = train(reference, data, [])
     callback = SlackSwapCallback(budget=0.7, module="model", strategy="module-policy")
-    assert train(model, data, [callback]) == expected
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="SlackSwapCallback")  # the step planned
+        assert train(model, data, [callback]) == expected
     assert_same(params(model), params(reference))
     stats = callback.attached.stats
     assert stats.recomputed_ops > 0 and stats.offloaded_bytes > 0  # the plan ran
@@ -460,3 +464,59 @@ def test_callbacks_refuse_a_model_their_framework_compiles(tmp_path: Path, compi
     assert callback.attached is None and module._compiled_call_impl is None
     assert not module._forward_pre_hooks and not module._forward_hooks
     assert_same(params(module), before)
+
+
+def test_callbacks_say_when_the_first_step_planned_nothing(tmp_path: Path) -> None:
+    """A training step that calls another module than the one attached (a
+    ``compute_loss`` calling ``model.transformer``; a ``training_step`` calling
+    ``self.model`` with the LightningModule attached) passes by attach's hooks and trained
+    with no plan, silently: each callback says so once, after the first step."""
+    import pytorch_lightning as pl
+
+    from slackswap.integrations import hf, lightning
+
+    class Submodule(transformers.Trainer):
+        def compute_loss(self, model: torch.nn.Module, inputs: dict, return_outputs: bool = False,
+                         num_items_in_batch: torch.Tensor | None = None) -> torch.Tensor:
+            hidden = model.transformer(inputs["input_ids"]).last_hidden_state
+            return model.lm_head(hidden).float().pow(2).mean()
+
+    def train(trainer_class: type, callback: hf.SlackSwapCallback) -> list[str]:
+        model, data = tiny_lm()
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2, use_cpu=True,
+            report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True)
+        trainer = trainer_class(model=model, args=args, train_dataset=data, callbacks=[callback])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.train()
+        return [str(w.message) for w in caught if "SlackSwapCallback" in str(w.message)]
+
+    said = train(Submodule, hf.SlackSwapCallback(budget=0.5))
+    assert len(said) == 1 and "planned no forward of the Trainer's model" in said[0]
+
+    class LitLM(pl.LightningModule):
+        def __init__(self, model: torch.nn.Module) -> None:
+            super().__init__()
+            self.model = model
+
+        def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+            return self.model(**batch).loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def fit(module: str) -> list[str]:
+        model, data = tiny_lm()
+        trainer = pl.Trainer(max_steps=2, accelerator="cpu", devices=1, logger=False,
+                             callbacks=[lightning.SlackSwapCallback(budget=0.5, module=module)],
+                             enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(LitLM(model), torch.utils.data.DataLoader(data, batch_size=2))
+        return [str(w.message) for w in caught if "SlackSwapCallback" in str(w.message)]
+
+    said = fit("")
+    assert len(said) == 1 and "planned no forward of the LightningModule" in said[0]
+    # (a step that planned says nothing: the three-step tests above)

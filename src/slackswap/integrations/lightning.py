@@ -22,6 +22,7 @@ import slackswap
 from slackswap.compiled.attach import CompiledAttached
 from slackswap.core.hardware import Hardware
 from slackswap.errors import InputError
+from slackswap.integrations.common import unplanned
 from slackswap.runtime.attach import Attached
 
 __all__ = ["SlackSwapCallback"]
@@ -45,6 +46,7 @@ class SlackSwapCallback(Callback):
                         "loss_fn": loss_fn, "compile": compile, "backend": backend,
                         **compile_kwargs}
         self.attached: Attached | CompiledAttached | None = None
+        self._checked = True  # whether the first step's plan was looked for
 
     def on_train_start(self, trainer: Any, pl_module: torch.nn.Module) -> None:
         self._detach()
@@ -57,6 +59,15 @@ class SlackSwapCallback(Callback):
                              "ops; fit the module itself (SlackSwapCallback(compile=True) "
                              "trains it compiled under the plan)")
         self.attached = slackswap.attach(pl_module.get_submodule(self.module), **self.options)
+        self._checked = False
+
+    def on_train_batch_end(self, trainer: Any, pl_module: torch.nn.Module, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        if not self._checked:
+            self._checked = True
+            which = f"module {self.module!r}" if self.module else "the LightningModule"
+            unplanned(self.attached, f"{which} (training_step calls another module: name "
+                      "it with module=, as module='model' for self.model)")
 
     def on_train_end(self, trainer: Any, pl_module: torch.nn.Module) -> None:
         self._detach()
