@@ -520,3 +520,41 @@ def test_callbacks_say_when_the_first_step_planned_nothing(tmp_path: Path) -> No
     said = fit("")
     assert len(said) == 1 and "planned no forward of the LightningModule" in said[0]
     # (a step that planned says nothing: the three-step tests above)
+
+
+def test_a_deep_copy_of_an_attached_model_is_not_attached() -> None:
+    """``copy.deepcopy`` of an attached model (an EMA's ``AveragedModel``, a snapshot)
+    copied the hooks with the attachment they are bound to: the copy stayed attached past
+    the original's ``detach()``, and attaching it was accepted, then refused at its first
+    forward as saved-tensor hooks of the program's own. The copy is plain PyTorch: its
+    copied hooks go at its first call (or when it is attached), and attaching it plans."""
+    def grads(net: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return {n: p.grad for n, p in net.named_parameters()}
+
+    model, data = tiny_lm()
+    batch = {k: torch.stack([d[k] for d in data[:2]]) for k in data[0]}
+    hooks = global_hooks()
+    attached = slackswap.attach(model, budget=0.5)
+    ema = torch.optim.swa_utils.AveragedModel(model)
+    snapshot, again = copy.deepcopy(model), copy.deepcopy(model)
+    attached.detach()
+    assert nothing_left(model, hooks)
+
+    reference = copy.deepcopy(snapshot)
+    for net in (snapshot, reference):
+        torch.manual_seed(0)
+        net(**batch).loss.backward()
+    assert_same(grads(snapshot), grads(reference))
+    assert nothing_left(snapshot, hooks) and "forward" not in snapshot.__dict__
+    with torch.no_grad():
+        ema(**batch)
+    assert nothing_left(ema.module, hooks)
+
+    with slackswap.attach(again, budget=0.5) as second:  # its copied hooks go first
+        assert len(again._forward_pre_hooks) == 1
+        torch.manual_seed(0)
+        loss = again(**batch).loss
+        loss.backward()
+    assert len(second.plans) == 1 and second.stats.offloaded_bytes > 0
+    assert_same(grads(again), grads(reference))
+    assert nothing_left(again, hooks)
