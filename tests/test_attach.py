@@ -362,7 +362,9 @@ def test_hf_trainer_three_steps_bit_identical(tmp_path: Path) -> None:
     reference = copy.deepcopy(model)
     expected = train(reference, data, [])
     callback = SlackSwapCallback(budget=0.5)
-    assert train(model, data, [callback]) == expected
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="SlackSwapCallback")  # the step planned
+        assert train(model, data, [callback]) == expected
     assert_same(params(model), params(reference))
     assert callback.attached.stats.offloaded_bytes > 0  # the plan ran
     assert not model._forward_pre_hooks and not model._forward_hooks  # detached at the end
@@ -399,8 +401,160 @@ def test_lightning_three_steps_bit_identical() -> None:
     reference = copy.deepcopy(model)
     expected = train(reference, data, [])
     callback = SlackSwapCallback(budget=0.7, module="model", strategy="module-policy")
-    assert train(model, data, [callback]) == expected
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="SlackSwapCallback")  # the step planned
+        assert train(model, data, [callback]) == expected
     assert_same(params(model), params(reference))
     stats = callback.attached.stats
     assert stats.recomputed_ops > 0 and stats.offloaded_bytes > 0  # the plan ran
     assert not model._forward_pre_hooks and not model._forward_hooks
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_callbacks_refuse_a_model_their_framework_compiles(tmp_path: Path, compiled: bool,
+                                                           ) -> None:
+    """``TrainingArguments(torch_compile=True)`` and ``trainer.fit(torch.compile(module))``
+    compile around the callback: the eager plan was refused only at the first forward,
+    with advice a Trainer cannot take, and ``compile=True`` made no plan and trained
+    without one, silently. Both are refused when training begins, the model unchanged."""
+    import pytorch_lightning as pl
+
+    from slackswap.integrations import hf, lightning
+
+    options = {"compile": True, "backend": "aot_eager"} if compiled else {}
+    model, data = tiny_lm()
+    before = params(model)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2, use_cpu=True,
+        report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True,
+        torch_compile=True, torch_compile_backend="aot_eager")
+    callback = hf.SlackSwapCallback(budget=0.5, **options)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
+                                   callbacks=[callback])
+    with pytest.raises(InputError, match=r"torch_compile=True\) compiles the model"):
+        trainer.train()
+    assert callback.attached is None and model._compiled_call_impl is None
+    assert not model._forward_pre_hooks and not model._forward_hooks
+    assert_same(params(model), before)
+
+    class LitMLP(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(),
+                                           torch.nn.Linear(32, 1))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(x)
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            return self(batch).pow(2).mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    module = LitMLP()
+    before = params(module)
+    callback = lightning.SlackSwapCallback(budget=0.75, **options)
+    trainer = pl.Trainer(max_steps=2, accelerator="cpu", devices=1, callbacks=[callback],
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    with pytest.raises(InputError, match=r"LightningModule was compiled"):
+        trainer.fit(torch.compile(module, backend="aot_eager"),
+                    torch.utils.data.DataLoader(torch.randn(8, 8), batch_size=2))
+    assert callback.attached is None and module._compiled_call_impl is None
+    assert not module._forward_pre_hooks and not module._forward_hooks
+    assert_same(params(module), before)
+
+
+def test_callbacks_say_when_the_first_step_planned_nothing(tmp_path: Path) -> None:
+    """A training step that calls another module than the one attached (a
+    ``compute_loss`` calling ``model.transformer``; a ``training_step`` calling
+    ``self.model`` with the LightningModule attached) passes by attach's hooks and trained
+    with no plan, silently: each callback says so once, after the first step."""
+    import pytorch_lightning as pl
+
+    from slackswap.integrations import hf, lightning
+
+    class Submodule(transformers.Trainer):
+        def compute_loss(self, model: torch.nn.Module, inputs: dict, return_outputs: bool = False,
+                         num_items_in_batch: torch.Tensor | None = None) -> torch.Tensor:
+            hidden = model.transformer(inputs["input_ids"]).last_hidden_state
+            return model.lm_head(hidden).float().pow(2).mean()
+
+    def train(trainer_class: type, callback: hf.SlackSwapCallback) -> list[str]:
+        model, data = tiny_lm()
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2, use_cpu=True,
+            report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True)
+        trainer = trainer_class(model=model, args=args, train_dataset=data, callbacks=[callback])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.train()
+        return [str(w.message) for w in caught if "SlackSwapCallback" in str(w.message)]
+
+    said = train(Submodule, hf.SlackSwapCallback(budget=0.5))
+    assert len(said) == 1 and "planned no forward of the Trainer's model" in said[0]
+
+    class LitLM(pl.LightningModule):
+        def __init__(self, model: torch.nn.Module) -> None:
+            super().__init__()
+            self.model = model
+
+        def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+            return self.model(**batch).loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def fit(module: str) -> list[str]:
+        model, data = tiny_lm()
+        trainer = pl.Trainer(max_steps=2, accelerator="cpu", devices=1, logger=False,
+                             callbacks=[lightning.SlackSwapCallback(budget=0.5, module=module)],
+                             enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(LitLM(model), torch.utils.data.DataLoader(data, batch_size=2))
+        return [str(w.message) for w in caught if "SlackSwapCallback" in str(w.message)]
+
+    said = fit("")
+    assert len(said) == 1 and "planned no forward of the LightningModule" in said[0]
+    # (a step that planned says nothing: the three-step tests above)
+
+
+def test_a_deep_copy_of_an_attached_model_is_not_attached() -> None:
+    """``copy.deepcopy`` of an attached model (an EMA's ``AveragedModel``, a snapshot)
+    copied the hooks with the attachment they are bound to: the copy stayed attached past
+    the original's ``detach()``, and attaching it was accepted, then refused at its first
+    forward as saved-tensor hooks of the program's own. The copy is plain PyTorch: its
+    copied hooks go at its first call (or when it is attached), and attaching it plans."""
+    def grads(net: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return {n: p.grad for n, p in net.named_parameters()}
+
+    model, data = tiny_lm()
+    batch = {k: torch.stack([d[k] for d in data[:2]]) for k in data[0]}
+    hooks = global_hooks()
+    attached = slackswap.attach(model, budget=0.5)
+    ema = torch.optim.swa_utils.AveragedModel(model)
+    snapshot, again = copy.deepcopy(model), copy.deepcopy(model)
+    attached.detach()
+    assert nothing_left(model, hooks)
+
+    reference = copy.deepcopy(snapshot)
+    for net in (snapshot, reference):
+        torch.manual_seed(0)
+        net(**batch).loss.backward()
+    assert_same(grads(snapshot), grads(reference))
+    assert nothing_left(snapshot, hooks) and "forward" not in snapshot.__dict__
+    with torch.no_grad():
+        ema(**batch)
+    assert nothing_left(ema.module, hooks)
+
+    with slackswap.attach(again, budget=0.5) as second:  # its copied hooks go first
+        assert len(again._forward_pre_hooks) == 1
+        torch.manual_seed(0)
+        loss = again(**batch).loss
+        loss.backward()
+    assert len(second.plans) == 1 and second.stats.offloaded_bytes > 0
+    assert_same(grads(again), grads(reference))
+    assert nothing_left(again, hooks)

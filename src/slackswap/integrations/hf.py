@@ -13,6 +13,8 @@ from transformers import TrainerCallback
 import slackswap
 from slackswap.compiled.attach import CompiledAttached
 from slackswap.core.hardware import Hardware
+from slackswap.errors import InputError
+from slackswap.integrations.common import unplanned
 from slackswap.runtime.attach import Attached
 
 __all__ = ["SlackSwapCallback"]
@@ -32,11 +34,27 @@ class SlackSwapCallback(TrainerCallback):
                         "loss_fn": loss_fn, "compile": compile, "backend": backend,
                         **compile_kwargs}
         self.attached: Attached | CompiledAttached | None = None
+        self._checked = True  # whether the first step's plan was looked for
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: torch.nn.Module,
                        **kwargs: Any) -> None:
         self._detach()  # an earlier train() that raised did not reach on_train_end
+        if getattr(args, "torch_compile", False):
+            # the Trainer compiled its wrapper of the model: dynamo traces through attach's
+            # hooks (refused at the first forward) and through compile=True's own compiled
+            # call (no plan ever made, silently), so neither could apply a plan
+            raise InputError("SlackSwapCallback: TrainingArguments(torch_compile=True) "
+                             "compiles the model around SlackSwap, where no plan reaches its "
+                             "ops; set torch_compile=False (SlackSwapCallback(compile=True) "
+                             "trains it compiled under the plan)")
         self.attached = slackswap.attach(model, **self.options)
+        self._checked = False
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if not self._checked:
+            self._checked = True
+            unplanned(self.attached, "the Trainer's model: a compute_loss that calls a "
+                      "submodule (model.transformer(...)) passes by its hooks")
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._detach()
@@ -44,3 +62,4 @@ class SlackSwapCallback(TrainerCallback):
     def _detach(self) -> None:
         if self.attached is not None:
             self.attached.detach()
+

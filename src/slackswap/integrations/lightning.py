@@ -21,6 +21,8 @@ except ImportError:
 import slackswap
 from slackswap.compiled.attach import CompiledAttached
 from slackswap.core.hardware import Hardware
+from slackswap.errors import InputError
+from slackswap.integrations.common import unplanned
 from slackswap.runtime.attach import Attached
 
 __all__ = ["SlackSwapCallback"]
@@ -44,10 +46,28 @@ class SlackSwapCallback(Callback):
                         "loss_fn": loss_fn, "compile": compile, "backend": backend,
                         **compile_kwargs}
         self.attached: Attached | CompiledAttached | None = None
+        self._checked = True  # whether the first step's plan was looked for
 
     def on_train_start(self, trainer: Any, pl_module: torch.nn.Module) -> None:
         self._detach()
+        if getattr(pl_module, "_compiler_ctx", None) is not None:
+            # trainer.fit(torch.compile(module)) compiles training_step: dynamo traces
+            # through attach's hooks (refused at the first forward) and through
+            # compile=True's own compiled call (no plan ever made, silently)
+            raise InputError("SlackSwapCallback: the LightningModule was compiled "
+                             "(trainer.fit(torch.compile(module))), so no plan reaches its "
+                             "ops; fit the module itself (SlackSwapCallback(compile=True) "
+                             "trains it compiled under the plan)")
         self.attached = slackswap.attach(pl_module.get_submodule(self.module), **self.options)
+        self._checked = False
+
+    def on_train_batch_end(self, trainer: Any, pl_module: torch.nn.Module, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        if not self._checked:
+            self._checked = True
+            which = f"module {self.module!r}" if self.module else "the LightningModule"
+            unplanned(self.attached, f"{which} (training_step calls another module: name "
+                      "it with module=, as module='model' for self.model)")
 
     def on_train_end(self, trainer: Any, pl_module: torch.nn.Module) -> None:
         self._detach()

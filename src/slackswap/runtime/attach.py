@@ -15,6 +15,17 @@ NOTE [a block opened inside the model's call]
     (Ctrl-C) runs no forward hook: its block stays open, and the block's pre-hook on
     the model, read at the next call's start, would run after attach's, on a closed
     block. So that call closes the block and is refused before it runs.
+
+NOTE [a copied model]
+    ``copy.deepcopy`` of an attached model (an EMA's ``AveragedModel``, a teacher or a
+    best-model snapshot) copies its dicts of hooks, and with them the ``Attached`` the
+    hooks are bound to: the copy was attached with no handle to detach it (the original's
+    ``detach()`` left it attached), and ``slackswap.attach(copy)`` was accepted and then
+    refused at the first forward, which opened two blocks, as saved-tensor hooks of the
+    program's own. The copy is not attached: ``Attached.__deepcopy__`` gives a ``_Copied``,
+    to which ``copy`` binds the copied hooks (``Attached._before`` and ``_after``): they
+    remove themselves (and the copy's forward guard) at the copy's first call, and
+    ``attach`` removes them before attaching the copy.
 """
 
 from __future__ import annotations
@@ -103,6 +114,7 @@ class Attached:
         self._block: apply | None = None  # open between the model's pre-hook and hook
         self._closer: Any = None
         self._planning = False
+        _drop_copied_hooks(model)  # a copy of a model attached before (NOTE [a copied model])
         self._pre = model.register_forward_pre_hook(self._before, with_kwargs=True)
         # the block opens inside the model's call, after its forward was looked up: the
         # guard goes on now (NOTE [a step off the profiled path])
@@ -121,12 +133,19 @@ class Attached:
     def __enter__(self) -> Attached:
         return self
 
+    def __deepcopy__(self, memo: dict) -> _Copied:
+        # NOTE [a copied model]: a deep copy of the model copies the hooks bound to this
+        return _Copied()
+
     def __exit__(self, *exc: Any) -> None:
         self.detach()
 
     # -- the hooks -----------------------------------------------------------------------
     @torch.compiler.disable  # run as they are, even when compiled code calls the model
     def _before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if isinstance(self, _Copied):  # bound so by a deep copy (NOTE [a copied model])
+            self.drop(module)
+            return
         if self._block is not None and not self._planning:
             # NOTE [a block opened inside the model's call]: the last forward was stopped
             self._close()
@@ -172,6 +191,9 @@ class Attached:
 
     @torch.compiler.disable
     def _after(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        if isinstance(self, _Copied):  # (copied in the model's forward)
+            self.drop(module)
+            return
         self._close()
 
     def _close(self) -> None:
@@ -210,6 +232,27 @@ class Attached:
             raise type(e)(f"slackswap.attach, planning a batch of shapes {shapes}: {e}") from e
         finally:
             self._planning = False
+
+
+class _Copied:
+    """What a deep copy of an attached model holds in place of the :class:`Attached` its
+    hooks are bound to (NOTE [a copied model]): those hooks remove themselves, and the
+    copy's forward guard, at the copy's first call."""
+
+    def drop(self, module: torch.nn.Module) -> None:
+        _drop_copied_hooks(module)
+        if module not in ATTACHED:  # (attached since: the guard is its attachment's)
+            unguard(eager_module(module))
+
+
+def _drop_copied_hooks(module: torch.nn.Module) -> None:
+    """Remove from ``module`` the hooks a deep copy bound to a :class:`_Copied`."""
+    for hooks, extra in ((module._forward_pre_hooks, module._forward_pre_hooks_with_kwargs),
+                         (module._forward_hooks, module._forward_hooks_always_called)):
+        for key in [k for k, hook in hooks.items()
+                    if isinstance(getattr(hook, "__self__", None), _Copied)]:
+            del hooks[key]
+            extra.pop(key, None)
 
 
 def _records_graph(module: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
