@@ -558,3 +558,41 @@ def test_a_deep_copy_of_an_attached_model_is_not_attached() -> None:
     assert len(second.plans) == 1 and second.stats.offloaded_bytes > 0
     assert_same(grads(again), grads(reference))
     assert nothing_left(again, hooks)
+
+
+def test_a_model_pickled_whole_under_attach_loads_as_plain_pytorch(tmp_path: Path) -> None:
+    """NOTE [a copied model], NOTE [a guard pickled by name]: ``torch.save(model)`` of an
+    attached model wrote its plans and profiles into the file, which then would not load
+    (the forward guard, a bound method, was looked up by its name on the model). Now the
+    file holds no plan, loads, trains bit-identically to plain PyTorch, and the loaded
+    model attaches and plans anew."""
+    def grads(net: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return {n: p.grad for n, p in net.named_parameters()}
+
+    model, data = tiny_lm()
+    batch = {k: torch.stack([d[k] for d in data[:2]]) for k in data[0]}
+    hooks = global_hooks()
+    reference = copy.deepcopy(model)
+    attached = slackswap.attach(model, budget=0.5)
+    torch.manual_seed(0)
+    model(**batch).loss.backward()
+    assert attached.plans
+    model.zero_grad(set_to_none=True)
+    path = tmp_path / "model.pt"
+    torch.save(model, path)
+    assert b"slackswap.core.plan" not in path.read_bytes()  # no plan, no profile in it
+    attached.detach()
+
+    loaded, again = (torch.load(path, weights_only=False) for _ in range(2))
+    for net in (loaded, reference):
+        torch.manual_seed(0)
+        net(**batch).loss.backward()
+    assert_same(grads(loaded), grads(reference))
+    assert nothing_left(loaded, hooks) and "forward" not in loaded.__dict__
+
+    with slackswap.attach(again, budget=0.5) as second:  # its loaded hooks go first
+        torch.manual_seed(0)
+        again(**batch).loss.backward()
+    assert len(second.plans) == 1 and second.stats.offloaded_bytes > 0
+    assert_same(grads(again), grads(reference))
+    assert nothing_left(again, hooks)

@@ -25,7 +25,12 @@ NOTE [a copied model]
     program's own. The copy is not attached: ``Attached.__deepcopy__`` gives a ``_Copied``,
     to which ``copy`` binds the copied hooks (``Attached._before`` and ``_after``): they
     remove themselves (and the copy's forward guard) at the copy's first call, and
-    ``attach`` removes them before attaching the copy.
+    ``attach`` removes them before attaching the copy. A model pickled whole
+    (``torch.save(model)``) is such a copy too: the ``Attached`` pickles as a ``_Copied``
+    (its plans and profiles stay out of the file), the hooks as that copy's methods, and
+    the forward guard as the model's own forward (NOTE [a guard pickled by name] in
+    ``runtime/block.py``); before, the file held the plans and would not load
+    (``'Module' object has no attribute '_guarded'``).
 """
 
 from __future__ import annotations
@@ -137,6 +142,10 @@ class Attached:
         # NOTE [a copied model]: a deep copy of the model copies the hooks bound to this
         return _Copied()
 
+    def __reduce__(self) -> tuple[type, tuple]:
+        # NOTE [a copied model]: a model pickled whole loads as a copy, not attached
+        return _Copied, ()
+
     def __exit__(self, *exc: Any) -> None:
         self.detach()
 
@@ -243,6 +252,10 @@ class _Copied:
         _drop_copied_hooks(module)
         if module not in ATTACHED:  # (attached since: the guard is its attachment's)
             unguard(eager_module(module))
+
+    # a pickled hook is found again by its name on what it is bound to
+    _before = Attached._before
+    _after = Attached._after
 
 
 def _drop_copied_hooks(module: torch.nn.Module) -> None:

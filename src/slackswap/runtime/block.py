@@ -548,12 +548,27 @@ def _guarded(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         raise
 
 
+# NOTE [a guard pickled by name]
+#     The guard is a method bound to the model, which pickle stores as the name of its
+#     function looked up on the model again as the file loads, before the model's own
+#     attributes are back: named ``forward``, it is found as the model's class's forward,
+#     so a model pickled under ``attach`` (NOTE [a copied model] in ``runtime/attach.py``)
+#     loads calling its own forward, and ``unguard`` (from the copy's dropped hooks, or
+#     ``attach``) lets go of the rest. (``copy.deepcopy`` rebinds the function itself.)
+_guarded.__name__ = "forward"
+
+
 def unguard(model: torch.nn.Module) -> None:
     """Undo :func:`guard_forward`: the model's forward is what it was."""
     if "_slackswap_own_forward" not in model.__dict__:
         return
     own = model.__dict__.pop("_slackswap_own_forward")
-    if getattr(model.__dict__.get("forward"), "__func__", None) is not _guarded:
+    current = model.__dict__.get("forward")
+    func = getattr(current, "__func__", None)
+    # the guard, or what it loads as (NOTE [a guard pickled by name]): the class's own
+    loaded = (own is None and func is getattr(type(model), "forward", None)
+              and getattr(current, "__self__", None) is model)
+    if func is not _guarded and not loaded:
         return  # wrapped again since (accelerate's wrappers call the guard): left as is
     if own is None:
         model.__dict__.pop("forward", None)
