@@ -596,3 +596,28 @@ def test_a_model_pickled_whole_under_attach_loads_as_plain_pytorch(tmp_path: Pat
     assert len(second.plans) == 1 and second.stats.offloaded_bytes > 0
     assert_same(grads(again), grads(reference))
     assert nothing_left(again, hooks)
+
+
+def test_the_trainer_callback_refuses_the_trainers_own_checkpointing(tmp_path: Path) -> None:
+    """``TrainingArguments(gradient_checkpointing=True)`` turns the model's checkpointing
+    on as training begins: the refusal at the first forward told a Trainer user to call
+    ``model.gradient_checkpointing_disable()``, which the Trainer undoes; now the callback
+    names the argument, before any step."""
+    from slackswap.integrations import hf
+
+    model, data = tiny_lm()
+    before = params(model)
+    # the argument's name in this transformers (5.2x renamed it, the old one an alias)
+    flag = ("activation_checkpointing" if "activation_checkpointing"
+            in transformers.TrainingArguments.__dataclass_fields__ else "gradient_checkpointing")
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2, use_cpu=True,
+        report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True,
+        **{flag: True})
+    callback = hf.SlackSwapCallback(budget=0.5)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
+                                   callbacks=[callback])
+    with pytest.raises(InputError, match=rf"{flag}=True\) checkpoints"):
+        trainer.train()
+    assert callback.attached is None and not model._forward_pre_hooks
+    assert_same(params(model), before)

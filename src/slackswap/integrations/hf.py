@@ -47,6 +47,15 @@ class SlackSwapCallback(TrainerCallback):
                              "compiles the model around SlackSwap, where no plan reaches its "
                              "ops; set torch_compile=False (SlackSwapCallback(compile=True) "
                              "trains it compiled under the plan)")
+        # the Trainer turns the model's own checkpointing on before this: refused at the
+        # first forward with advice a Trainer user cannot take (it turns it on again)
+        # (activation_checkpointing: transformers 5.2x's name; gradient_checkpointing: its
+        # alias, and the name before it)
+        for flag in ("activation_checkpointing", "gradient_checkpointing"):
+            if getattr(args, flag, False) is True:
+                raise InputError(f"SlackSwapCallback: TrainingArguments({flag}=True) "
+                                 "checkpoints the model's blocks its own way; set it to False "
+                                 "and let the plan decide what to recompute")
         self.attached = slackswap.attach(model, **self.options)
         self._checked = False
 
