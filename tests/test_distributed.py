@@ -305,10 +305,13 @@ def test_two_ranks_train_bit_identically_under_ddp() -> None:
     _spawn(_run, 2, "ddp", ["gpt2-xl-tiny", "gpt-neox-tiny", "bn-cnn"])
 
 
+@pytest.mark.heavy
 def test_four_ranks_train_bit_identically_under_fsdp2() -> None:
     """Four shards of each parameter, the plan broadcast to three ranks: GPT-2 (tied
     weights). GPT-NeoX's dropout seeded per rank is the two-rank tests' (FSDP2, DDP, bf16);
-    on four ranks it is ``pytest -m full``'s (four processes on two cores: 20 s more)."""
+    on four ranks it is ``pytest -m full``'s (four processes on two cores: 20 s more).
+    ``heavy``: a group of four ranks of its own, started for this test alone (150 s of
+    worker time in the default run on two cores)."""
     _spawn(_run, 4, "fsdp2", ["gpt2-xl-tiny"])
 
 

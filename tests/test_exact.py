@@ -268,6 +268,9 @@ STORED = Path(__file__).parent / "data" / "exact_optima.json"
 # plans from SlackSwap's, ``exact_gap.py --search``), SlackSwap's 78.29 and 85.32%: the
 # bound is loose or the planner short, not known which.
 SHORT: set[tuple[str, float]] = {("bert-large-mlm@2", 0.3), ("bert-large-mlm@2", 0.4)}
+# the stored cases of two layers whose planning and valuing take 35-60 s each on two cores
+# (the default run keeps 30 and 60%, one case in SHORT and one not): ``heavy``
+HEAVY: set[tuple[str, float]] = {("bert-large-mlm@2", 0.4), ("bert-large-mlm@2", 0.5)}
 
 
 def _solved_digest(profile: StepProfile) -> str:
@@ -277,8 +280,9 @@ def _solved_digest(profile: StepProfile) -> str:
     return content_digest(profile.model_copy(update={"model_saves": None}))
 
 
-@pytest.mark.parametrize("case", json.loads(STORED.read_text()),
-                         ids=lambda c: f"{c['step']}-{c['budget']}")
+@pytest.mark.parametrize("case", [
+    pytest.param(c, marks=pytest.mark.heavy) if (c["step"], c["budget"]) in HEAVY else c
+    for c in json.loads(STORED.read_text())], ids=lambda c: f"{c['step']}-{c['budget']}")
 def test_within_half_a_point_of_the_tightest_bound(case: dict) -> None:
     """The OPEN cases and two bert-large-mlm layers at 50 and 60%, against the program
     at its tightest (``op_ends`` and ``tight``): solved offline (minutes each:

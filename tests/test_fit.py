@@ -115,6 +115,7 @@ def test_lower_target_never_a_smaller_batch(found: FitResult, name: str, hw: Har
     assert loose.largest["keep-all"] == found.largest["keep-all"]  # no retention to lose
 
 
+@pytest.mark.heavy  # a search of its own over sequence lengths (140 s on two cores)
 def test_longest_sequence_at_a_batch(name: str, hw: Hardware) -> None:
     found = fit(name, hw, batch=8)  # keep-all fits batch 12 at 1024
     assert found.search == "seq" and found.fixed == 8

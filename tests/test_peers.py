@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 import peers  # noqa: E402
 
 
+@pytest.mark.heavy  # a benchmark run of six points, each built, stepped and tracked (75-110 s)
 def test_peers_runs_on_a_cpu(tmp_path: Path) -> None:
     points = "keep-all,hf-every-2,sac-matmul,save-on-cpu,offload,slackswap-0.7,compile"
     result = peers.main(["--model", "gpt2-xl", "--layers", "3", "--device", "cpu",
