@@ -40,6 +40,7 @@ def test_peers_runs_on_a_cpu(tmp_path: Path) -> None:
     assert stem.with_suffix(".png").stat().st_size > 0
 
 
+@pytest.mark.heavy  # a benchmark run too (36 s on two loaded cores)
 def test_a_failing_point_is_a_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A point that raises is a row with the first line of its error; the run goes on."""
     def no_plan(*args: object, **kwargs: object) -> None:
