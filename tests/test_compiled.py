@@ -89,13 +89,15 @@ def _assert_applied_is_plan(compiled: nn.Module) -> None:
 # are the output itself (it was read as saved by no plan, and refused)
 _ZOO_LANGUAGE_MODELS = ["t5", "bart", "deberta", "mamba", "perceiver", "funnel", "bigbird_full",
                         "mixtral"]
-# in the default run: a tiny preset of each family (BERT, GPT-2, Llama), T5 (an
-# encoder-decoder: the decoder's loss), Mamba (no attention), DeBERTa (its own relative
-# attention) and Mixtral (NOTE on it above: the only cover of a split's getitems); BART,
+# in the default run: a tiny preset of each family (BERT, GPT-2, Llama); under ``pytest -m
+# heavy`` (CI, right after it; 40-64 s each on two loaded cores): T5 (an encoder-decoder:
+# the decoder's loss), Mamba (no attention), DeBERTa (its own relative attention) and
+# Mixtral (NOTE on it above: the only cover of a split's getitems); BART,
 # Perceiver, Funnel and BigBird (full attention) check the same loss_type fallback and one
 # graph on more architectures, 10-20 s each on two cores, under ``pytest -m full``, and so
 # does BERT-large-MLM (bert-large-tiny's graph with its head on the masked positions)
 _FULL_ONLY = {"bart", "perceiver", "funnel", "bigbird_full", "bert-large-mlm-tiny"}
+_HEAVY = {"t5", "mamba", "deberta", "mixtral"}
 # the presets as the README plans them: their plan recomputes at 0.8 (checked applied)
 _PRESETS_APPLIED = ["llama-7b-tiny", "gpt2-xl-tiny", "bert-large-tiny"]
 
@@ -108,6 +110,7 @@ def _language_model(name: str) -> tuple[nn.Module, dict[str, torch.Tensor]]:
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.full) if n in _FULL_ONLY
+                                  else pytest.param(n, marks=pytest.mark.heavy) if n in _HEAVY
                                   else n for n in sorted(n for n in MODEL_PRESETS
                                                          if n.endswith("-tiny"))
                                   + _ZOO_LANGUAGE_MODELS])
@@ -118,8 +121,9 @@ def test_labels_in_the_batch_compile_to_one_graph_that_trains_as_eager(name: str
     ``loss_type`` as it was (NOTE [a loss resolved before the graph]). GPT-2's unset
     ``loss_type`` no longer breaks the graph; dropout draws the same masks, kept or
     rebuilt with its RNG state; on Llama, GPT-2 and BERT-large the plan at 0.8 recomputes
-    and the partition applied is the plan. The default run takes a preset of each family and
-    four of the zoo's models (``_FULL_ONLY``: the rest, under ``pytest -m full``)."""
+    and the partition applied is the plan. The default run takes a preset of each family,
+    ``pytest -m heavy`` four of the zoo's models (``_FULL_ONLY``: the rest, under ``pytest -m
+    full``)."""
     model, batch = _language_model(name)
     assert "labels" in batch and model.training
     reference = copy.deepcopy(model)

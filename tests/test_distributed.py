@@ -298,6 +298,7 @@ def test_two_ranks_train_bit_identically_under_fsdp2() -> None:
                               "gpt-neox-tiny", "bn-cnn"])
 
 
+@pytest.mark.heavy  # the multi-process tests past FSDP2's own (45 s of worker time)
 def test_two_ranks_train_bit_identically_under_ddp() -> None:
     """What DDP adds to a step, its gradient buckets' hooks and its buffers broadcast, on
     tied weights (GPT-2's head), dropout (GPT-NeoX) and batch norm: the other presets'
@@ -305,10 +306,13 @@ def test_two_ranks_train_bit_identically_under_ddp() -> None:
     _spawn(_run, 2, "ddp", ["gpt2-xl-tiny", "gpt-neox-tiny", "bn-cnn"])
 
 
+@pytest.mark.heavy
 def test_four_ranks_train_bit_identically_under_fsdp2() -> None:
     """Four shards of each parameter, the plan broadcast to three ranks: GPT-2 (tied
     weights). GPT-NeoX's dropout seeded per rank is the two-rank tests' (FSDP2, DDP, bf16);
-    on four ranks it is ``pytest -m full``'s (four processes on two cores: 20 s more)."""
+    on four ranks it is ``pytest -m full``'s (four processes on two cores: 20 s more).
+    ``heavy``: a group of four ranks of its own, started for this test alone (150 s of
+    worker time in the default run on two cores)."""
     _spawn(_run, 4, "fsdp2", ["gpt2-xl-tiny"])
 
 
@@ -317,6 +321,7 @@ def test_four_ranks_train_gpt_neox_bit_identically_under_fsdp2() -> None:
     _spawn(_run, 4, "fsdp2", ["gpt-neox-tiny"])
 
 
+@pytest.mark.heavy  # 64 s of worker time on two loaded cores
 def test_two_ranks_under_fsdp2_mixed_precision() -> None:
     _spawn(_run, 2, "fsdp2-bf16", ["gpt2-xl-tiny", "gpt-neox-tiny"])
 
@@ -352,6 +357,7 @@ def _attached(rank: int, wrapper: str) -> None:
         assert all(type(p).__name__ == "DTensor" for p in net.parameters())  # sharded again
 
 
+@pytest.mark.heavy  # 32 s of worker time on two loaded cores
 def test_two_ranks_attached_under_fsdp2_train_bit_identically() -> None:
     """attach profiles inside the model's call, after FSDP2's root pre-forward hook has
     gathered the root unit: the profile left the root resharded under that forward, whose
@@ -380,7 +386,9 @@ def test_a_rank_refuses_a_plan_for_another_batch_and_says_which() -> None:
     _spawn(_mismatch, 2)
 
 
-@pytest.mark.parametrize("flag", [[], ["--ddp"]], ids=["fsdp2", "ddp"])
+# --ddp: ``heavy`` (two more processes under torchrun, 25 s; DDP is the group's test's too)
+@pytest.mark.parametrize("flag", [[], pytest.param(["--ddp"], marks=pytest.mark.heavy)],
+                         ids=["fsdp2", "ddp"])
 def test_the_readme_example_runs_as_written(flag: list[str]) -> None:
     """docs/training/distributed.md: ``torchrun --nproc-per-node 2 examples/train_fsdp.py``
     on a CPU (the page shows the example's core; tests/test_docs_snippets.py checks it)."""

@@ -85,6 +85,9 @@ def _meets(hw: Hardware, name: str, batch: int, strategy: str, target: float) ->
     return bool(attempt and attempt[1].feasible and attempt[1].retention >= target)
 
 
+# ``heavy``: the batch search of ``found`` (80 s on two loaded cores) and the tests that read
+# it, or whose command line would run it again without its cache (the table, JSON and plot)
+@pytest.mark.heavy
 def test_largest_batch_meets_the_target_and_the_next_does_not(
         found: FitResult, name: str, hw: Hardware) -> None:
     largest = found.largest
@@ -108,6 +111,7 @@ def test_largest_batch_meets_the_target_and_the_next_does_not(
     assert [p.batch for p in found.points] == sorted({p.batch for p in found.points})
 
 
+@pytest.mark.heavy
 def test_lower_target_never_a_smaller_batch(found: FitResult, name: str, hw: Hardware) -> None:
     loose = fit(name, hw, min_retention=0.5)
     for strategy, batch in found.largest.items():
@@ -115,6 +119,7 @@ def test_lower_target_never_a_smaller_batch(found: FitResult, name: str, hw: Har
     assert loose.largest["keep-all"] == found.largest["keep-all"]  # no retention to lose
 
 
+@pytest.mark.heavy  # a search of its own over sequence lengths (140 s on two cores)
 def test_longest_sequence_at_a_batch(name: str, hw: Hardware) -> None:
     found = fit(name, hw, batch=8)  # keep-all fits batch 12 at 1024
     assert found.search == "seq" and found.fixed == 8
@@ -126,6 +131,7 @@ def test_longest_sequence_at_a_batch(name: str, hw: Hardware) -> None:
     assert all(p.batch == 8 for p in found.points)
 
 
+@pytest.mark.heavy
 def test_cli_table_json_and_plot_agree(name: str, tmp_path) -> None:
     plot = tmp_path / "fit.png"
     code, table, _ = run("fit", name, "--set", CAPACITY, "--plot", str(plot))

@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 import peers  # noqa: E402
 
 
+@pytest.mark.heavy  # a benchmark run of six points, each built, stepped and tracked (75-110 s)
 def test_peers_runs_on_a_cpu(tmp_path: Path) -> None:
     points = "keep-all,hf-every-2,sac-matmul,save-on-cpu,offload,slackswap-0.7,compile"
     result = peers.main(["--model", "gpt2-xl", "--layers", "3", "--device", "cpu",
@@ -39,6 +40,7 @@ def test_peers_runs_on_a_cpu(tmp_path: Path) -> None:
     assert stem.with_suffix(".png").stat().st_size > 0
 
 
+@pytest.mark.heavy  # a benchmark run too (36 s on two loaded cores)
 def test_a_failing_point_is_a_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A point that raises is a row with the first line of its error; the run goes on."""
     def no_plan(*args: object, **kwargs: object) -> None:

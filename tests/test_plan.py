@@ -681,7 +681,9 @@ def reference(name: str) -> StepProfile:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["bert-large", "gpt2-xl", "llama-7b"])
+# gpt2-xl and llama-7b are ``heavy`` (36 and 117 s of planning on two loaded cores)
+@pytest.mark.parametrize("name", ["bert-large", *(pytest.param(n, marks=pytest.mark.heavy)
+                                                  for n in ("gpt2-xl", "llama-7b"))])
 def test_reference_workloads_at_half_budget(name: str) -> None:
     profile = reference(name)
     ctx = PlanContext(profile, slackswap.load_hardware("a100-80gb"),
@@ -744,6 +746,7 @@ def test_the_late_window_agrees_where_every_copy_lands_in_forward(seed: int) -> 
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # a whole full-size step planned (28-34 s on two loaded cores)
 def test_peak_never_rises_as_the_budget_falls() -> None:
     profile = reference("gpt2-xl")
     peaks = [plan_with_result(profile, b / 10)[1].peak_bytes for b in range(10, 1, -2)]
@@ -770,6 +773,7 @@ def test_never_worse_than_a_baseline_on_every_preset(preset: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # a whole full-size step planned (28-34 s on two loaded cores)
 def test_a_host_bound_step_is_planned_with_its_watches() -> None:
     """gpt2-xl at 50% on h100-sxm, a whole step (a search budget of the minimum): the
     plan made with the host's costs unpriced waits on the host (its packs and the
@@ -792,6 +796,7 @@ def test_a_host_bound_step_is_planned_with_its_watches() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # a whole full-size step planned (28-34 s on two loaded cores)
 def test_a_whole_workload_stops_spending_less_slack_past_the_best(monkeypatch) -> None:
     """bert-large at 30% on a100-80gb (420 candidates): in each run the slack fractions
     are tried until one's plan rates below the best so far, where all five are tried on
