@@ -22,7 +22,7 @@ NOTE [a copied model]
     hooks are bound to: the copy was attached with no handle to detach it (the original's
     ``detach()`` left it attached), and ``slackswap.attach(copy)`` was accepted and then
     refused at the first forward, which opened two blocks, as saved-tensor hooks of the
-    program's own. The copy is not attached: ``Attached.__deepcopy__`` gives a ``_Copied``,
+    program's own. The copy is not attached: ``Attached.__reduce__`` gives a ``_Copied``,
     to which ``copy`` binds the copied hooks (``Attached._before`` and ``_after``): they
     remove themselves (and the copy's forward guard) at the copy's first call, and
     ``attach`` removes them before attaching the copy. A model pickled whole
@@ -138,12 +138,9 @@ class Attached:
     def __enter__(self) -> Attached:
         return self
 
-    def __deepcopy__(self, memo: dict) -> _Copied:
-        # NOTE [a copied model]: a deep copy of the model copies the hooks bound to this
-        return _Copied()
-
     def __reduce__(self) -> tuple[type, tuple]:
-        # NOTE [a copied model]: a model pickled whole loads as a copy, not attached
+        # NOTE [a copied model]: a model deep-copied (``copy`` reduces it so too) or
+        # pickled whole holds a copy's hooks, not attached
         return _Copied, ()
 
     def __exit__(self, *exc: Any) -> None:
