@@ -1,0 +1,566 @@
+"""Scout: model families and training patterns nobody built SlackSwap against (the ``peft``
+library, transformers models with shared or reversible layers, rotary caches, dropout in
+attention, MoE jitter; diffusers' VAE and a cross-attention UNet in a diffusion step; hooks,
+``autograd.grad``, ``backward(inputs=)``, gradient accumulation, ``eval()`` in the middle of
+training, ``no_grad`` inside forward, bf16 autocast), trained three AdamW steps under
+SlackSwap plans and compared bit for bit with plain PyTorch from the same state and seeds
+(loss, every gradient, parameters and buffers after each optimizer step).
+
+    python benchmarks/scout_families.py gpt2_dropout peft_lora --json out.json
+
+A case whose optional package (``peft``, ``diffusers``) is missing is skipped. Each (case,
+mode) prints PASS, REFUSED (the one-line error) or FAIL (what differed, or the
+traceback's last line); the last lines are a table of case -> identical / refused / MISMATCH.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import importlib.util
+import json
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from scout_vision import PLAN_MODES, compare, plans_for
+
+import slackswap
+from slackswap import InputError
+from slackswap.errors import SlackSwapError
+
+STEPS = 3
+Case = tuple[torch.nn.Module, dict[str, torch.Tensor], Callable[[Any], torch.Tensor] | None]
+
+
+def _lm_batch(vocab: int = 96, batch: int = 2, length: int = 12, seed: int = 1,
+              labels: bool = True) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (batch, length), generator=g)
+    out = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    if labels:
+        out["labels"] = ids.clone()
+    return out
+
+
+def _tf(config_name: str, model_name: str, batch: Callable[[], dict] | None = None,
+        **kw: Any) -> Callable[[], Case]:
+    def build() -> Case:
+        import transformers
+
+        torch.manual_seed(0)
+        config = getattr(transformers, config_name)(**kw)
+        model = getattr(transformers, model_name)(config).train()
+        return model, (batch or _lm_batch)(), None
+    return build
+
+
+_SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+              intermediate_size=64, vocab_size=96, max_position_embeddings=64)
+_LLAMA = dict(_SMALL, num_key_value_heads=2)
+
+
+def _cls_batch() -> dict[str, torch.Tensor]:
+    b = _lm_batch(labels=False)
+    b["labels"] = torch.tensor([0, 1])
+    return b
+
+
+def _gpt2(**kw: Any) -> Callable[[], Case]:
+    return _tf("GPT2Config", "GPT2LMHeadModel", n_embd=32, n_layer=2, n_head=4,
+               vocab_size=96, n_positions=64, **kw)
+
+
+def _peft(adapter: str, base: Callable[[], Case], **kw: Any) -> Callable[[], Case]:
+    def build() -> Case:
+        import peft
+
+        model, batch, loss_fn = base()
+        torch.manual_seed(0)
+        if adapter == "lora":
+            config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, **kw)
+        else:
+            config = peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+        model = peft.get_peft_model(model, config).train()
+        if adapter == "prompt":  # labels cover the virtual tokens too
+            batch = dict(batch)
+        return model, batch, loss_fn
+    build.needs = "peft"  # type: ignore[attr-defined]
+    return build
+
+
+def _clip() -> Case:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.CLIPConfig(
+        text_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         intermediate_size=64, vocab_size=96, max_position_embeddings=16,
+                         attention_dropout=0.1),
+        vision_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                           intermediate_size=64, image_size=32, patch_size=8,
+                           attention_dropout=0.1),
+        projection_dim=16)
+    model = transformers.CLIPModel(config).train()
+    g = torch.Generator().manual_seed(1)
+    b = _lm_batch(labels=False, length=10)
+    b["pixel_values"] = torch.randn(2, 3, 32, 32, generator=g)
+    b["return_loss"] = True
+    return model, b, None
+
+
+def _whisper() -> Case:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.WhisperConfig(
+        vocab_size=96, num_mel_bins=16, encoder_layers=2, decoder_layers=2,
+        encoder_attention_heads=4, decoder_attention_heads=4, d_model=32,
+        encoder_ffn_dim=64, decoder_ffn_dim=64, max_source_positions=16,
+        max_target_positions=32, dropout=0.1, attention_dropout=0.1,
+        decoder_start_token_id=1, pad_token_id=0, eos_token_id=2, bos_token_id=1,
+        mask_time_prob=0.0)
+    model = transformers.WhisperForConditionalGeneration(config).train()
+    g = torch.Generator().manual_seed(1)
+    return model, {"input_features": torch.randn(2, 16, 32, generator=g),
+                   "labels": torch.randint(3, 96, (2, 8), generator=g)}, None
+
+
+def _reformer() -> Case:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.ReformerConfig(
+        vocab_size=96, hidden_size=32, num_attention_heads=2, attention_head_size=16,
+        feed_forward_size=64, attn_layers=["local", "lsh"], axial_pos_embds=False,
+        max_position_embeddings=64, local_attn_chunk_length=4, lsh_attn_chunk_length=4,
+        num_buckets=4, chunk_size_feed_forward=4, is_decoder=True, hash_seed=0,
+        # its layers draw seeds from torch.seed() (the OS) for dropout: not deterministic
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        lsh_attention_probs_dropout_prob=0.0, local_attention_probs_dropout_prob=0.0,
+        pad_token_id=0)
+    model = transformers.ReformerModelWithLMHead(config).train()
+    model.scout_os_seeded = True  # its layers reseed torch from the OS (``torch.seed()``)
+    return model, _lm_batch(length=16), None
+
+
+def _xlnet() -> Case:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.XLNetConfig(vocab_size=96, d_model=32, n_layer=2, n_head=4,
+                                      d_inner=64, dropout=0.1)
+    model = transformers.XLNetLMHeadModel(config).train()
+    return model, _lm_batch(), None
+
+
+def _bert_cross() -> Case:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(**_SMALL, is_decoder=True, add_cross_attention=True,
+                                     hidden_dropout_prob=0.1,
+                                     attention_probs_dropout_prob=0.1)
+    model = transformers.BertLMHeadModel(config).train()
+    g = torch.Generator().manual_seed(2)
+    b = _lm_batch()
+    b["encoder_hidden_states"] = torch.randn(2, 7, 32, generator=g)
+    return model, b, None
+
+
+class _Diffusion(torch.nn.Module):
+    """A diffusion training step: noise drawn inside the step, the model predicts it."""
+
+    def __init__(self, net: torch.nn.Module, cond: bool) -> None:
+        super().__init__()
+        self.net, self.cond = net, cond
+
+    def forward(self, latents: torch.Tensor, context: torch.Tensor | None = None
+                ) -> dict[str, torch.Tensor]:
+        noise = torch.randn_like(latents)
+        t = torch.randint(0, 1000, (latents.shape[0],))
+        alpha = (1 - t.float() / 1000).view(-1, 1, 1, 1)
+        noisy = alpha.sqrt() * latents + (1 - alpha).sqrt() * noise
+        kw = {"encoder_hidden_states": context} if self.cond else {}
+        pred = self.net(noisy, t, **kw).sample
+        return {"loss": torch.nn.functional.mse_loss(pred, noise)}
+
+
+def _unet_cross() -> Case:
+    import diffusers
+
+    torch.manual_seed(0)
+    net = diffusers.UNet2DConditionModel(
+        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1,
+        block_out_channels=(32, 64), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=32,
+        attention_head_dim=8, norm_num_groups=8)
+    g = torch.Generator().manual_seed(1)
+    return _Diffusion(net, True).train(), {
+        "latents": torch.randn(2, 4, 8, 8, generator=g),
+        "context": torch.randn(2, 5, 32, generator=g)}, None
+
+
+def _dit() -> Case:
+    import diffusers
+
+    torch.manual_seed(0)
+    net = diffusers.DiTTransformer2DModel(
+        num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
+        num_layers=2, sample_size=8, patch_size=2, num_embeds_ada_norm=1000, dropout=0.1)
+
+    class _DiT(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = net
+
+        def forward(self, x: torch.Tensor, t: torch.Tensor) -> Any:
+            return self.net(x, timestep=t, class_labels=torch.zeros_like(t))
+    g = torch.Generator().manual_seed(1)
+    return _Diffusion(_DiT(), False).train(), {
+        "latents": torch.randn(2, 4, 8, 8, generator=g)}, None
+
+
+class _VAEStep(torch.nn.Module):
+    def __init__(self, vae: torch.nn.Module) -> None:
+        super().__init__()
+        self.vae = vae
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        dist = self.vae.encode(x).latent_dist
+        z = dist.sample()  # torch.randn inside
+        rec = self.vae.decode(z).sample
+        return {"loss": torch.nn.functional.mse_loss(rec, x) + 1e-3 * dist.kl().mean()}
+
+
+def _vae() -> Case:
+    import diffusers
+
+    torch.manual_seed(0)
+    vae = diffusers.AutoencoderKL(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(16, 32),
+        latent_channels=4, norm_num_groups=8, sample_size=16)
+    g = torch.Generator().manual_seed(1)
+    return _VAEStep(vae).train(), {"x": torch.randn(2, 3, 16, 16, generator=g)}, None
+
+
+# -- training patterns on a tiny GPT-2 with dropout ----------------------------------------
+def _hooks() -> Case:
+    model, batch, loss_fn = _gpt2(resid_pdrop=0.1)()
+    grads = []
+    model.transformer.h[0].mlp.register_full_backward_hook(
+        lambda m, gi, go: grads.append(go[0].sum().item()) or None)
+    model.transformer.h[1].attn.register_full_backward_hook(
+        lambda m, gi, go: tuple(None if g is None else g * 0.5 for g in gi))
+    model.transformer.h[0].register_forward_hook(
+        lambda m, i, o: (o[0] * 1.25,) + tuple(o[1:]) if isinstance(o, tuple) else o * 1.25)
+    return model, batch, loss_fn
+
+
+class _NoGradInside(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)
+        self.stat = torch.nn.Linear(32, 32)
+        self.drop = torch.nn.Dropout(0.2)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = torch.relu(self.a(x))
+        with torch.no_grad():
+            scale = self.stat(x).sigmoid()
+            scale = self.drop(scale)
+        y = self.b(self.drop(h)) * scale
+        with torch.no_grad():
+            y.mul_(1.0)  # in place on an activation under no_grad
+        return {"loss": y.tanh().pow(2).mean()}
+
+
+def _no_grad_inside() -> Case:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    return _NoGradInside().train(), {"x": torch.randn(256, 32, generator=g)}, None
+
+
+class _Normed(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        pz = torch.nn.utils.parametrizations
+        self.a = pz.weight_norm(torch.nn.Linear(32, 64))
+        self.b = pz.spectral_norm(torch.nn.Linear(64, 64), n_power_iterations=2)
+        self.c = pz.spectral_norm(torch.nn.Linear(64, 8))
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = torch.nn.functional.gelu(self.a(x))
+        h = torch.nn.functional.dropout(torch.tanh(self.b(h)), 0.1, self.training)
+        return {"loss": self.c(h).logsumexp(-1).mean()}
+
+
+def _norms() -> Case:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    return _Normed().train(), {"x": torch.randn(256, 32, generator=g)}, None
+
+
+CASES: dict[str, Callable[[], Case]] = {
+    "peft_lora_llama": _peft("lora", _tf("LlamaConfig", "LlamaForCausalLM", **_LLAMA),
+                             target_modules=["q_proj", "v_proj", "gate_proj"]),
+    "peft_lora_gpt2": _peft("lora", _gpt2(), target_modules=["c_attn", "c_fc"],
+                            fan_in_fan_out=True),
+    "peft_dora_llama": _peft("lora", _tf("LlamaConfig", "LlamaForCausalLM", **_LLAMA),
+                             target_modules=["q_proj", "v_proj"], use_dora=True),
+    "peft_lora_save_cls": _peft(
+        "lora", _tf("LlamaConfig", "LlamaForSequenceClassification", _cls_batch,
+                    **_LLAMA, num_labels=2, pad_token_id=0),
+        target_modules=["q_proj", "v_proj"], modules_to_save=["score"]),
+    "peft_prompt_gpt2": _peft("prompt", _gpt2()),
+    "albert": _tf("AlbertConfig", "AlbertForMaskedLM", embedding_size=16,
+                  hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1, **_SMALL),
+    "reformer": _reformer,
+    "xlnet": _xlnet,
+    "clip": _clip,
+    "whisper": _whisper,
+    "gpt_neox": _tf("GPTNeoXConfig", "GPTNeoXForCausalLM", rotary_pct=0.5,
+                    attention_dropout=0.1, hidden_dropout=0.1, **_SMALL),
+    "phi": _tf("PhiConfig", "PhiForCausalLM", partial_rotary_factor=0.5,
+               attention_dropout=0.1, resid_pdrop=0.1, **_SMALL),
+    "gemma": _tf("GemmaConfig", "GemmaForCausalLM", head_dim=8, **_LLAMA),
+    "qwen2": _tf("Qwen2Config", "Qwen2ForCausalLM", attention_dropout=0.1, **_LLAMA),
+    "distilbert_dropout": _tf("DistilBertConfig", "DistilBertForMaskedLM", dim=32, n_layers=2,
+                              n_heads=4, hidden_dim=64, vocab_size=96, dropout=0.2,
+                              attention_dropout=0.2, max_position_embeddings=64),
+    "gpt2_dropout": _gpt2(attn_pdrop=0.2, resid_pdrop=0.2, embd_pdrop=0.1),
+    "llama_attn_dropout": _tf("LlamaConfig", "LlamaForCausalLM", attention_dropout=0.2,
+                              **_LLAMA),
+    "mixtral_jitter": _tf("MixtralConfig", "MixtralForCausalLM", num_local_experts=4,
+                          num_experts_per_tok=2, router_jitter_noise=0.1,
+                          output_router_logits=True, **_LLAMA),
+    "esm": _tf("EsmConfig", "EsmForMaskedLM", hidden_dropout_prob=0.1,
+               attention_probs_dropout_prob=0.1, pad_token_id=1, mask_token_id=2,
+               token_dropout=True, position_embedding_type="rotary", **_SMALL),
+    "electra": _tf("ElectraConfig", "ElectraForMaskedLM", embedding_size=16,
+                   hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1, **_SMALL),
+    "bert_cross_attention": _bert_cross,
+    "diffusers_vae": _vae,
+    "diffusers_unet_cross": _unet_cross,
+    "diffusers_dit": _dit,
+    "hooks": _hooks,
+    "no_grad_inside": _no_grad_inside,
+    "weight_spectral_norm": _norms,
+}
+NEEDS = {"diffusers_vae": "diffusers", "diffusers_unet_cross": "diffusers",
+         "diffusers_dit": "diffusers"}
+
+
+def _call(model: torch.nn.Module, batch: Mapping) -> Any:
+    return model(**batch)
+
+
+def _loss_of(out: Any, loss_fn: Callable | None) -> torch.Tensor:
+    loss = getattr(out, "loss", None)
+    if loss is None and isinstance(out, Mapping):
+        loss = out.get("loss")
+    return loss if loss is not None else loss_fn(out)
+
+
+def _backward(model: torch.nn.Module, loss: torch.Tensor, how: str) -> None:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if how == "grad":  # torch.autograd.grad, the gradients set by hand
+        for p, g in zip(params, torch.autograd.grad(loss, params, allow_unused=True),
+                        strict=True):
+            p.grad = g if p.grad is None or g is None else p.grad + g
+    elif how == "inputs":  # backward(inputs=[...]): half the parameters
+        loss.backward(inputs=params[::2])
+    else:
+        loss.backward()
+
+
+def train(model: torch.nn.Module, batches: list[dict], loss_fn: Callable | None, *,
+          block: Callable[[int, dict], Any] | None = None, how: str = "backward",
+          bf16: bool = False, eval_at: int | None = None) -> tuple[list[dict], dict]:
+    """STEPS AdamW steps; each step runs every micro-batch of ``batches`` (gradients
+    accumulated), each forward and loss inside ``block(step, batch)``."""
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                  lr=1e-3, weight_decay=0.05)
+    records, info = [], {"verified": 0, "off_path": 0, "offloaded": 0, "recomputed": 0}
+    for step in range(STEPS):
+        model.train(step != eval_at)
+        torch.manual_seed(100 + step)
+        rec: dict[str, Any] = {}
+        for i, batch in enumerate(batches):
+            cm = block(step, batch) if block is not None else contextlib.nullcontext()
+            amp = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 \
+                else contextlib.nullcontext()
+            with amp, cm:
+                loss = _loss_of(_call(model, batch), loss_fn)
+            _backward(model, loss, how)
+            rec[f"loss {i}"] = loss.detach().clone()
+            del loss
+            stats = getattr(cm, "stats", None)
+            if stats is not None:
+                info["verified"] += getattr(stats, "verified", 0)
+                info["off_path"] += bool(getattr(stats, "off_path", False))
+                info["offloaded"] += getattr(stats, "offloaded_bytes", 0)
+                info["recomputed"] += getattr(stats, "recomputed_ops", 0) or 0
+        for n, p in model.named_parameters():
+            rec[f"grad {n}"] = None if p.grad is None else p.grad.clone()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        for n, p in model.named_parameters():
+            rec[f"param {n}"] = p.detach().clone()
+        for n, b in model.named_buffers():
+            rec[f"buffer {n}"] = b.detach().clone()
+        rec["rng"] = torch.get_rng_state()
+        records.append(rec)
+    if getattr(model, "scout_os_seeded", False):
+        for rec in records:
+            del rec["rng"]
+    return records, info
+
+
+def _micro(batch: dict) -> list[dict]:
+    """Two micro-batches of other sequence lengths (gradient accumulation)."""
+    length = batch["input_ids"].shape[1]
+    short = {k: (v[:, :-4].contiguous() if v.dim() == 2 and v.shape[1] == length else v)
+             for k, v in batch.items()}
+    return [batch, short]
+
+
+EXTRAS = ["grad", "inputs", "attach", "accumulate", "eval_mid", "bf16"]
+
+
+def _extra(kind: str, pristine: torch.nn.Module, batch: dict, loss_fn: Callable | None,
+           profile: slackswap.StepProfile | None) -> tuple[list[dict], dict]:
+    model = copy.deepcopy(pristine)
+    if kind in ("grad", "inputs"):
+        if profile is None:
+            raise InputError("no profile to plan from")
+        plan = slackswap.plan(profile, 0.5)
+        got, info = train(model, [batch], loss_fn, how=kind, block=lambda _s, _b:
+                          slackswap.apply(model, plan, profile=profile, verify=True))
+        ref, _ = train(copy.deepcopy(pristine), [batch], loss_fn, how=kind)
+    elif kind == "bf16":
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            plan = slackswap.plan(model, batch, budget=0.5, loss_fn=loss_fn)
+        got, info = train(model, [batch], loss_fn, bf16=True,
+                          block=lambda _s, _b: slackswap.apply(model, plan, verify=True))
+        ref, _ = train(copy.deepcopy(pristine), [batch], loss_fn, bf16=True)
+    elif kind in ("attach", "eval_mid"):
+        eval_at = 1 if kind == "eval_mid" else None
+        with slackswap.attach(model, budget=0.5, loss_fn=loss_fn):
+            got, info = train(model, [batch], loss_fn, eval_at=eval_at)
+        ref, _ = train(copy.deepcopy(pristine), [batch], loss_fn, eval_at=eval_at)
+    elif kind == "accumulate":
+        if "input_ids" not in batch:
+            raise InputError("accumulate: no sequence batch here")
+        step = slackswap.auto(model, budget=0.5, loss_fn=loss_fn)
+        got, info = train(model, _micro(batch), loss_fn, block=lambda _s, b: step(b))
+        ref, _ = train(copy.deepcopy(pristine), _micro(batch), loss_fn)
+    else:
+        raise ValueError(kind)
+    info["own_reference"] = compare(got, ref)
+    return got, info
+
+
+def _run_one(label: str, fn: Callable[[], tuple[list, dict]], want: list[dict] | None,
+             results: dict) -> None:
+    t0 = time.time()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got, info = fn()
+        diff = info["own_reference"] if "own_reference" in info else compare(got, want)
+        status = "FAIL" if diff else "PASS"
+        detail = diff or (f"verified={info['verified']} off_path={info['off_path']} "
+                          f"offloaded={info['offloaded']} recomputed={info['recomputed']}")
+    except SlackSwapError as e:
+        status, detail = "REFUSED", str(e).splitlines()[0][:300]
+    except Exception as e:  # noqa: BLE001
+        status = "FAIL"
+        tb = traceback.format_exc().splitlines()
+        detail = f"{type(e).__name__}: {str(e)[:300]} | " + " / ".join(tb[-6:-1])[:600]
+    results[label] = {"status": status, "detail": detail, "s": round(time.time() - t0, 1)}
+    print(f"  {label:<18} {status:<8} {time.time() - t0:5.1f}s {detail}", flush=True)
+
+
+def scout(name: str, modes: list[str], extras: list[str]) -> dict:
+    needs = NEEDS.get(name) or getattr(CASES[name], "needs", None)
+    if needs and importlib.util.find_spec(needs) is None:
+        print(f"{name}: skipped, {needs} is not installed")
+        return {"build": {"status": "SKIP", "detail": f"{needs} not installed"}}
+    results: dict[str, Any] = {}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pristine, batch, loss_fn = CASES[name]()
+            want, _ = train(copy.deepcopy(pristine), [batch], loss_fn)
+            again, _ = train(copy.deepcopy(pristine), [batch], loss_fn)
+    except Exception as e:  # noqa: BLE001
+        print(f"{name}: build or plain step failed: {type(e).__name__}: {e}"[:400])
+        return {"build": {"status": "SKIP", "detail": f"{type(e).__name__}: {e}"[:200]}}
+    if (d := compare(again, want)) is not None:
+        print(f"{name}: plain PyTorch not deterministic: {d}")
+        return {"reference": {"status": "SKIP", "detail": d}}
+    print(f"{name} ({sum(p.numel() for p in pristine.parameters())} params)", flush=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            profile = slackswap.profile(copy.deepcopy(pristine), copy.deepcopy(batch),
+                                        mode="traced", loss_fn=loss_fn)
+        plans = plans_for(profile, modes)
+    except SlackSwapError as e:
+        results["profile"] = {"status": "REFUSED", "detail": str(e).splitlines()[0][:300]}
+        print(f"  profile REFUSED {str(e).splitlines()[0][:300]}", flush=True)
+        plans, profile = {}, None
+    for mode in list(plans):
+        box = [plans.pop(mode)]
+        if isinstance(box[0], str):
+            results[mode] = {"status": "NOPLAN", "detail": box[0]}
+            print(f"  {mode:<18} NOPLAN   {box[0]}", flush=True)
+            continue
+
+        def fn(box: list = box) -> tuple[list, dict]:
+            plan, model = box.pop(), copy.deepcopy(pristine)
+            return train(model, [batch], loss_fn, block=lambda _s, _b: slackswap.apply(
+                model, plan, profile=profile, verify=True))
+        _run_one(mode, fn, want, results)
+    for kind in extras:
+        _run_one(kind, lambda kind=kind: _extra(kind, pristine, batch, loss_fn, profile),
+                 None, results)
+    return results
+
+
+def _table(everything: dict) -> None:
+    word = {"PASS": "identical", "REFUSED": "refused", "FAIL": "MISMATCH",
+            "NOPLAN": "no plan", "SKIP": "skipped"}
+    print(f"\n{'case':<22} outcome")
+    for name, res in everything.items():
+        for label, r in res.items():
+            reason = f" ({r['detail'][:120]})" if r["status"] not in ("PASS",) else ""
+            print(f"{name:<22} {label:<16} {word[r['status']]}{reason}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("cases", nargs="*", default=list(CASES))
+    ap.add_argument("--modes", default=",".join(PLAN_MODES))
+    ap.add_argument("--extra", default=",".join(EXTRAS))
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    everything = {}
+    for name in args.cases:
+        everything[name] = scout(name, [m for m in args.modes.split(",") if m],
+                                 [e for e in args.extra.split(",") if e])
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(everything, f, indent=1)
+    _table(everything)
+
+
+if __name__ == "__main__":
+    main()
