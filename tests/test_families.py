@@ -238,3 +238,40 @@ def test_a_family_that_draws_in_forward_trains_as_plain_pytorch_within_budget(
             measured(batch).backward()
     assert memory.peak <= plan.budget_bytes + SCALARS, (memory.peak, plan.budget_bytes)
     _assert_same(_train(model, (batch,), plan), _train(reference, (batch,)))
+
+
+class _GrowingCache(nn.Module):
+    """A cache the forward registers again, longer, when a batch outgrows it, as a
+    dynamic RoPE's ``inv_freq`` (transformers' ``rope_type="dynamic"``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 4)
+        self.register_buffer("freq", torch.linspace(0.5, 1.5, 32), persistent=False)
+        self.cached = 8
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] > self.cached:  # the same shape, other values
+            self.register_buffer("freq", self.freq * 8 / x.shape[1], persistent=False)
+            self.cached = x.shape[1]
+        h = F.gelu(self.a(x) * self.freq)
+        return self.b(F.dropout(h, 0.1, self.training)).logsumexp(-1).mean()
+
+
+def test_a_buffer_the_step_registers_again_is_put_back() -> None:
+    """The profiled step's buffers were compared by the tensor each name held before the
+    step, so a buffer the step replaced (``register_buffer`` again) raised a KeyError out
+    of ``slackswap.plan`` (Llama with ``rope_scaling={"rope_type": "dynamic"}`` on a batch
+    longer than its positions). Now the old buffer and the module's counter are put back,
+    and training under the plan is plain PyTorch's bit for bit."""
+    torch.manual_seed(0)
+    model = _GrowingCache().train()
+    reference = copy.deepcopy(model)
+    batch = (torch.randn(32, 12, 16, generator=torch.Generator().manual_seed(1)),)
+    freq = model.freq
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = slackswap.plan(model, batch, budget=0.8, hardware="a100-80gb")
+    assert model.freq is freq and model.cached == 8
+    assert any(d != "keep" for d in plan.decisions.values())
+    _assert_same(_train(model, batch, plan, steps=3), _train(reference, batch, steps=3))

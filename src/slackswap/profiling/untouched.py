@@ -305,8 +305,11 @@ def leaves_no_trace(model: torch.nn.Module, batch: Iterable[torch.Tensor] = (),
             _DRAWN[model] = guard.drawn  # NOTE [generators a profiled step drew from]
         guard.host_random = host_random.changed() or attributes.drew()
         host_random.restore()
+        # a buffer the step replaced (``register_buffer`` again: a dynamic RoPE's
+        # ``inv_freq`` past its cached length) is no resize: the registry is put back below
         guard.resized = {name: (list(buffers[b].shape), list(b.shape))
-                         for name, b in model.named_buffers() if b.shape != buffers[b].shape}
+                         for name, b in model.named_buffers()
+                         if b in buffers and b.shape != buffers[b].shape}
         with torch.no_grad():
             for buffer, saved in buffers.items():
                 if buffer.shape != saved.shape:  # resized in place: a per-channel
