@@ -311,3 +311,52 @@ def test_a_buffer_the_first_try_resized_is_put_back_before_the_second() -> None:
     assert torch.equal(planned.calls, plain.calls)
     for (name, p), q in zip(planned.named_parameters(), plain.parameters(), strict=True):
         assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad), name
+
+
+class _PythonCounting(torch.nn.Module):
+    """Layers skipped at random, and a Python attribute counting the calls that the
+    forward reads (a schedule's step counter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(8))
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        x = x / self.calls
+        for layer in self.layers:
+            if torch.rand(()) > 0.5:
+                x = torch.tanh(layer(x))
+        return x.square().mean()
+
+
+def test_a_python_attribute_the_first_try_set_is_put_back_before_the_second() -> None:
+    """NOTE [a step off the profiled path]: the runtime put back the buffers and the RNG
+    before running a step again, but not the modules' Python attributes, so a call
+    counter the forward reads counted the step twice: that step and every later one
+    differed from plain PyTorch, silently. The profile names the attributes its step set
+    (``changed_attributes``) and the runtime puts those back too."""
+    torch.manual_seed(0)
+    model, x = _PythonCounting(), torch.randn(256, 64)
+    torch.manual_seed(0)
+    profile = slackswap.profile(copy.deepcopy(model), x, mode="traced")
+    assert profile.changed_attributes == {"": ["calls"]} and model.calls == 0
+    plan = slackswap.plan(profile, 0.7, "a100-80gb")
+    planned, plain = copy.deepcopy(model), copy.deepcopy(model)
+    block, off_path = slackswap.apply(planned, plan, profile=profile), 0
+    for seed in range(1, 8):
+        torch.manual_seed(seed)
+        with warnings.catch_warnings(), block:
+            warnings.simplefilter("ignore", PathNotice)
+            loss = planned(x)
+        loss.backward()
+        off_path += block.stats.off_path
+        torch.manual_seed(seed)
+        want = plain(x)
+        want.backward()
+        assert torch.equal(loss, want), seed
+        for (name, p), q in zip(planned.named_parameters(), plain.parameters(), strict=True):
+            assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad), name
+    assert off_path, "no seed took another path"
+    assert planned.calls == plain.calls == 7

@@ -241,6 +241,11 @@ class StepProfile(JsonFile, _Record):
     # resized] in ``runtime/block.py``). Left out when none
     resized_buffers: dict[str, tuple[list[NonNegativeInt], list[NonNegativeInt]]] = Field(
         default_factory=dict, exclude_if=lambda v: not v)
+    # the modules' Python attributes the step set (a call counter, a cache's length), by
+    # module name: the runtime puts them back with the buffers before it runs a step
+    # again off the profiled path (NOTE [a step off the profiled path]). Left out when none
+    changed_attributes: dict[str, list[str]] = Field(default_factory=dict,
+                                                     exclude_if=lambda v: not v)
 
     @pydantic.model_validator(mode="after")
     def _consistent(self) -> StepProfile:

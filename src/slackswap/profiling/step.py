@@ -131,12 +131,10 @@ def profile(
         device=device,
         layers=transformer_blocks(model),
         model_state_bytes=state_bytes,
-        ops=rec.ops,
-        tensors=rec.tensors,
-        saves=rec.saves,
-        module_events=rec.module_events,
-        model_saves=rec.model_saves,
+        ops=rec.ops, tensors=rec.tensors, saves=rec.saves,
+        module_events=rec.module_events, model_saves=rec.model_saves,
         host_random=guard.host_random, resized_buffers=guard.resized,
+        changed_attributes=guard.attributes,
     )
 
 

@@ -82,6 +82,8 @@ class StateGuard(TorchDispatchMode):
         self.drawn: list[torch.Generator] = []  # them, once put back
         # buffers the step resized in place: name -> (shape before, shape after)
         self.resized: dict[str, tuple[list[int], list[int]]] = {}
+        # the modules' Python attributes the step set: module name -> attribute names
+        self.attributes: dict[str, list[str]] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -142,6 +144,21 @@ class _Attributes:
                     kept[name] = _GeneratorState(value)
             self.saved.append((module, set(attrs), kept))
 
+    def changed(self, model: torch.nn.Module) -> dict[str, list[str]]:
+        """The attributes the step rebound or added (not containers or generators), by
+        module name (NOTE [a step off the profiled path])."""
+        names = {id(m): n for n, m in model.named_modules()}
+        out: dict[str, list[str]] = {}
+        for module, before, kept in self.saved:
+            attrs = vars(module)
+            rebound = [n for n, v in kept.items() if not isinstance(v, (_Contents,
+                       _GeneratorState)) and attrs.get(n, _MISSING) is not v]
+            added = [n for n, v in attrs.items() if n not in before
+                     and isinstance(v, (*_SCALARS, tuple, torch.Tensor))]
+            if (rebound or added) and id(module) in names:
+                out[names[id(module)]] = sorted(rebound + added)
+        return out
+
     def drew(self) -> bool:
         """Whether the step drew from a generator a module holds."""
         return any(v.changed() for _, _, kept in self.saved for v in kept.values()
@@ -163,6 +180,30 @@ class _Attributes:
 
 
 _MISSING = object()
+
+
+class HeldAttributes:
+    """Some modules' Python attributes as they were (or their absence), put back by
+    :meth:`restore`: those the profiled step set, before a step runs again."""
+
+    __slots__ = ("values",)
+
+    def __init__(self, model: torch.nn.Module, names: dict[str, list[str]]) -> None:
+        self.values: list[tuple[dict[str, Any], str, Any]] = []
+        for module_name, attributes in names.items():
+            try:
+                module = model.get_submodule(module_name)
+            except AttributeError:  # not in this model: nothing of it to put back
+                continue
+            attrs = vars(module)
+            self.values += [(attrs, n, attrs.get(n, _MISSING)) for n in attributes]
+
+    def restore(self) -> None:
+        for attrs, name, value in self.values:
+            if value is _MISSING:
+                attrs.pop(name, None)
+            else:
+                attrs[name] = value
 
 
 class _Contents:
@@ -304,6 +345,7 @@ def leaves_no_trace(model: torch.nn.Module, batch: Iterable[torch.Tensor] = (),
         if guard.drawn:  # (an analytic step, on fake tensors, draws from none)
             _DRAWN[model] = guard.drawn  # NOTE [generators a profiled step drew from]
         guard.host_random = host_random.changed() or attributes.drew()
+        guard.attributes = attributes.changed(model)
         host_random.restore()
         # a buffer the step replaced (``register_buffer`` again: a dynamic RoPE's
         # ``inv_freq`` past its cached length) is no resize: the registry is put back below

@@ -45,7 +45,7 @@ from slackswap.profiling.step import (
     refusing_saved_tensor_hooks,
     wrappers,
 )
-from slackswap.profiling.untouched import drawn_from
+from slackswap.profiling.untouched import HeldAttributes, drawn_from
 from slackswap.runtime.checks import offload_deadlines, prepare, shapes_differ
 from slackswap.runtime.copies import copies_for
 from slackswap.runtime.recording import Recorder
@@ -425,9 +425,12 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
             drew = self._profile is None or self._profile.host_random
             # generators passed to the call, and those the profiled step drew from
             # (NOTE [generators a profiled step drew from])
+            # and the Python attributes it set (NOTE [a step off the profiled path])
+            changed = self._profile.changed_attributes if self._profile is not None else None
+            held = HeldAttributes(eager_module(module), changed) if changed else None
             self._before = StateBefore(self._buffers, self._device, self.values.copies,
                                        self._modules if drew else None,
-                                       (*args, *kwargs.values(), *drawn_from(module)))
+                                       (*args, *kwargs.values(), *drawn_from(module)), held)
         self._handling = sys.exc_info()[1]  # the model may be called in an except block
 
     def _forward_done(self, module: torch.nn.Module, args: tuple, output: Any) -> None:

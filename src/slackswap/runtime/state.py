@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from slackswap.profiling.untouched import HostRandom, held_generators
+from slackswap.profiling.untouched import HeldAttributes, HostRandom, held_generators
 from slackswap.runtime.recipes import (
     Node,
     Step,
@@ -113,11 +113,16 @@ class StateBefore:
     the model's profiled step drew from (a global: NOTE [generators a profiled step drew
     from]), is put back too."""
 
-    __slots__ = ("buffers", "copies", "rng", "device", "host_random", "generators")
+    __slots__ = ("buffers", "copies", "rng", "device", "host_random", "generators",
+                 "attributes")
 
     def __init__(self, buffers: list[torch.Tensor], device: torch.device | None,
                  host: Any, host_random: list[torch.nn.Module] | None = None,
-                 arguments: Iterable[Any] = ()) -> None:
+                 arguments: Iterable[Any] = (),
+                 attributes: HeldAttributes | None = None) -> None:
+        # the Python attributes the profiled step set (a call counter): a step run again
+        # would set them twice
+        self.attributes = attributes
         self.device = device if device is not None and device.type == "cuda" else None
         self.rng = rng_state(self.device)
         self.host_random = HostRandom() if host_random is not None else None
@@ -136,6 +141,8 @@ class StateBefore:
                 if b.dtype == copy.dtype:
                     b.copy_(copy, non_blocking=True)  # after the snapshot, in stream order
         set_rng_state(self.rng, self.device)
+        if self.attributes is not None:
+            self.attributes.restore()
         if self.host_random is not None:
             self.host_random.restore()
         for generator in self.generators:
