@@ -75,19 +75,22 @@ def _gpt2(**kw: Any) -> Callable[[], Case]:
                vocab_size=96, n_positions=64, **kw)
 
 
-def _peft(adapter: str, base: Callable[[], Case], **kw: Any) -> Callable[[], Case]:
+def _peft(adapter: str, base: Callable[[], Case], input_grads: bool = False,
+          bf16_base: bool = False, **kw: Any) -> Callable[[], Case]:
     def build() -> Case:
         import peft
 
         model, batch, loss_fn = base()
+        if bf16_base:  # frozen base weights in bf16, adapters upcast to fp32 by peft
+            model = model.to(torch.bfloat16)
         torch.manual_seed(0)
         if adapter == "lora":
             config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, **kw)
         else:
             config = peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
         model = peft.get_peft_model(model, config).train()
-        if adapter == "prompt":  # labels cover the virtual tokens too
-            batch = dict(batch)
+        if input_grads:  # as peft's prepare_model_for_kbit_training: a forward hook on
+            model.enable_input_require_grads()  # the embeddings sets requires_grad_
         return model, batch, loss_fn
     build.needs = "peft"  # type: ignore[attr-defined]
     return build
@@ -318,6 +321,10 @@ CASES: dict[str, Callable[[], Case]] = {
                     **_LLAMA, num_labels=2, pad_token_id=0),
         target_modules=["q_proj", "v_proj"], modules_to_save=["score"]),
     "peft_prompt_gpt2": _peft("prompt", _gpt2()),
+    "peft_lora_bf16_base": _peft("lora", _tf("LlamaConfig", "LlamaForCausalLM", **_LLAMA),
+                                 bf16_base=True, target_modules=["q_proj", "v_proj"]),
+    "peft_lora_input_grads": _peft("lora", _tf("LlamaConfig", "LlamaForCausalLM", **_LLAMA),
+                                   input_grads=True, target_modules=["q_proj", "v_proj"]),
     "albert": _tf("AlbertConfig", "AlbertForMaskedLM", embedding_size=16,
                   hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1, **_SMALL),
     "reformer": _reformer,
@@ -334,6 +341,10 @@ CASES: dict[str, Callable[[], Case]] = {
                               n_heads=4, hidden_dim=64, vocab_size=96, dropout=0.2,
                               attention_dropout=0.2, max_position_embeddings=64),
     "gpt2_dropout": _gpt2(attn_pdrop=0.2, resid_pdrop=0.2, embd_pdrop=0.1),
+    "llama_dynamic_rope": _tf("LlamaConfig", "LlamaForCausalLM",
+                              lambda: _lm_batch(length=40), attention_dropout=0.1,
+                              rope_scaling={"rope_type": "dynamic", "factor": 2.0},
+                              **dict(_LLAMA, max_position_embeddings=32)),
     "llama_attn_dropout": _tf("LlamaConfig", "LlamaForCausalLM", attention_dropout=0.2,
                               **_LLAMA),
     "mixtral_jitter": _tf("MixtralConfig", "MixtralForCausalLM", num_local_experts=4,
@@ -425,7 +436,8 @@ def train(model: torch.nn.Module, batches: list[dict], loss_fn: Callable | None,
 def _micro(batch: dict) -> list[dict]:
     """Two micro-batches of other sequence lengths (gradient accumulation)."""
     length = batch["input_ids"].shape[1]
-    short = {k: (v[:, :-4].contiguous() if v.dim() == 2 and v.shape[1] == length else v)
+    short = {k: (v[:, :-4].contiguous() if torch.is_tensor(v) and v.dim() == 2
+                 and v.shape[1] == length else v)
              for k, v in batch.items()}
     return [batch, short]
 
@@ -451,8 +463,11 @@ def _extra(kind: str, pristine: torch.nn.Module, batch: dict, loss_fn: Callable 
         ref, _ = train(copy.deepcopy(pristine), [batch], loss_fn, bf16=True)
     elif kind in ("attach", "eval_mid"):
         eval_at = 1 if kind == "eval_mid" else None
-        with slackswap.attach(model, budget=0.5, loss_fn=loss_fn):
+        attached = slackswap.attach(model, budget=0.5, loss_fn=loss_fn)
+        with attached:
             got, info = train(model, [batch], loss_fn, eval_at=eval_at)
+            stats = attached.stats  # the last step's
+            info.update(offloaded=stats.offloaded_bytes, recomputed=stats.recomputed_ops)
         ref, _ = train(copy.deepcopy(pristine), [batch], loss_fn, eval_at=eval_at)
     elif kind == "accumulate":
         if "input_ids" not in batch:
