@@ -145,18 +145,27 @@ class _Attributes:
             self.saved.append((module, set(attrs), kept))
 
     def changed(self, model: torch.nn.Module) -> dict[str, list[str]]:
-        """The attributes the step rebound or added (not containers or generators), by
-        module name (NOTE [a step off the profiled path])."""
+        """The attributes the step rebound, added or refilled (a list it appended to;
+        not torch's registries, ``_buffers`` and the like, nor generators), by module name
+        (NOTE [a step off the profiled path])."""
         names = {id(m): n for n, m in model.named_modules()}
+        # a step that registered hooks (transformers' output capturing, on a model's first
+        # call) marks that in private attributes: put back without the hooks, a step run
+        # again would register them twice
+        hooked = any(n.startswith("_") and isinstance(v, _Contents) and _refilled(v)
+                     for _, _, kept in self.saved for n, v in kept.items())
         out: dict[str, list[str]] = {}
         for module, before, kept in self.saved:
             attrs = vars(module)
-            rebound = [n for n, v in kept.items() if not isinstance(v, (_Contents,
-                       _GeneratorState)) and attrs.get(n, _MISSING) is not v]
+            rebound = [n for n, v in kept.items() if (
+                not n.startswith("_") and _refilled(v, attrs.get(n, _MISSING))
+                if isinstance(v, _Contents)
+                else not isinstance(v, _GeneratorState) and attrs.get(n, _MISSING) is not v)]
             added = [n for n, v in attrs.items() if n not in before
                      and isinstance(v, (*_SCALARS, tuple, torch.Tensor))]
-            if (rebound or added) and id(module) in names:
-                out[names[id(module)]] = sorted(rebound + added)
+            changed = [n for n in rebound + added if not (hooked and n.startswith("_"))]
+            if changed and id(module) in names:
+                out[names[id(module)]] = sorted(changed)
         return out
 
     def drew(self) -> bool:
@@ -182,6 +191,16 @@ class _Attributes:
 _MISSING = object()
 
 
+def _refilled(kept: _Contents, now: Any = None) -> bool:
+    """Whether a container the step reached was rebound (to ``now``) or refilled."""
+    if now is not None and now is not kept.container:
+        return True
+    try:
+        return bool(kept.container != kept.contents)
+    except Exception:  # noqa: BLE001 - elements that cannot compare: changed, maybe
+        return True
+
+
 class HeldAttributes:
     """Some modules' Python attributes as they were (or their absence), put back by
     :meth:`restore`: those the profiled step set, before a step runs again."""
@@ -189,21 +208,26 @@ class HeldAttributes:
     __slots__ = ("values",)
 
     def __init__(self, model: torch.nn.Module, names: dict[str, list[str]]) -> None:
-        self.values: list[tuple[dict[str, Any], str, Any]] = []
+        self.values: list[tuple[dict[str, Any], str, Any, _Contents | None]] = []
         for module_name, attributes in names.items():
             try:
                 module = model.get_submodule(module_name)
             except AttributeError:  # not in this model: nothing of it to put back
                 continue
             attrs = vars(module)
-            self.values += [(attrs, n, attrs.get(n, _MISSING)) for n in attributes]
+            for name in attributes:
+                value = attrs.get(name, _MISSING)
+                self.values.append((attrs, name, value, _Contents(value) if isinstance(
+                    value, _CONTAINERS) else None))
 
     def restore(self) -> None:
-        for attrs, name, value in self.values:
+        for attrs, name, value, contents in self.values:
             if value is _MISSING:
                 attrs.pop(name, None)
             else:
                 attrs[name] = value
+                if contents is not None:  # a list the step appended to, refilled
+                    contents.restore()
 
 
 class _Contents:
