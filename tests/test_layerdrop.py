@@ -320,14 +320,18 @@ class _PythonCounting(torch.nn.Module):
     def __init__(self, kind: str) -> None:
         super().__init__()
         self.layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(8))
-        self.kind, self.calls, self.seen = kind, 0, []
+        self.kind, self.calls, self.seen, self.mem = kind, 0, [], torch.zeros(())
 
     def forward(self, x):
         if self.kind == "int":
             self.calls += 1
-        else:  # a list the forward appends to
+        elif self.kind == "list":  # a list the forward appends to
             self.seen.append(x.shape[0])
             self.calls = len(self.seen)
+        else:  # a tensor held as a plain attribute (no buffer), counted in place
+            with torch.no_grad():
+                self.mem.add_(1)
+            self.calls = int(self.mem)
         x = x / self.calls
         for layer in self.layers:
             if torch.rand(()) > 0.5:
@@ -335,18 +339,20 @@ class _PythonCounting(torch.nn.Module):
         return x.square().mean()
 
 
-@pytest.mark.parametrize("kind", ["int", "list"])
+@pytest.mark.parametrize("kind", ["int", "list", "tensor"])
 def test_a_python_attribute_the_first_try_set_is_put_back_before_the_second(kind) -> None:
     """NOTE [a step off the profiled path]: the runtime put back the buffers and the RNG
     before running a step again, but not the modules' Python attributes, so a call
     counter the forward reads counted the step twice: that step and every later one
-    differed from plain PyTorch, silently. The profile names the attributes its step set
-    or refilled (``changed_attributes``) and the runtime puts those back too."""
+    differed from plain PyTorch, silently. The profile names the attributes its step set,
+    refilled or wrote in place (``changed_attributes``) and the runtime puts those back
+    too."""
     torch.manual_seed(0)
     model, x = _PythonCounting(kind), torch.randn(256, 64)
     torch.manual_seed(0)
     profile = slackswap.profile(copy.deepcopy(model), x, mode="traced")
-    assert profile.changed_attributes == {"": ["calls"] if kind == "int" else ["calls", "seen"]}
+    assert profile.changed_attributes == {"": {"int": ["calls"], "list": ["calls", "seen"],
+                                               "tensor": ["calls", "mem"]}[kind]}
     plan = slackswap.plan(profile, 0.7, "a100-80gb")
     planned, plain = copy.deepcopy(model), copy.deepcopy(model)
     block, off_path = slackswap.apply(planned, plan, profile=profile), 0

@@ -144,10 +144,12 @@ class _Attributes:
                     kept[name] = _GeneratorState(value)
             self.saved.append((module, set(attrs), kept))
 
-    def changed(self, model: torch.nn.Module) -> dict[str, list[str]]:
-        """The attributes the step rebound, added or refilled (a list it appended to;
-        not torch's registries, ``_buffers`` and the like, nor generators), by module name
-        (NOTE [a step off the profiled path])."""
+    def changed(self, model: torch.nn.Module, written: set[int] = frozenset()
+                ) -> dict[str, list[str]]:
+        """The attributes the step rebound, added, refilled (a list it appended to;
+        not torch's registries, ``_buffers`` and the like, nor generators) or wrote in
+        place (a tensor it holds as a plain attribute, over a storage in ``written``), by
+        module name (NOTE [a step off the profiled path])."""
         names = {id(m): n for n, m in model.named_modules()}
         # a step that registered hooks (transformers' output capturing, on a model's first
         # call) marks that in private attributes: put back without the hooks, a step run
@@ -160,7 +162,8 @@ class _Attributes:
             rebound = [n for n, v in kept.items() if (
                 not n.startswith("_") and _refilled(v, attrs.get(n, _MISSING))
                 if isinstance(v, _Contents)
-                else not isinstance(v, _GeneratorState) and attrs.get(n, _MISSING) is not v)]
+                else not isinstance(v, _GeneratorState) and (
+                    attrs.get(n, _MISSING) is not v or _storage(v) in written))]
             added = [n for n, v in attrs.items() if n not in before
                      and isinstance(v, (*_SCALARS, tuple, torch.Tensor))]
             changed = [n for n in rebound + added if not (hooked and n.startswith("_"))]
@@ -191,6 +194,12 @@ class _Attributes:
 _MISSING = object()
 
 
+def _storage(value: Any) -> int | None:
+    if isinstance(value, torch.Tensor) and value.layout == torch.strided and _real(value):
+        return value.untyped_storage()._cdata
+    return None
+
+
 def _refilled(kept: _Contents, now: Any = None) -> bool:
     """Whether a container the step reached was rebound (to ``now``) or refilled."""
     if now is not None and now is not kept.container:
@@ -208,7 +217,7 @@ class HeldAttributes:
     __slots__ = ("values",)
 
     def __init__(self, model: torch.nn.Module, names: dict[str, list[str]]) -> None:
-        self.values: list[tuple[dict[str, Any], str, Any, _Contents | None]] = []
+        self.values: list[tuple[dict[str, Any], str, Any, Any]] = []
         for module_name, attributes in names.items():
             try:
                 module = model.get_submodule(module_name)
@@ -217,8 +226,13 @@ class HeldAttributes:
             attrs = vars(module)
             for name in attributes:
                 value = attrs.get(name, _MISSING)
-                self.values.append((attrs, name, value, _Contents(value) if isinstance(
-                    value, _CONTAINERS) else None))
+                if isinstance(value, _CONTAINERS):
+                    held: Any = _Contents(value)
+                elif isinstance(value, torch.Tensor):  # written in place, maybe
+                    held = value.detach().clone()
+                else:
+                    held = None
+                self.values.append((attrs, name, value, held))
 
     def restore(self) -> None:
         for attrs, name, value, contents in self.values:
@@ -226,8 +240,11 @@ class HeldAttributes:
                 attrs.pop(name, None)
             else:
                 attrs[name] = value
-                if contents is not None:  # a list the step appended to, refilled
+                if isinstance(contents, _Contents):  # a list the step appended to
                     contents.restore()
+                elif contents is not None and contents.shape == value.shape:
+                    with torch.no_grad():  # a tensor the step wrote in place
+                        value.copy_(contents)
 
 
 class _Contents:
@@ -365,11 +382,12 @@ def leaves_no_trace(model: torch.nn.Module, batch: Iterable[torch.Tensor] = (),
     try:
         yield guard
     finally:
+        written = set(guard.copies)  # the storages the step wrote in place
         guard.restore()
         if guard.drawn:  # (an analytic step, on fake tensors, draws from none)
             _DRAWN[model] = guard.drawn  # NOTE [generators a profiled step drew from]
         guard.host_random = host_random.changed() or attributes.drew()
-        guard.attributes = attributes.changed(model)
+        guard.attributes = attributes.changed(model, written)
         host_random.restore()
         # a buffer the step replaced (``register_buffer`` again: a dynamic RoPE's
         # ``inv_freq`` past its cached length) is no resize: the registry is put back below
