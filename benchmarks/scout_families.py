@@ -309,6 +309,33 @@ def _norms() -> Case:
     return _Normed().train(), {"x": torch.randn(256, 32, generator=g)}, None
 
 
+class _CountingLayerDrop(torch.nn.Module):
+    """LayerDrop (a step may leave the profiled path and run again) with state the forward
+    counts in: a Python int, a list and a tensor held outside the buffers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(4))
+        self.calls, self.seen, self.mem = 0, [], torch.zeros(())
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        self.calls += 1
+        self.seen.append(self.calls)
+        with torch.no_grad():
+            self.mem.add_(0.5)
+        x = x / (self.calls + len(self.seen) + self.mem)
+        for layer in self.layers:
+            if not self.training or torch.rand(()) > 0.5:
+                x = torch.tanh(layer(x))
+        return {"loss": x.square().mean()}
+
+
+def _counting_layerdrop() -> Case:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    return _CountingLayerDrop().train(), {"x": torch.randn(256, 32, generator=g)}, None
+
+
 CASES: dict[str, Callable[[], Case]] = {
     "peft_lora_llama": _peft("lora", _tf("LlamaConfig", "LlamaForCausalLM", **_LLAMA),
                              target_modules=["q_proj", "v_proj", "gate_proj"]),
@@ -362,6 +389,7 @@ CASES: dict[str, Callable[[], Case]] = {
     "hooks": _hooks,
     "no_grad_inside": _no_grad_inside,
     "weight_spectral_norm": _norms,
+    "counting_layerdrop": _counting_layerdrop,
 }
 NEEDS = {"diffusers_vae": "diffusers", "diffusers_unet_cross": "diffusers",
          "diffusers_dit": "diffusers"}
