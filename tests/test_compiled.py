@@ -299,6 +299,23 @@ def test_unknown_strategies_and_backends_are_refused() -> None:
         slackswap.compile(_MLP(), torch.randn(64, 64), fullgraph=False)
 
 
+def test_a_mode_reaches_inductor_with_the_planned_partition() -> None:
+    """``mode=`` raised torch's "Either mode or options can be specified" (the partition
+    is an Inductor option): its options go in with the partitioner, as torch.compile
+    applies a mode (NOTE [a mode as options]). torch.compile builds its backend when
+    called, so nothing is compiled here."""
+    state = api.CompiledPlan(1.0, slackswap.load_hardware("a100-80gb"), "slackswap", _MLP())
+    compiled = api.planned_compile(_MLP(), state, "inductor",
+                                   {"mode": "max-autotune-no-cudagraphs"})
+    assert isinstance(compiled, torch._dynamo.eval_frame.OptimizedModule)
+    assert api._mode_options("max-autotune-no-cudagraphs", False)["max_autotune"] is True
+    with pytest.raises(InputError, match="mode='reduce-overhead' is Inductor's"):
+        slackswap.compile(_MLP(), torch.randn(64, 64), backend="aot_eager",
+                          mode="reduce-overhead")
+    with pytest.raises(InputError, match="unknown torch.compile mode 'fast'"):
+        slackswap.compile(_MLP(), torch.randn(64, 64), mode="fast")
+
+
 def test_the_compiled_profile_names_activations_as_the_profiler_does() -> None:
     model, x = _MLP(depth=1), torch.randn(64, 64)
     compiled = slackswap.compile(copy.deepcopy(model), x, budget=1.0, backend="aot_eager")

@@ -482,16 +482,43 @@ def check_compile_args(backend: str, compile_kwargs: dict[str, Any]) -> None:
         raise InputError("slackswap.compile plans one graph: fullgraph=False is not supported")
     if "backend" in compile_kwargs:
         raise InputError("pass the backend as slackswap.compile(..., backend=...)")
+    mode = compile_kwargs.get("mode")
+    if mode not in (None, "default"):  # NOTE [a mode as options]
+        if backend != "inductor":
+            raise InputError(f"mode='{mode}' is Inductor's; the '{backend}' backend takes none")
+        try:
+            _mode_options(mode, compile_kwargs.get("dynamic", False))
+        except (KeyError, RuntimeError) as e:
+            raise InputError(f"unknown torch.compile mode '{mode}': {e}") from e
 
 
 def planned_compile(fn: Callable[..., Any], state: CompiledPlan, backend: str,
                     compile_kwargs: dict[str, Any]) -> Any:
     """``torch.compile(fn)`` (a model or its call) to one graph of static shapes per
     batch shape, each partitioned as ``state`` plans it."""
-    kwargs = {k: v for k, v in compile_kwargs.items() if k not in ("fullgraph", "options")}
-    compiler, options = _backend(backend, state, compile_kwargs.get("options") or {})
+    kwargs = {k: v for k, v in compile_kwargs.items()
+              if k not in ("fullgraph", "options", "mode")}
     kwargs.setdefault("dynamic", False)
+    compiler, options = _backend(backend, state, _mode_options(
+        compile_kwargs.get("mode"), kwargs["dynamic"]) | (compile_kwargs.get("options") or {}))
     return torch.compile(fn, backend=compiler, fullgraph=True, options=options, **kwargs)
+
+
+# NOTE [a mode as options]
+#     torch.compile takes a ``mode`` or ``options``, never both, and the planned partition
+#     reaches Inductor as an option (``custom_partitioner_fn``): a ``mode`` passed on raised
+#     torch's "Either mode or options can be specified" from inside slackswap.compile. A
+#     mode is a set of Inductor options (``torch._inductor.list_mode_options``, as
+#     torch.compile applies it), so the mode's options go in with the partitioner, the
+#     user's own ``options`` over them: the same Inductor configuration as
+#     ``torch.compile(mode=...)``. aot_eager takes no mode (nor options).
+def _mode_options(mode: str | None, dynamic: bool | None) -> dict[str, Any]:
+    """The Inductor options ``torch.compile(mode=mode)`` applies (NOTE [a mode as options])."""
+    if mode is None or mode == "default":
+        return {}
+    from torch._inductor import list_mode_options
+
+    return dict(list_mode_options(mode, dynamic))
 
 
 def compile(  # noqa: A001 - slackswap.compile mirrors torch.compile
