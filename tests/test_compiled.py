@@ -283,10 +283,29 @@ class _Breaks(nn.Module):
         return self.b(x).sum()
 
 
+class _Branches(_Breaks):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.b(self.a(x).relu()).sum()
+        return y * 2 if y.item() > 0 else y
+
+
 def test_a_graph_break_is_a_one_line_error_naming_it() -> None:
     with pytest.raises(InputError, match="graph break at File .*test_compiled.py") as err:
         slackswap.compile(_Breaks(), torch.randn(4, 8), budget=1.0, backend="aot_eager")
     assert "\n" not in str(err.value)
+    # a branch on a tensor's value: dynamo's UserError, which attach(compile=True) raised
+    # whole, traceback and all, and slackswap.compile named nowhere
+    for attach in (False, True):
+        torch._dynamo.reset()
+        model, x = _Branches(), torch.randn(4, 8)
+        with pytest.raises(InputError, match="graph break at File .*test_compiled.py.*"
+                           "data-dependent") as err:
+            if attach:
+                with slackswap.attach(model, budget=1.0, compile=True, backend="aot_eager"):
+                    model(x)
+            else:
+                slackswap.compile(model, x, budget=1.0, backend="aot_eager")
+        assert "\n" not in str(err.value)
 
 
 def test_unknown_strategies_and_backends_are_refused() -> None:

@@ -686,7 +686,9 @@ def planning_error(e: BaseException) -> SlackSwapError | None:
         if isinstance(cause, SlackSwapError):
             return cause
         cause = getattr(cause, "inner_exception", None) or cause.__cause__
-    if isinstance(e, torch._dynamo.exc.Unsupported):
+    # a data-dependent branch (``if x.item() > 0``) is a UserError, not Unsupported: the
+    # graph breaks there all the same, and attach(compile=True) raised it whole
+    if isinstance(e, (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError)):
         lines = str(e).strip().splitlines()
         frames = [ln.strip() for ln in lines if ln.strip().startswith("File ")]
         where = f" at {frames[-1]}" if frames else ""
