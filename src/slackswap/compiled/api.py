@@ -686,6 +686,13 @@ def planning_error(e: BaseException) -> SlackSwapError | None:
         if isinstance(cause, SlackSwapError):
             return cause
         cause = getattr(cause, "inner_exception", None) or cause.__cause__
+    if isinstance(e, torch._dynamo.exc.FailOnRecompileLimitHit):  # raised whole before
+        limit = torch._dynamo.config.recompile_limit
+        return InputError(
+            f"the model was compiled for {limit} graphs already (a graph per batch shape, "
+            f"and per training and evaluation call), torch._dynamo.config.recompile_limit, "
+            f"and this call needs another: pad batches to a few lengths "
+            f"(pad_to_multiple_of), or raise torch._dynamo.config.recompile_limit")
     # a data-dependent branch (``if x.item() > 0``) is a UserError, not Unsupported: the
     # graph breaks there all the same, and attach(compile=True) raised it whole
     if isinstance(e, (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError)):
