@@ -379,3 +379,32 @@ def test_an_op_a_rebuild_runs_again_is_recomputed_whole() -> None:
     assert len(compiled.slackswap.graphs) == 1  # one graph, planned once
     assert model.config.problem_type == reference.config.problem_type == (
         "single_label_classification")
+
+
+def test_a_copy_of_a_compiled_module_is_compiled_and_planned_on_its_own(tmp_path) -> None:
+    """A deep copy (an EMA's ``AveragedModel``) and a module saved whole were rebuilt by
+    ``OptimizedModule.__reduce__`` around the original's plan state, without the loss
+    resolved for each call: a GPT-2's copy broke its graph at the loss's logging, with
+    dynamo's error whole (NOTE [a copied compiled module]). Now each copy is compiled
+    again with the same budget and options and plans its own graphs; its step is
+    torch.compile's."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=2,
+                                     n_positions=32)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).train()
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    compiled = slackswap.compile(model, batch, budget=0.8, backend="aot_eager")
+    twin = copy.deepcopy(compiled)
+    reference = copy.deepcopy(model)
+    reference.loss_type = "ForCausalLM"  # the loss it falls back to, as compiled calls do
+    _assert_steps_as_torch_compile(twin, twin._orig_mod, reference, batch)
+    assert len(twin.slackswap.graphs) == len(compiled.slackswap.graphs) == 1
+    assert twin.slackswap is not compiled.slackswap and not hasattr(model, "slackswap")
+    torch.save(compiled, tmp_path / "compiled.pt")
+    loaded = torch.load(tmp_path / "compiled.pt", weights_only=False)
+    assert isinstance(loaded, api.PlannedModule) and loaded.slackswap.budget == 0.8
+    assert not loaded.slackswap.graphs  # planned at its first call

@@ -548,10 +548,8 @@ def compile(  # noqa: A001 - slackswap.compile mirrors torch.compile
     hw = resolve_hardware(hardware)  # NOTE [assumed hardware]
     fingerprint = model_fingerprint(model) + batch_fingerprint(
         t for _, t in batch_tensors(batch))
-    state = CompiledPlan(budget, hw, strategy, model, fingerprint)
-    compiled = planned_compile(model, state, backend, compile_kwargs)
-    compiled.slackswap = state
-    compiled.forward = with_losses_resolved(compiled.forward, model)
+    compiled = _planned_module(model, CompiledPlan(budget, hw, strategy, model, fingerprint),
+                               backend, compile_kwargs)
     with leaves_no_trace(model), torch.enable_grad():
         try:
             _call(compiled, batch)
@@ -560,6 +558,66 @@ def compile(  # noqa: A001 - slackswap.compile mirrors torch.compile
         except Exception as e:
             raise _compile_error(e) from e
     return compiled
+
+
+# NOTE [a copied compiled module]
+#     A deep copy of a compiled module (``copy.deepcopy``, an EMA's ``AveragedModel``) or
+#     one pickled whole (``torch.save``) is rebuilt by ``OptimizedModule.__reduce__`` as
+#     ``OptimizedModule(copy of the model, copy of dynamo's context)``: the context's
+#     backend still held the original's ``CompiledPlan`` (the copy's graphs were planned
+#     into the original's ``graphs``, with the original's fingerprint), and what
+#     ``slackswap.compile`` set on the instance was gone: ``compiled.slackswap``, and the
+#     loss resolved for each call (NOTE [a loss resolved before the graph]), so a GPT-2's
+#     copy broke its graph at the loss's logging and raised dynamo's error whole. A
+#     compiled module is a ``PlannedModule``, whose copy is compiled again, with the same
+#     budget, hardware, strategy, backend and options and a plan state of its own: each
+#     of its graphs is planned at its first call, as ``attach(compile=True)`` plans.
+class PlannedModule(torch._dynamo.eval_frame.OptimizedModule):
+    """What :func:`compile` returns: ``torch.compile``'s module, with ``slackswap`` (the
+    plans of its graphs), whose copies are compiled and planned again (NOTE [a copied
+    compiled module])."""
+
+    slackswap: CompiledPlan
+
+    def __reduce__(self) -> Any:
+        state, (backend, kwargs) = self.slackswap, self.__dict__["_planned_options"]
+        return _planned_again, (self._orig_mod, state.budget, state.hardware, state.strategy,
+                                backend, kwargs)
+
+
+def _planned_module(model: torch.nn.Module, state: CompiledPlan, backend: str,
+                    compile_kwargs: dict[str, Any]) -> PlannedModule:
+    compiled = planned_compile(model, state, backend, compile_kwargs)
+    compiled.__class__ = PlannedModule
+    # its own: OptimizedModule sets other attributes on the model it wraps
+    compiled.__dict__.update(slackswap=state, _planned_options=(backend, dict(compile_kwargs)))
+    compiled.forward = with_one_line_errors(with_losses_resolved(compiled.forward, model))
+    return compiled
+
+
+def _planned_again(model: torch.nn.Module, budget: str | int | float, hardware: Hardware,
+                   strategy: str, backend: str, compile_kwargs: dict[str, Any]
+                   ) -> PlannedModule:
+    """A copy of a compiled module: compiled again, each graph planned at its first call
+    (NOTE [a copied compiled module])."""
+    return _planned_module(model, CompiledPlan(budget, hardware, strategy, model), backend,
+                           compile_kwargs)
+
+
+def with_one_line_errors(step: Callable[..., Any]) -> Callable[..., Any]:
+    """``step``, raising a graph break's or a plan's error as its one-line
+    ``SlackSwapError`` (:func:`planning_error`); the model's own errors as they are."""
+
+    @functools.wraps(step)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return step(*args, **kwargs)
+        except Exception as e:  # a graph break, or the plan's error: one line
+            if (error := planning_error(e)) is None or error is e:
+                raise  # the model's own, or one line already
+            raise error from e
+
+    return call
 
 
 # NOTE [a loss resolved before the graph]
