@@ -171,8 +171,21 @@ def train(model: torch.nn.Module, call: Callable[[dict], Any], batches: list[dic
 
 def compiled_case(name: str, budget: float, backend: str = "aot_eager", bf16: bool = False,
                   lengths: tuple[int, ...] = (16,), dropout: float = 0.1,
-                  **compile_kwargs: Any) -> None:
-    """``slackswap.compile`` against ``torch.compile`` with the same backend and options."""
+                  **compile_kwargs: Any) -> str:
+    """``slackswap.compile`` against ``torch.compile`` with the same backend and options.
+    Under Inductor, with deterministic algorithms: on a CPU its embedding backward adds
+    with atomics across threads, and plain torch.compile did not match itself (BERT's
+    token-type embedding's gradient, 2e-10 apart from one run to the next)."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic or backend == "inductor")
+    try:
+        return _compiled_case(name, budget, backend, bf16, lengths, dropout, compile_kwargs)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+
+
+def _compiled_case(name: str, budget: float, backend: str, bf16: bool,
+                   lengths: tuple[int, ...], dropout: float, compile_kwargs: dict) -> str:
     model, make = MODELS[name](dropout)
     batches = [make(n) for n in lengths for _ in range(STEPS)]
     reference = copy.deepcopy(model)
@@ -187,6 +200,9 @@ def compiled_case(name: str, budget: float, backend: str = "aot_eager", bf16: bo
                                      **compile_kwargs)
     got = train(model, lambda b: compiled(**b), batches, bf16)
     compare(got, want)
+    applied = [g.applied.summary() for g in compiled.slackswap.graphs]
+    return " ".join(f"[recomputed {a['recomputed']}, offloaded {a['offloaded']}, rng states "
+                    f"{a['rng_states']}]" for a in applied)
 
 
 @contextlib.contextmanager
@@ -465,8 +481,8 @@ def hf_case(what: str) -> None:
 
 
 # -- cases -----------------------------------------------------------------------------------
-def cases() -> dict[str, Callable[[], None]]:
-    out: dict[str, Callable[[], None]] = {}
+def cases() -> dict[str, Callable[[], str | None]]:
+    out: dict[str, Callable[[], str | None]] = {}
     for name in MODELS:
         for budget in (0.7, 0.5, 0.3):
             out[f"compile aot_eager {name} {budget}"] = (
@@ -498,11 +514,11 @@ def cases() -> dict[str, Callable[[], None]]:
     return out
 
 
-def run(name: str, case: Callable[[], None]) -> str:
+def run(name: str, case: Callable[[], str | None]) -> str:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            case()
+            note = case()
     except ImportError as e:
         return f"skipped({e})"
     except Mismatch as e:
@@ -512,7 +528,7 @@ def run(name: str, case: Callable[[], None]) -> str:
     except Exception as e:  # a traceback where a one-line refusal belongs
         last = traceback.format_exception_only(type(e), e)[-1].strip().splitlines()[0]
         return f"MISMATCH(raised {last[:300]})"
-    return "identical"
+    return "identical" + (f" {note}" if note else "")
 
 
 def main(words: list[str]) -> None:
