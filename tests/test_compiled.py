@@ -283,10 +283,29 @@ class _Breaks(nn.Module):
         return self.b(x).sum()
 
 
+class _Branches(_Breaks):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.b(self.a(x).relu()).sum()
+        return y * 2 if y.item() > 0 else y
+
+
 def test_a_graph_break_is_a_one_line_error_naming_it() -> None:
     with pytest.raises(InputError, match="graph break at File .*test_compiled.py") as err:
         slackswap.compile(_Breaks(), torch.randn(4, 8), budget=1.0, backend="aot_eager")
     assert "\n" not in str(err.value)
+    # a branch on a tensor's value: dynamo's UserError, which attach(compile=True) raised
+    # whole, traceback and all, and slackswap.compile named nowhere
+    for attach in (False, True):
+        torch._dynamo.reset()
+        model, x = _Branches(), torch.randn(4, 8)
+        with pytest.raises(InputError, match="graph break at File .*test_compiled.py.*"
+                           "data-dependent") as err:
+            if attach:
+                with slackswap.attach(model, budget=1.0, compile=True, backend="aot_eager"):
+                    model(x)
+            else:
+                slackswap.compile(model, x, budget=1.0, backend="aot_eager")
+        assert "\n" not in str(err.value)
 
 
 def test_unknown_strategies_and_backends_are_refused() -> None:
@@ -297,6 +316,23 @@ def test_unknown_strategies_and_backends_are_refused() -> None:
         slackswap.compile(_MLP(), torch.randn(64, 64), backend="cudagraphs")
     with pytest.raises(InputError, match="fullgraph=False"):
         slackswap.compile(_MLP(), torch.randn(64, 64), fullgraph=False)
+
+
+def test_a_mode_reaches_inductor_with_the_planned_partition() -> None:
+    """``mode=`` raised torch's "Either mode or options can be specified" (the partition
+    is an Inductor option): its options go in with the partitioner, as torch.compile
+    applies a mode (NOTE [a mode as options]). torch.compile builds its backend when
+    called, so nothing is compiled here."""
+    state = api.CompiledPlan(1.0, slackswap.load_hardware("a100-80gb"), "slackswap", _MLP())
+    compiled = api.planned_compile(_MLP(), state, "inductor",
+                                   {"mode": "max-autotune-no-cudagraphs"})
+    assert isinstance(compiled, torch._dynamo.eval_frame.OptimizedModule)
+    assert api._mode_options("max-autotune-no-cudagraphs", False)["max_autotune"] is True
+    with pytest.raises(InputError, match="mode='reduce-overhead' is Inductor's"):
+        slackswap.compile(_MLP(), torch.randn(64, 64), backend="aot_eager",
+                          mode="reduce-overhead")
+    with pytest.raises(InputError, match="unknown torch.compile mode 'fast'"):
+        slackswap.compile(_MLP(), torch.randn(64, 64), mode="fast")
 
 
 def test_the_compiled_profile_names_activations_as_the_profiler_does() -> None:
@@ -343,3 +379,32 @@ def test_an_op_a_rebuild_runs_again_is_recomputed_whole() -> None:
     assert len(compiled.slackswap.graphs) == 1  # one graph, planned once
     assert model.config.problem_type == reference.config.problem_type == (
         "single_label_classification")
+
+
+def test_a_copy_of_a_compiled_module_is_compiled_and_planned_on_its_own(tmp_path) -> None:
+    """A deep copy (an EMA's ``AveragedModel``) and a module saved whole were rebuilt by
+    ``OptimizedModule.__reduce__`` around the original's plan state, without the loss
+    resolved for each call: a GPT-2's copy broke its graph at the loss's logging, with
+    dynamo's error whole (NOTE [a copied compiled module]). Now each copy is compiled
+    again with the same budget and options and plans its own graphs; its step is
+    torch.compile's."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.GPT2Config(vocab_size=64, n_embd=16, n_layer=1, n_head=2,
+                                     n_positions=16)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).train()
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    compiled = slackswap.compile(model, batch, budget=0.9, backend="aot_eager")
+    twin = copy.deepcopy(compiled)
+    reference = copy.deepcopy(model)
+    reference.loss_type = "ForCausalLM"  # the loss it falls back to, as compiled calls do
+    _assert_steps_as_torch_compile(twin, twin._orig_mod, reference, batch)
+    assert len(twin.slackswap.graphs) == len(compiled.slackswap.graphs) == 1
+    assert twin.slackswap is not compiled.slackswap and not hasattr(model, "slackswap")
+    torch.save(compiled, tmp_path / "compiled.pt")
+    loaded = torch.load(tmp_path / "compiled.pt", weights_only=False)
+    assert isinstance(loaded, api.PlannedModule) and loaded.slackswap.budget == 0.9
+    assert not loaded.slackswap.graphs  # planned at its first call

@@ -194,3 +194,17 @@ def test_lightning_with_compile_trains_as_torch_compile() -> None:
     assert_same(params(model), params(reference))
     assert callback.attached.graphs[0].applied.recomputed
     assert model._compiled_call_impl is None
+
+
+def test_a_batch_shape_past_dynamos_recompile_limit_is_one_line() -> None:
+    """Each batch shape (and each evaluation call) compiles a graph; past dynamo's
+    ``recompile_limit`` a full-graph compile fails hard, and that failure
+    (``FailOnRecompileLimitHit``) came out whole, traceback and all."""
+    model = _MLP(depth=1)
+    with torch._dynamo.config.patch(recompile_limit=1), \
+            slackswap.attach(model, budget=1.0, compile=True, backend="aot_eager"):
+        model(torch.randn(8, 64)).backward()
+        with pytest.raises(InputError, match="compiled for 1 graphs already.*pad batches"
+                           ) as err:
+            model(torch.randn(16, 64))
+    assert "\n" not in str(err.value)

@@ -482,16 +482,43 @@ def check_compile_args(backend: str, compile_kwargs: dict[str, Any]) -> None:
         raise InputError("slackswap.compile plans one graph: fullgraph=False is not supported")
     if "backend" in compile_kwargs:
         raise InputError("pass the backend as slackswap.compile(..., backend=...)")
+    mode = compile_kwargs.get("mode")
+    if mode not in (None, "default"):  # NOTE [a mode as options]
+        if backend != "inductor":
+            raise InputError(f"mode='{mode}' is Inductor's; the '{backend}' backend takes none")
+        try:
+            _mode_options(mode, compile_kwargs.get("dynamic", False))
+        except (KeyError, RuntimeError) as e:
+            raise InputError(f"unknown torch.compile mode '{mode}': {e}") from e
 
 
 def planned_compile(fn: Callable[..., Any], state: CompiledPlan, backend: str,
                     compile_kwargs: dict[str, Any]) -> Any:
     """``torch.compile(fn)`` (a model or its call) to one graph of static shapes per
     batch shape, each partitioned as ``state`` plans it."""
-    kwargs = {k: v for k, v in compile_kwargs.items() if k not in ("fullgraph", "options")}
-    compiler, options = _backend(backend, state, compile_kwargs.get("options") or {})
+    kwargs = {k: v for k, v in compile_kwargs.items()
+              if k not in ("fullgraph", "options", "mode")}
     kwargs.setdefault("dynamic", False)
+    compiler, options = _backend(backend, state, _mode_options(
+        compile_kwargs.get("mode"), kwargs["dynamic"]) | (compile_kwargs.get("options") or {}))
     return torch.compile(fn, backend=compiler, fullgraph=True, options=options, **kwargs)
+
+
+# NOTE [a mode as options]
+#     torch.compile takes a ``mode`` or ``options``, never both, and the planned partition
+#     reaches Inductor as an option (``custom_partitioner_fn``): a ``mode`` passed on raised
+#     torch's "Either mode or options can be specified" from inside slackswap.compile. A
+#     mode is a set of Inductor options (``torch._inductor.list_mode_options``, as
+#     torch.compile applies it), so the mode's options go in with the partitioner, the
+#     user's own ``options`` over them: the same Inductor configuration as
+#     ``torch.compile(mode=...)``. aot_eager takes no mode (nor options).
+def _mode_options(mode: str | None, dynamic: bool | None) -> dict[str, Any]:
+    """The Inductor options ``torch.compile(mode=mode)`` applies (NOTE [a mode as options])."""
+    if mode is None or mode == "default":
+        return {}
+    from torch._inductor import list_mode_options
+
+    return dict(list_mode_options(mode, dynamic))
 
 
 def compile(  # noqa: A001 - slackswap.compile mirrors torch.compile
@@ -521,10 +548,8 @@ def compile(  # noqa: A001 - slackswap.compile mirrors torch.compile
     hw = resolve_hardware(hardware)  # NOTE [assumed hardware]
     fingerprint = model_fingerprint(model) + batch_fingerprint(
         t for _, t in batch_tensors(batch))
-    state = CompiledPlan(budget, hw, strategy, model, fingerprint)
-    compiled = planned_compile(model, state, backend, compile_kwargs)
-    compiled.slackswap = state
-    compiled.forward = with_losses_resolved(compiled.forward, model)
+    compiled = _planned_module(model, CompiledPlan(budget, hw, strategy, model, fingerprint),
+                               backend, compile_kwargs)
     with leaves_no_trace(model), torch.enable_grad():
         try:
             _call(compiled, batch)
@@ -533,6 +558,66 @@ def compile(  # noqa: A001 - slackswap.compile mirrors torch.compile
         except Exception as e:
             raise _compile_error(e) from e
     return compiled
+
+
+# NOTE [a copied compiled module]
+#     A deep copy of a compiled module (``copy.deepcopy``, an EMA's ``AveragedModel``) or
+#     one pickled whole (``torch.save``) is rebuilt by ``OptimizedModule.__reduce__`` as
+#     ``OptimizedModule(copy of the model, copy of dynamo's context)``: the context's
+#     backend still held the original's ``CompiledPlan`` (the copy's graphs were planned
+#     into the original's ``graphs``, with the original's fingerprint), and what
+#     ``slackswap.compile`` set on the instance was gone: ``compiled.slackswap``, and the
+#     loss resolved for each call (NOTE [a loss resolved before the graph]), so a GPT-2's
+#     copy broke its graph at the loss's logging and raised dynamo's error whole. A
+#     compiled module is a ``PlannedModule``, whose copy is compiled again, with the same
+#     budget, hardware, strategy, backend and options and a plan state of its own: each
+#     of its graphs is planned at its first call, as ``attach(compile=True)`` plans.
+class PlannedModule(torch._dynamo.eval_frame.OptimizedModule):
+    """What :func:`compile` returns: ``torch.compile``'s module, with ``slackswap`` (the
+    plans of its graphs), whose copies are compiled and planned again (NOTE [a copied
+    compiled module])."""
+
+    slackswap: CompiledPlan
+
+    def __reduce__(self) -> Any:
+        state, (backend, kwargs) = self.slackswap, self.__dict__["_planned_options"]
+        return _planned_again, (self._orig_mod, state.budget, state.hardware, state.strategy,
+                                backend, kwargs)
+
+
+def _planned_module(model: torch.nn.Module, state: CompiledPlan, backend: str,
+                    compile_kwargs: dict[str, Any]) -> PlannedModule:
+    compiled = planned_compile(model, state, backend, compile_kwargs)
+    compiled.__class__ = PlannedModule
+    # its own: OptimizedModule sets other attributes on the model it wraps
+    compiled.__dict__.update(slackswap=state, _planned_options=(backend, dict(compile_kwargs)))
+    compiled.forward = with_one_line_errors(with_losses_resolved(compiled.forward, model))
+    return compiled
+
+
+def _planned_again(model: torch.nn.Module, budget: str | int | float, hardware: Hardware,
+                   strategy: str, backend: str, compile_kwargs: dict[str, Any]
+                   ) -> PlannedModule:
+    """A copy of a compiled module: compiled again, each graph planned at its first call
+    (NOTE [a copied compiled module])."""
+    return _planned_module(model, CompiledPlan(budget, hardware, strategy, model), backend,
+                           compile_kwargs)
+
+
+def with_one_line_errors(step: Callable[..., Any]) -> Callable[..., Any]:
+    """``step``, raising a graph break's or a plan's error as its one-line
+    ``SlackSwapError`` (:func:`planning_error`); the model's own errors as they are."""
+
+    @functools.wraps(step)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return step(*args, **kwargs)
+        except Exception as e:  # a graph break, or the plan's error: one line
+            if (error := planning_error(e)) is None or error is e:
+                raise  # the model's own, or one line already
+            raise error from e
+
+    return call
 
 
 # NOTE [a loss resolved before the graph]
@@ -659,7 +744,16 @@ def planning_error(e: BaseException) -> SlackSwapError | None:
         if isinstance(cause, SlackSwapError):
             return cause
         cause = getattr(cause, "inner_exception", None) or cause.__cause__
-    if isinstance(e, torch._dynamo.exc.Unsupported):
+    if isinstance(e, torch._dynamo.exc.FailOnRecompileLimitHit):  # raised whole before
+        limit = torch._dynamo.config.recompile_limit
+        return InputError(
+            f"the model was compiled for {limit} graphs already (a graph per batch shape, "
+            f"and per training and evaluation call), torch._dynamo.config.recompile_limit, "
+            f"and this call needs another: pad batches to a few lengths "
+            f"(pad_to_multiple_of), or raise torch._dynamo.config.recompile_limit")
+    # a data-dependent branch (``if x.item() > 0``) is a UserError, not Unsupported: the
+    # graph breaks there all the same, and attach(compile=True) raised it whole
+    if isinstance(e, (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError)):
         lines = str(e).strip().splitlines()
         frames = [ln.strip() for ln in lines if ln.strip().startswith("File ")]
         where = f" at {frames[-1]}" if frames else ""

@@ -30,8 +30,8 @@ from slackswap.compiled.api import (
     PlannedGraph,
     check_compile_args,
     planned_compile,
-    planning_error,
     with_losses_resolved,
+    with_one_line_errors,
 )
 from slackswap.core.hardware import Hardware
 from slackswap.core.plan import Plan
@@ -67,18 +67,8 @@ class CompiledAttached:
     def __init__(self, model: torch.nn.Module, state: CompiledPlan, backend: str,
                  compile_kwargs: dict[str, Any]) -> None:
         self.model, self.compiled = model, state
-        step = with_losses_resolved(planned_compile(model._call_impl, state, backend,
-                                                    compile_kwargs), model)
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return step(*args, **kwargs)
-            except Exception as e:  # a graph break, or the plan's error: one line
-                if (error := planning_error(e)) is None or error is e:
-                    raise  # the model's own, or one line already
-                raise error from e
-
-        model._compiled_call_impl = call
+        model._compiled_call_impl = with_one_line_errors(with_losses_resolved(
+            planned_compile(model._call_impl, state, backend, compile_kwargs), model))
         ATTACHED.add(model)
 
     @property
