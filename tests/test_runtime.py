@@ -250,6 +250,10 @@ def test_a_planned_step_moves_and_rebuilds() -> None:
 
 
 def test_repeated_steps_hold_nothing_and_repeat_exactly() -> None:
+    """Every step under one runtime holds nothing after it and repeats the first exactly;
+    live tensors do not grow past the warm-up's 10 steps. A step that leaves one tensor
+    behind shows as growth over the 20 steps after it as over 90 (a step is about 0.35 s
+    of CPU: 100 steps took 60 s of the test's 62 on two loaded cores, 30 take 22)."""
     profile, model, batch, names, reference = setup("bert-large-tiny")
     plan = Plan(fingerprint=profile.fingerprint, strategy="x",
                 decisions={n: ("offload", "recompute")[i % 2] for i, n in enumerate(names)})
@@ -263,7 +267,7 @@ def test_repeated_steps_hold_nothing_and_repeat_exactly() -> None:
             return sum(isinstance(o, kinds) for o in gc.get_objects())
 
     runtime = slackswap.apply(model, plan)
-    for step in range(100):
+    for step in range(30):
         torch.manual_seed(0)
         model.zero_grad(set_to_none=True)
         with runtime:
