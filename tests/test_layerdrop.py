@@ -328,9 +328,12 @@ class _PythonCounting(torch.nn.Module):
         elif self.kind == "list":  # a list the forward appends to
             self.seen.append(x.shape[0])
             self.calls = len(self.seen)
-        else:  # a tensor held as a plain attribute (no buffer), counted in place
-            with torch.no_grad():
+        elif self.kind == "tensor":  # a tensor held as a plain attribute (no buffer),
+            with torch.no_grad():  # counted in place
                 self.mem.add_(1)
+            self.calls = int(self.mem)
+        else:  # a tensor attribute replaced by a new one (the old one is freed)
+            self.mem = self.mem + 1
             self.calls = int(self.mem)
         x = x / self.calls
         for layer in self.layers:
@@ -339,20 +342,22 @@ class _PythonCounting(torch.nn.Module):
         return x.square().mean()
 
 
-@pytest.mark.parametrize("kind", ["int", "list", "tensor"])
+@pytest.mark.parametrize("kind", ["int", "list", "tensor", "replaced"])
 def test_a_python_attribute_the_first_try_set_is_put_back_before_the_second(kind) -> None:
     """NOTE [a step off the profiled path]: the runtime put back the buffers and the RNG
     before running a step again, but not the modules' Python attributes, so a call
     counter the forward reads counted the step twice: that step and every later one
     differed from plain PyTorch, silently. The profile names the attributes its step set,
     refilled or wrote in place (``changed_attributes``) and the runtime puts those back
-    too."""
+    too; a tensor the step replaced, by one with its values (the runtime holds no device
+    tensor the step frees: ``HeldAttributes``)."""
     torch.manual_seed(0)
     model, x = _PythonCounting(kind), torch.randn(256, 64)
     torch.manual_seed(0)
     profile = slackswap.profile(copy.deepcopy(model), x, mode="traced")
     assert profile.changed_attributes == {"": {"int": ["calls"], "list": ["calls", "seen"],
-                                               "tensor": ["calls", "mem"]}[kind]}
+                                               "tensor": ["calls", "mem"],
+                                               "replaced": ["calls", "mem"]}[kind]}
     plan = slackswap.plan(profile, 0.7, "a100-80gb")
     planned, plain = copy.deepcopy(model), copy.deepcopy(model)
     block, off_path = slackswap.apply(planned, plan, profile=profile), 0

@@ -45,7 +45,7 @@ import contextlib
 import copy
 import random
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -212,11 +212,20 @@ def _refilled(kept: _Contents, now: Any = None) -> bool:
 
 class HeldAttributes:
     """Some modules' Python attributes as they were (or their absence), put back by
-    :meth:`restore`: those the profiled step set, before a step runs again."""
+    :meth:`restore`: those the profiled step set, before a step runs again.
+
+    A tensor attribute is held by a weak reference and a copy of its values made by
+    ``snapshot`` (the runtime's: into host memory, NOTE [refusals leave no trace]): a
+    strong reference would keep the tensor the step replaces alive through the step,
+    memory plain PyTorch frees at the assignment and the plan does not count (a cached
+    position table measured one table over the simulated peak). Put back as it was:
+    the same tensor if it lives (its values copied back if the step wrote it in place),
+    else a new one on its device with the values it had."""
 
     __slots__ = ("values",)
 
-    def __init__(self, model: torch.nn.Module, names: dict[str, list[str]]) -> None:
+    def __init__(self, model: torch.nn.Module, names: dict[str, list[str]],
+                 snapshot: Callable[[torch.Tensor, Any], torch.Tensor]) -> None:
         self.values: list[tuple[dict[str, Any], str, Any, Any]] = []
         for module_name, attributes in names.items():
             try:
@@ -226,25 +235,41 @@ class HeldAttributes:
             attrs = vars(module)
             for name in attributes:
                 value = attrs.get(name, _MISSING)
+                held: Any = None
                 if isinstance(value, _CONTAINERS):
-                    held: Any = _Contents(value)
-                elif isinstance(value, torch.Tensor):  # written in place, maybe
-                    held = value.detach().clone()
-                else:
-                    held = None
-                self.values.append((attrs, name, value, held))
+                    held = _Contents(value)
+                elif isinstance(value, torch.Tensor) and type(value) is torch.Tensor:
+                    held = _HeldTensor(value, snapshot(value, ("attribute", id(attrs), name)))
+                self.values.append((attrs, name, value if held is None or
+                                    isinstance(held, _Contents) else None, held))
 
     def restore(self) -> None:
-        for attrs, name, value, contents in self.values:
-            if value is _MISSING:
+        for attrs, name, value, held in self.values:
+            if isinstance(held, _HeldTensor):
+                attrs[name] = held.restored()
+            elif value is _MISSING:
                 attrs.pop(name, None)
             else:
                 attrs[name] = value
-                if isinstance(contents, _Contents):  # a list the step appended to
-                    contents.restore()
-                elif contents is not None and contents.shape == value.shape:
-                    with torch.no_grad():  # a tensor the step wrote in place
-                        value.copy_(contents)
+                if held is not None:  # a list the step appended to
+                    held.restore()
+
+
+class _HeldTensor:
+    __slots__ = ("ref", "version", "values", "device")
+
+    def __init__(self, t: torch.Tensor, values: torch.Tensor) -> None:
+        self.ref, self.version, self.values, self.device = (
+            weakref.ref(t), t._version, values, t.device)
+
+    def restored(self) -> torch.Tensor:
+        t = self.ref()
+        with torch.no_grad():
+            if t is None:  # replaced and freed: a new one with its values
+                return self.values.to(self.device, copy=True)
+            if t._version != self.version:  # written in place
+                t.copy_(self.values)
+        return t
 
 
 class _Contents:

@@ -427,7 +427,8 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
             # (NOTE [generators a profiled step drew from])
             # and the Python attributes it set (NOTE [a step off the profiled path])
             changed = self._profile.changed_attributes if self._profile is not None else None
-            held = HeldAttributes(eager_module(module), changed) if changed else None
+            held = (HeldAttributes(eager_module(module), changed, self.values.copies.snapshot)
+                    if changed else None)
             self._before = StateBefore(self._buffers, self._device, self.values.copies,
                                        self._modules if drew else None,
                                        (*args, *kwargs.values(), *drawn_from(module)), held)
