@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from scout_vision import PLAN_MODES, compare, plans_for
+from scout_vision import PLAN_MODES, after_step, compare, count_stats, plans_for
 
 import slackswap
 from slackswap import InputError
@@ -439,22 +439,12 @@ def train(model: torch.nn.Module, batches: list[dict], loss_fn: Callable | None,
             _backward(model, loss, how)
             rec[f"loss {i}"] = loss.detach().clone()
             del loss
-            stats = getattr(cm, "stats", None)
-            if stats is not None:
-                info["verified"] += getattr(stats, "verified", 0)
-                info["off_path"] += bool(getattr(stats, "off_path", False))
-                info["offloaded"] += getattr(stats, "offloaded_bytes", 0)
-                info["recomputed"] += getattr(stats, "recomputed_ops", 0) or 0
+            count_stats(info, cm)
         for n, p in model.named_parameters():
             rec[f"grad {n}"] = None if p.grad is None else p.grad.clone()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        for n, p in model.named_parameters():
-            rec[f"param {n}"] = p.detach().clone()
-        for n, b in model.named_buffers():
-            rec[f"buffer {n}"] = b.detach().clone()
-        rec["rng"] = torch.get_rng_state()
-        records.append(rec)
+        records.append(after_step(model, rec))
     if getattr(model, "scout_os_seeded", False):
         for rec in records:
             del rec["rng"]

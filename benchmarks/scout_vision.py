@@ -195,6 +195,26 @@ def _live_tensors() -> int:
         return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
 
 
+def after_step(model: Any, rec: dict[str, Any]) -> dict[str, Any]:
+    """``rec`` with the parameters, buffers and torch's RNG state after an optimizer step."""
+    for n, p in model.named_parameters():
+        rec[f"param {n}"] = p.detach().clone()
+    for n, b in model.named_buffers():
+        rec[f"buffer {n}"] = b.detach().clone()
+    rec["rng"] = torch.get_rng_state()
+    return rec
+
+
+def count_stats(info: dict[str, int], cm: Any) -> None:
+    """Add what a SlackSwap block or attachment did this step (if ``cm`` is one) to ``info``."""
+    stats = getattr(cm, "stats", None)
+    if stats is not None:
+        info["verified"] += getattr(stats, "verified", 0)
+        info["off_path"] += bool(getattr(stats, "off_path", False))
+        info["offloaded"] += getattr(stats, "offloaded_bytes", 0)
+        info["recomputed"] += getattr(stats, "recomputed_ops", 0) or 0
+
+
 def train(model: torch.nn.Module, x: torch.Tensor, loss_fn: Callable, *, bf16: bool,
           opt: str, block: Callable[[int], Any] | None = None,
           outside: bool = False) -> tuple[list[dict[str, torch.Tensor]], dict]:
@@ -224,18 +244,8 @@ def train(model: torch.nn.Module, x: torch.Tensor, loss_fn: Callable, *, bf16: b
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        for n, p in model.named_parameters():
-            rec[f"param {n}"] = p.detach().clone()
-        for n, b in model.named_buffers():
-            rec[f"buffer {n}"] = b.detach().clone()
-        rec["rng"] = torch.get_rng_state()
-        records.append(rec)
-        stats = getattr(cm, "stats", None)
-        if stats is not None:
-            info["verified"] += getattr(stats, "verified", 0)
-            info["off_path"] += bool(getattr(stats, "off_path", False))
-            info["offloaded"] += getattr(stats, "offloaded_bytes", 0)
-            info["recomputed"] += getattr(stats, "recomputed_ops", 0) or 0
+        records.append(after_step(model, rec))
+        count_stats(info, cm)
         del cm
     del optimizer
     return records, info
