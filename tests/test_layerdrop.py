@@ -332,6 +332,12 @@ class _PythonCounting(torch.nn.Module):
             with torch.no_grad():  # counted in place
                 self.mem.add_(1)
             self.calls = int(self.mem)
+        elif self.kind == "resized":  # a tensor attribute grown in place, and written
+            # (NOTE [a tensor resized in place is put back whole])
+            with torch.no_grad():
+                self.mem.resize_(self.mem.numel() + 1)
+                self.mem[-1] = self.mem.numel()
+            self.calls = int(self.mem[-1])
         else:  # a tensor attribute replaced by a new one (the old one is freed)
             self.mem = self.mem + 1
             self.calls = int(self.mem)
@@ -342,7 +348,7 @@ class _PythonCounting(torch.nn.Module):
         return x.square().mean()
 
 
-@pytest.mark.parametrize("kind", ["int", "list", "tensor", "replaced"])
+@pytest.mark.parametrize("kind", ["int", "list", "tensor", "replaced", "resized"])
 def test_a_python_attribute_the_first_try_set_is_put_back_before_the_second(kind) -> None:
     """NOTE [a step off the profiled path]: the runtime put back the buffers and the RNG
     before running a step again, but not the modules' Python attributes, so a call
@@ -350,14 +356,16 @@ def test_a_python_attribute_the_first_try_set_is_put_back_before_the_second(kind
     differed from plain PyTorch, silently. The profile names the attributes its step set,
     refilled or wrote in place (``changed_attributes``) and the runtime puts those back
     too; a tensor the step replaced, by one with its values (the runtime holds no device
-    tensor the step frees: ``HeldAttributes``)."""
+    tensor the step frees: ``HeldAttributes``); a tensor it resized in place, whole (NOTE [a
+    tensor resized in place is put back whole])."""
     torch.manual_seed(0)
     model, x = _PythonCounting(kind), torch.randn(256, 64)
     torch.manual_seed(0)
     profile = slackswap.profile(copy.deepcopy(model), x, mode="traced")
     assert profile.changed_attributes == {"": {"int": ["calls"], "list": ["calls", "seen"],
                                                "tensor": ["calls", "mem"],
-                                               "replaced": ["calls", "mem"]}[kind]}
+                                               "replaced": ["calls", "mem"],
+                                               "resized": ["calls", "mem"]}[kind]}
     plan = slackswap.plan(profile, 0.7, "a100-80gb")
     planned, plain = copy.deepcopy(model), copy.deepcopy(model)
     block, off_path = slackswap.apply(planned, plan, profile=profile), 0
@@ -375,4 +383,25 @@ def test_a_python_attribute_the_first_try_set_is_put_back_before_the_second(kind
         for (name, p), q in zip(planned.named_parameters(), plain.parameters(), strict=True):
             assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad), name
     assert off_path, "no seed took another path"
-    assert planned.calls == plain.calls == 7
+    assert planned.calls == plain.calls == (8 if kind == "resized" else 7)
+    assert torch.equal(planned.mem, plain.mem)
+
+
+@pytest.mark.parametrize("mode", ["traced", "analytic"])
+def test_profiling_puts_back_a_tensor_the_step_resized_in_place(mode) -> None:
+    """NOTE [a tensor resized in place is put back whole]: profiling a step that grows a
+    tensor attribute in place raised a RuntimeError (the old bytes into the grown
+    storage); now the tensor is the same object, with its shape, stride and values. (The
+    analytic profile's fake tensors cannot resize a real one: refused in one line.)"""
+    torch.manual_seed(0)
+    model, x = _PythonCounting("resized"), torch.randn(256, 64)
+    mem = model.mem
+    with torch.no_grad():
+        mem.fill_(3.0)
+    if mode == "analytic":
+        with pytest.raises(slackswap.errors.ProfileError, match="resize_"):
+            slackswap.profile(model, x, "a100-80gb", mode=mode)
+    else:
+        slackswap.profile(model, x, "a100-80gb", mode=mode)
+    assert model.mem is mem and mem.shape == () and mem.stride() == () and float(mem) == 3.0
+    assert mem.untyped_storage().nbytes() == 4

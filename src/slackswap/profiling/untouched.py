@@ -66,6 +66,32 @@ def _real(t: Any) -> bool:
             and t.layout == torch.strided and t.device.type != "meta")
 
 
+# NOTE [a tensor resized in place is put back whole]
+#     A step may resize a tensor in place (``resize_``, a module's cache grown as it
+#     counts), not only write it: its storage then holds other bytes and the tensor has
+#     another shape. Writing the old bytes back into the grown storage raised (a
+#     traceback from the profiler, or from the runtime's second try of a step off the
+#     profiled path). What is put back is the storage's size, its bytes, and the
+#     tensor's geometry over it (size, stride, offset), so the tensor is again as it was,
+#     the same object for whoever else holds it.
+_Geometry = tuple[int, tuple[int, ...], tuple[int, ...], int]  # storage bytes, size, stride, offset
+
+
+def _geometry(t: torch.Tensor) -> _Geometry:
+    return (t.untyped_storage().nbytes(), tuple(t.shape), t.stride(), t.storage_offset())
+
+
+def put_back(t: torch.Tensor, values: torch.UntypedStorage, geometry: _Geometry) -> None:
+    """NOTE [a tensor resized in place is put back whole]: ``t``'s storage holds
+    ``values`` again and ``t`` the geometry it had (call under ``no_grad``)."""
+    storage = t.untyped_storage()
+    if storage.nbytes() != geometry[0]:
+        storage.resize_(geometry[0])
+    storage.copy_(values)
+    if _geometry(t) != geometry:
+        t.set_(storage, geometry[3], geometry[1], geometry[2])
+
+
 class StateGuard(TorchDispatchMode):
     """Copies each watched storage before the first op that writes it; :meth:`restore`
     writes the copies back (NOTE [a profiled step leaves no trace])."""
@@ -74,7 +100,7 @@ class StateGuard(TorchDispatchMode):
         super().__init__()
         self.watched: dict[int, torch.Tensor] = {
             t.untyped_storage()._cdata: t for t in tensors if _real(t)}
-        self.copies: dict[int, tuple[torch.Tensor, torch.UntypedStorage]] = {}
+        self.copies: dict[int, tuple[torch.Tensor, torch.UntypedStorage, _Geometry]] = {}
         self.host_random = False  # whether the step drew from :class:`HostRandom`'s streams
         # each ``torch.Generator`` an op drew from (``generator=``), as before its first
         # draw: one the model holds nowhere (a call's argument, a global) is put back too
@@ -102,12 +128,12 @@ class StateGuard(TorchDispatchMode):
         owner = self.watched.get(key)
         if owner is not None and key not in self.copies:
             with _disable_current_modes(), torch.no_grad():
-                self.copies[key] = (owner, owner.untyped_storage().clone())
+                self.copies[key] = (owner, owner.untyped_storage().clone(), _geometry(owner))
 
     def restore(self) -> None:
         with _disable_current_modes(), torch.no_grad():
-            for owner, saved in self.copies.values():
-                owner.untyped_storage().copy_(saved)
+            for owner, saved, geometry in self.copies.values():
+                put_back(owner, saved, geometry)
         self.copies.clear()
         for generator in self.generators.values():
             generator.restore()
@@ -256,11 +282,12 @@ class HeldAttributes:
 
 
 class _HeldTensor:
-    __slots__ = ("ref", "version", "values", "device")
+    __slots__ = ("ref", "version", "values", "device", "geometry")
 
     def __init__(self, t: torch.Tensor, values: torch.Tensor) -> None:
         self.ref, self.version, self.values, self.device = (
             weakref.ref(t), t._version, values, t.device)
+        self.geometry = (tuple(t.shape), t.stride(), t.storage_offset())
 
     def restored(self) -> torch.Tensor:
         t = self.ref()
@@ -268,6 +295,15 @@ class _HeldTensor:
             if t is None:  # replaced and freed: a new one with its values
                 return self.values.to(self.device, copy=True)
             if t._version != self.version:  # written in place
+                size, stride, offset = self.geometry
+                if (tuple(t.shape), t.stride(), t.storage_offset()) != self.geometry:
+                    # NOTE [a tensor resized in place is put back whole]
+                    storage = t.untyped_storage()
+                    needed = (offset + sum((n - 1) * s for n, s in zip(size, stride, strict=True))
+                              + 1) * t.element_size() if all(size) else 0
+                    if storage.nbytes() < needed:
+                        storage.resize_(needed)
+                    t.set_(storage, offset, size, stride)
                 t.copy_(self.values)
         return t
 
