@@ -47,6 +47,29 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
         assert torch.equal(a[name], b[name]), name
 
 
+def lit_lm(model: torch.nn.Module, optimizer: type = torch.optim.AdamW, lr: float = 1e-3,
+           losses: list[float] | None = None) -> torch.nn.Module:
+    """``model`` (a causal LM taking a batch dict) as a LightningModule whose training step
+    returns its loss, appended to ``losses`` when given."""
+    import pytorch_lightning as pl
+
+    class LitLM(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+            loss = self.model(**batch).loss
+            if losses is not None:
+                losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return optimizer(self.parameters(), lr=lr)
+
+    return LitLM()
+
+
 def global_hooks() -> tuple[int, int]:
     return len(nn_module._global_forward_pre_hooks), len(nn_module._global_forward_hooks)
 
@@ -375,27 +398,15 @@ def test_lightning_three_steps_bit_identical() -> None:
 
     from slackswap.integrations.lightning import SlackSwapCallback
 
-    class LitLM(pl.LightningModule):
-        def __init__(self, model: torch.nn.Module) -> None:
-            super().__init__()
-            self.model, self.losses = model, []
-
-        def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-            loss = self.model(**batch).loss
-            self.losses.append(loss.item())
-            return loss
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
     def train(model: torch.nn.Module, data: list, callbacks: list) -> list[float]:
-        module = LitLM(model)
+        losses: list[float] = []
+        module = lit_lm(model, losses=losses)
         torch.manual_seed(0)
         trainer = pl.Trainer(max_steps=3, accelerator="cpu", devices=1, precision="bf16-mixed",
                              callbacks=callbacks, logger=False, enable_checkpointing=False,
                              enable_progress_bar=False, enable_model_summary=False)
         trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=2))
-        return module.losses
+        return losses
 
     model, data = tiny_lm()
     reference = copy.deepcopy(model)
@@ -495,17 +506,6 @@ def test_callbacks_say_when_the_first_step_planned_nothing(tmp_path: Path) -> No
     said = train(Submodule, hf.SlackSwapCallback(budget=0.5))
     assert len(said) == 1 and "planned no forward of the Trainer's model" in said[0]
 
-    class LitLM(pl.LightningModule):
-        def __init__(self, model: torch.nn.Module) -> None:
-            super().__init__()
-            self.model = model
-
-        def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-            return self.model(**batch).loss
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
     def fit(module: str) -> list[str]:
         model, data = tiny_lm()
         trainer = pl.Trainer(max_steps=2, accelerator="cpu", devices=1, logger=False,
@@ -514,7 +514,8 @@ def test_callbacks_say_when_the_first_step_planned_nothing(tmp_path: Path) -> No
                              enable_model_summary=False)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            trainer.fit(LitLM(model), torch.utils.data.DataLoader(data, batch_size=2))
+            trainer.fit(lit_lm(model, torch.optim.SGD, lr=0.1),
+                        torch.utils.data.DataLoader(data, batch_size=2))
         return [str(w.message) for w in caught if "SlackSwapCallback" in str(w.message)]
 
     said = fit("")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from test_attach import assert_same, params, tiny_lm
+from test_attach import assert_same, lit_lm, params, tiny_lm
 from test_compiled import _MLP, _DropoutMLP
 
 import slackswap
@@ -165,23 +165,12 @@ def test_lightning_with_compile_trains_as_torch_compile() -> None:
 
     from slackswap.integrations.lightning import SlackSwapCallback
 
-    class LitLM(pl.LightningModule):
-        def __init__(self, model: torch.nn.Module) -> None:
-            super().__init__()
-            self.model = model
-
-        def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-            return self.model(**batch).loss
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
     def train(model: torch.nn.Module, data: list, callbacks: list) -> None:
         torch.manual_seed(0)
         trainer = pl.Trainer(max_steps=3, accelerator="cpu", devices=1, callbacks=callbacks,
                              logger=False, enable_checkpointing=False,
                              enable_progress_bar=False, enable_model_summary=False)
-        trainer.fit(LitLM(model), torch.utils.data.DataLoader(data, batch_size=2))
+        trainer.fit(lit_lm(model), torch.utils.data.DataLoader(data, batch_size=2))
 
     model, data = tiny_lm()
     reference = copy.deepcopy(model)
