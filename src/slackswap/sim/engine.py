@@ -142,6 +142,8 @@ def run_schedule(sched: Schedule, link: HostLink, limit: float = math.inf,
         for r in item.allocs:
             total += size[r]
         need_of.append(total)
+    if not sched.d2h and not sched.h2d:  # NOTE [a step with no copies]
+        return _run_compute_only(sched, need_of, size, holds, limit, issued, tl)
     # (only a reload under a limit asks how much room compute will take)
     headroom = _Headroom(sched, need_of) if limit < math.inf and sched.h2d else None
     n_items = len(items)
@@ -178,14 +180,7 @@ def run_schedule(sched: Schedule, link: HostLink, limit: float = math.inf,
                 waits_host = issued is not None and issued[nxt] > now
                 if ready and used + need <= limit and not waits_host:
                     if idle_since is not None:
-                        if issued is None:
-                            tl.stall[cause] += now - idle_since
-                        else:  # idle before the item was issued waited for the host
-                            to_host = min(issued[nxt], now) - idle_since
-                            if to_host > 0:
-                                tl.stall["host"] += to_host
-                            if now > max(issued[nxt], idle_since):
-                                tl.stall[cause] += now - max(issued[nxt], idle_since)
+                        _add_stall(tl.stall, issued, nxt, now, idle_since, cause)
                         idle_since = None
                     for rid in item.allocs:
                         used += size[rid]
@@ -296,6 +291,79 @@ def run_schedule(sched: Schedule, link: HostLink, limit: float = math.inf,
     tl.end, tl.peak, tl.peak_time = now, peak, peak_time
     if nxt < n_items or running >= 0:
         tl.blocked = _why_blocked(sched, nxt, used, limit, h2d.head)
+    return tl
+
+
+def _add_stall(stall: dict[str, float], issued: list[float] | None, k: int, now: float,
+               idle_since: float, cause: str) -> None:
+    """Counts the compute stream's idle time from ``idle_since`` to ``now``, when item
+    ``k`` starts: to ``cause``, and what came before the host issued the item to the
+    host."""
+    if issued is None:
+        stall[cause] += now - idle_since
+        return
+    to_host = min(issued[k], now) - idle_since
+    if to_host > 0:
+        stall["host"] += to_host
+    if now > max(issued[k], idle_since):
+        stall[cause] += now - max(issued[k], idle_since)
+
+
+# NOTE [a step with no copies]
+#     A schedule with no copies (a keep-all or recompute-only plan, or any plan whose
+#     copies run on the compute stream, ``on_compute_stream``) has only the compute
+#     stream and the host: the next-event loop of ``run_schedule`` then takes exactly one
+#     step per item (start it, advance to its end, free) and one more where an item waits
+#     for the host. ``_run_compute_only`` is that loop with the copy engines taken out:
+#     the same arithmetic in the same order, so the same timeline to the bit (op times
+#     are finite: a profile holds no inf), in a fraction of the time (the compiled path's
+#     plans have no copies on the link).
+def _run_compute_only(sched: Schedule, need_of: list[int], size: list[int],
+                      holds: list[int], limit: float, issued: list[float] | None,
+                      tl: Timeline) -> Timeline:
+    """``run_schedule`` for a schedule with no copies (NOTE [a step with no copies])."""
+    items = sched.items
+    spans, memory, alloc_time, free_time = tl.spans, tl.memory, tl.alloc_time, tl.free_time
+    stall = tl.stall
+    used, now, peak, peak_time = 0, 0.0, 0, 0.0
+    idle_since: float | None = None
+    cause = "reload"
+    blocked = False
+    nxt = 0
+    for nxt, item in enumerate(items):  # noqa: B007 - nxt is read after the loop
+        need = need_of[nxt]
+        if issued is not None and issued[nxt] > now:  # waits for the host: one event
+            if idle_since is None:
+                idle_since = now
+            if used + need > limit:
+                cause = "memory"
+            now = issued[nxt]
+        if used + need > limit:  # nothing runs that could free memory: stuck
+            if idle_since is None:
+                idle_since = now
+            blocked = True
+            break
+        if idle_since is not None:
+            _add_stall(stall, issued, nxt, now, idle_since, cause)
+            idle_since = None
+        for rid in item.allocs:
+            used += size[rid]
+            alloc_time[rid] = now
+            memory.append((now, used))
+        if used > peak:  # (sizes are not negative: the item's last allocation is its top)
+            peak, peak_time = used, now
+        run_end = now + item.duration
+        spans.append(Span("compute", nxt, now, run_end))
+        now = run_end
+        for rid in item.frees:
+            holds[rid] -= 1
+            if holds[rid] == 0:
+                used -= size[rid]
+                free_time[rid] = now
+                memory.append((now, used))
+    tl.end, tl.peak, tl.peak_time = now, peak, peak_time
+    if blocked:
+        tl.blocked = _why_blocked(sched, nxt, used, limit, 0)
     return tl
 
 
