@@ -180,7 +180,14 @@ def run_schedule(sched: Schedule, link: HostLink, limit: float = math.inf,
                 waits_host = issued is not None and issued[nxt] > now
                 if ready and used + need <= limit and not waits_host:
                     if idle_since is not None:
-                        _add_stall(tl.stall, issued, nxt, now, idle_since, cause)
+                        if issued is None:
+                            tl.stall[cause] += now - idle_since
+                        else:  # idle before the item was issued waited for the host
+                            to_host = min(issued[nxt], now) - idle_since
+                            if to_host > 0:
+                                tl.stall["host"] += to_host
+                            if now > max(issued[nxt], idle_since):
+                                tl.stall[cause] += now - max(issued[nxt], idle_since)
                         idle_since = None
                     for rid in item.allocs:
                         used += size[rid]
@@ -294,21 +301,6 @@ def run_schedule(sched: Schedule, link: HostLink, limit: float = math.inf,
     return tl
 
 
-def _add_stall(stall: dict[str, float], issued: list[float] | None, k: int, now: float,
-               idle_since: float, cause: str) -> None:
-    """Counts the compute stream's idle time from ``idle_since`` to ``now``, when item
-    ``k`` starts: to ``cause``, and what came before the host issued the item to the
-    host."""
-    if issued is None:
-        stall[cause] += now - idle_since
-        return
-    to_host = min(issued[k], now) - idle_since
-    if to_host > 0:
-        stall["host"] += to_host
-    if now > max(issued[k], idle_since):
-        stall[cause] += now - max(issued[k], idle_since)
-
-
 # NOTE [a step with no copies]
 #     A schedule with no copies (a keep-all or recompute-only plan, or any plan whose
 #     copies run on the compute stream, ``on_compute_stream``) has only the compute
@@ -324,28 +316,23 @@ def _run_compute_only(sched: Schedule, need_of: list[int], size: list[int],
     """``run_schedule`` for a schedule with no copies (NOTE [a step with no copies])."""
     items = sched.items
     spans, memory, alloc_time, free_time = tl.spans, tl.memory, tl.alloc_time, tl.free_time
-    stall = tl.stall
     used, now, peak, peak_time = 0, 0.0, 0, 0.0
-    idle_since: float | None = None
-    cause = "reload"
+    # The stream is idle only while an item waits for the host (nothing else can hold it
+    # up but memory, which nothing would free: the run stops): the event loop's stall
+    # counts then come to the wait, ``issued - now``, each added to "host" in turn.
+    host_stall = tl.stall["host"]
     blocked = False
     nxt = 0
     for nxt, item in enumerate(items):  # noqa: B007 - nxt is read after the loop
         need = need_of[nxt]
+        fits = used + need <= limit
         if issued is not None and issued[nxt] > now:  # waits for the host: one event
-            if idle_since is None:
-                idle_since = now
-            if used + need > limit:
-                cause = "memory"
+            if fits:
+                host_stall += issued[nxt] - now
             now = issued[nxt]
-        if used + need > limit:  # nothing runs that could free memory: stuck
-            if idle_since is None:
-                idle_since = now
+        if not fits:
             blocked = True
             break
-        if idle_since is not None:
-            _add_stall(stall, issued, nxt, now, idle_since, cause)
-            idle_since = None
         for rid in item.allocs:
             used += size[rid]
             alloc_time[rid] = now
@@ -361,6 +348,7 @@ def _run_compute_only(sched: Schedule, need_of: list[int], size: list[int],
                 used -= size[rid]
                 free_time[rid] = now
                 memory.append((now, used))
+    tl.stall["host"] = host_stall
     tl.end, tl.peak, tl.peak_time = now, peak, peak_time
     if blocked:
         tl.blocked = _why_blocked(sched, nxt, used, limit, 0)

@@ -128,12 +128,16 @@ class _Step:
     mutators: dict[int, list[int]]  # tensor -> forward in-place ops on it
     resets: list[int]  # backward ops before which the rebuild group goes
     forward: _Forward
-    # backward op -> (op, seconds, activations it reads or first needs, activations it makes)
-    backward: list[tuple[int, float, list[int], list[int]]]
+    # backward op -> (op, seconds, activations it reads or first needs, those of them
+    # backward unpacks there for the last time, (activation, bytes) it makes)
+    backward: list[tuple[int, float, list[int], list[int], list[tuple[int, int]]]]
     ideal_time: float  # the sum of op times
     # (forward op, the ops that write it, small activation it reads): NOTE [small unseen
     # tensors held by recipes]
     small_reads: list[tuple[int, list[int], int]]
+    # tensors resident when forward ends that leave then with every saved activation
+    # kept: with those a plan moves, all that may leave (NOTE [leaving after forward])
+    leave: list[int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,13 +228,24 @@ def _step(profile: StepProfile) -> _Step:
     for op in ops[first_backward:]:
         wanted = [tid for tid in dict.fromkeys([*op.inputs, *needed_at.get(op.index, [])])
                   if _is_activation(tensors[tid])]
-        makes = [tid for tid in op.outputs
+        makes = [(tid, tensors[tid].bytes) for tid in op.outputs
                  if tensors[tid].producer == op.index and _is_activation(tensors[tid])]
-        backward.append((op.index, op.time_s, wanted, makes))
+        last = [tid for tid in wanted if unpacked.get(tid) == op.index]
+        backward.append((op.index, op.time_s, wanted, last, makes))
+    forward = _lay_out_forward(profile, first_backward)
+    leave = [tid for tid in forward.live if not _keeps(tensors[tid], kept, first_backward)]
     return _Step(first_backward, named, planned, kept, end, unpacked, released, mutators,
-                 _group_resets(profile),
-                 _lay_out_forward(profile, first_backward), backward,
-                 sum(op.time_s for op in ops), _small_reads(profile))
+                 _group_resets(profile), forward, backward,
+                 sum(op.time_s for op in ops), _small_reads(profile), leave)
+
+
+def _keeps(t: TensorRecord, decision: dict[int, Decision], first_backward: int) -> bool:
+    """Stays on the device from production to its last use, or until the step lets go
+    of it in backward (NOTE [held until let go]: one no backward op reads, held by a
+    module-level cache, as Mask2Former's sine position embedding)."""
+    d = decision.get(t.id)
+    return d == Decision.KEEP or (d is None and (bool(t.backward_consumers) or (
+        t.released_after is not None and t.released_after >= first_backward)))
 
 
 def _small_reads(profile: StepProfile) -> list[tuple[int, list[int], int]]:
@@ -290,10 +305,13 @@ class _Builder:
         self.tensors = profile.tensors
         step = profile.derived("schedule", lambda: _step(profile))
         self.decision = dict(step.kept)
+        self.decided: list[int] = []  # tensors the plan decides on
         for name, d in plan.decisions.items():  # saved activations, and unsaved tensors
             t = step.planned.get(name)  # kept or offloaded as checkpoints
             if t is not None:
                 self.decision[t.id] = d if t.bytes >= MIN_PLANNED_BYTES else Decision.KEEP
+                self.decided.append(t.id)
+        self.leave = step.leave
         self.prefetch = {step.named[n].id: i for n, i in plan.prefetch.items()}
         # checkpoints the runtime holds for rebuilds, kept or reloaded (NOTE [rebuild groups])
         self.checkpoints = {profile.checkpointable[n].id for n, d in plan.decisions.items()
@@ -320,14 +338,6 @@ class _Builder:
         self.members: list[tuple[int, int]] = []  # (residency, op) joined that op's group
 
     # -- helpers --------------------------------------------------------------------------
-    def _keeps(self, t: TensorRecord) -> bool:
-        """Stays on the device from production to its last use, or until the step lets go
-        of it in backward (NOTE [held until let go]: one no backward op reads, held by a
-        module-level cache, as Mask2Former's sine position embedding)."""
-        d = self.decision.get(t.id)
-        return d == Decision.KEEP or (d is None and (bool(t.backward_consumers) or (
-            t.released_after is not None and t.released_after >= self.first_backward)))
-
     def _gone(self, tid: int, pos: int) -> bool:
         """A saved tensor backward has unpacked for the last time before op ``pos``."""
         end = self.end.get(tid)
@@ -368,9 +378,16 @@ class _Builder:
         self.uses = dict(enumerate(list(u) for u in f.uses))
         self.live = dict(f.live)
         # End of forward: what backward will not find resident leaves the live set.
-        for tid in list(self.live):
+        # NOTE [leaving after forward]: a tensor whose decision is the one it has with
+        # every saved activation kept leaves or stays as it does then (``_Step.leave``),
+        # so only those and the ones the plan decides on are asked, in the live set's
+        # order (residencies are numbered in it): the same copies in the same order as
+        # asking every resident tensor, without a pass over all of them per plan.
+        live = self.live
+        ask = {*self.leave, *(tid for tid in self.decided if tid in live)}
+        for tid in sorted(ask, key=live.__getitem__):
             t = self.tensors[tid]
-            if self._keeps(t):
+            if _keeps(t, self.decision, self.first_backward):
                 continue
             rid = self.live.pop(tid)
             if self.decision.get(tid) == Decision.OFFLOAD:
@@ -458,11 +475,10 @@ class _Builder:
             copy.d2h = index[id(old[copy.d2h])]
 
     def _backward(self) -> None:
-        live, end, decision, tensors = self.live, self.end, self.decision, self.tensors
-        unpacked = self.unpacked
+        live, end, decision, res = self.live, self.end, self.decision, self.res
         uses = self.uses
         moved = (Decision.OFFLOAD, Decision.RECOMPUTE)
-        for index, seconds, wanted, makes in self.backward:
+        for index, seconds, wanted, last, makes in self.backward:
             made: list[int] = []
             self.first_item[index] = len(self.items)
             reads = []
@@ -473,8 +489,8 @@ class _Builder:
                     rid = self._ensure(tid, index, made)
                 if rid is not None:
                     reads.append(rid)
-            for tid in wanted:  # unpacked for the last time: the group holds it
-                if unpacked.get(tid) == index and tid in live and decision.get(tid) in moved:
+            for tid in last:  # unpacked for the last time: the group holds it
+                if tid in live and decision.get(tid) in moved:
                     self.members.append((live[tid], index))
             k = len(self.items)
             item = Item(index, index, seconds, False, [], [], [], [])  # (no factory calls)
@@ -486,9 +502,12 @@ class _Builder:
                 rid = live.get(tid)
                 if rid is not None and k not in uses[rid]:
                     uses[rid].append(k)
-            for tid in makes:
+            for tid, size in makes:  # (``_new_residency`` written out)
                 if tid not in live:
-                    live[tid] = self._new_residency(tensors[tid], "compute", k)
+                    live[tid] = rid = len(res)
+                    res.append(Residency(tid, size, "compute"))
+                    uses[rid] = [k]
+                    item.allocs.append(rid)
             for tid in made:  # intermediates rebuilt for this op only
                 live.pop(tid, None)
 
@@ -526,7 +545,8 @@ def on_compute_stream(sched: Schedule, d2h_s: list[float], h2d_s: list[float]) -
     copy's seconds), as PyTorch's activation-offloading pass issues them on the compute
     stream: a copy out right after the last forward item that reads the tensor (freeing
     it there, as the copy engine's completion would), a reload right before the first
-    item that needs it (allocating it). The copy engines are left with nothing to do."""
+    item that needs it (allocating it). The copy engines are left with nothing to do.
+    The items share their lists of residencies with ``sched``'s."""
     last_read: dict[int, int] = {}  # residency -> last forward item reading it
     for k, item in enumerate(sched.items):
         if item.position >= sched.first_backward:
@@ -547,8 +567,10 @@ def on_compute_stream(sched: Schedule, d2h_s: list[float], h2d_s: list[float]) -
     items = []
     for k, item in enumerate(sched.items):
         items += before.get(k, [])
+        # (its lists shared, not copied: ``simulate`` lays the schedule out for this
+        # call alone and keeps only this one; nothing changes a schedule's lists after)
         items.append(Item(item.op, item.position, item.duration, item.recompute,
-                          list(item.allocs), list(item.frees), [], list(item.reads)))
+                          item.allocs, item.frees, [], item.reads))
         items += after.get(k, [])
     return Schedule(items, sched.residencies, [], [], sched.ideal_time, sched.first_backward)
 
