@@ -135,9 +135,9 @@ class _Step:
     # (forward op, the ops that write it, small activation it reads): NOTE [small unseen
     # tensors held by recipes]
     small_reads: list[tuple[int, list[int], int]]
-    # tensors resident when forward ends that leave then with every saved activation
-    # kept: with those a plan moves, all that may leave (NOTE [leaving after forward])
-    leave: list[int]
+    # tensor -> its residency, for those resident when forward ends that stay then with
+    # every saved activation kept (NOTE [leaving after forward])
+    stays: dict[int, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,10 +233,11 @@ def _step(profile: StepProfile) -> _Step:
         last = [tid for tid in wanted if unpacked.get(tid) == op.index]
         backward.append((op.index, op.time_s, wanted, last, makes))
     forward = _lay_out_forward(profile, first_backward)
-    leave = [tid for tid in forward.live if not _keeps(tensors[tid], kept, first_backward)]
+    stays = {tid: rid for tid, rid in forward.live.items()
+             if _keeps(tensors[tid], kept, first_backward)}
     return _Step(first_backward, named, planned, kept, end, unpacked, released, mutators,
                  _group_resets(profile), forward, backward,
-                 sum(op.time_s for op in ops), _small_reads(profile), leave)
+                 sum(op.time_s for op in ops), _small_reads(profile), stays)
 
 
 def _keeps(t: TensorRecord, decision: dict[int, Decision], first_backward: int) -> bool:
@@ -311,7 +312,7 @@ class _Builder:
             if t is not None:
                 self.decision[t.id] = d if t.bytes >= MIN_PLANNED_BYTES else Decision.KEEP
                 self.decided.append(t.id)
-        self.leave = step.leave
+        self.stays = step.stays
         self.prefetch = {step.named[n].id: i for n, i in plan.prefetch.items()}
         # checkpoints the runtime holds for rebuilds, kept or reloaded (NOTE [rebuild groups])
         self.checkpoints = {profile.checkpointable[n].id for n, d in plan.decisions.items()
@@ -371,25 +372,29 @@ class _Builder:
 
     # -- forward ------------------------------------------------------------------------
     def _forward(self) -> None:
-        f = self.forward  # (laid out once per profile: copied, as the build extends it)
-        self.items = [Item(op, op, seconds, False, list(allocs), [], [], list(reads))
+        # (laid out once per profile: copied, as the build extends it; a forward item's
+        # allocations and reads are never extended, the only lists shared with the
+        # layout: a backward item or a rebuild allocates and reads what comes later)
+        f = self.forward
+        self.items = [Item(op, op, seconds, False, allocs, [], [], reads)
                       for op, seconds, allocs, reads in f.items]
         self.res = [Residency(tid, size, "compute") for tid, size in f.residencies]
         self.uses = dict(enumerate(list(u) for u in f.uses))
-        self.live = dict(f.live)
         # End of forward: what backward will not find resident leaves the live set.
         # NOTE [leaving after forward]: a tensor whose decision is the one it has with
-        # every saved activation kept leaves or stays as it does then (``_Step.leave``),
-        # so only those and the ones the plan decides on are asked, in the live set's
-        # order (residencies are numbered in it): the same copies in the same order as
-        # asking every resident tensor, without a pass over all of them per plan.
-        live = self.live
-        ask = {*self.leave, *(tid for tid in self.decided if tid in live)}
-        for tid in sorted(ask, key=live.__getitem__):
-            t = self.tensors[tid]
+        # every saved activation kept leaves or stays as it does then (``_Step.stays``),
+        # so only those the plan decides on are asked, in residency order (the
+        # order of forward's live set): the same live set, and the same copies in the
+        # same order, as asking every resident tensor, without a pass over all of them
+        # per plan. (The live set is only looked up, never walked: its order is moot.)
+        self.live = live = dict(self.stays)
+        decided = [tid for tid in dict.fromkeys(self.decided) if tid in f.live]
+        for tid in sorted(decided, key=f.live.__getitem__):
+            t, rid = self.tensors[tid], f.live[tid]
             if _keeps(t, self.decision, self.first_backward):
+                live[tid] = rid
                 continue
-            rid = self.live.pop(tid)
+            live.pop(tid, None)
             if self.decision.get(tid) == Decision.OFFLOAD:
                 self.res[rid].holds += 1
                 self.d2h.append(Copy(tid, t.bytes, rid, after_item=t.producer))
