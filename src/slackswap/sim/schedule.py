@@ -539,7 +539,9 @@ class _Builder:
         reload = {copy.residency: h for h, copy in enumerate(self.h2d)}
         if reload:  # (forward's items read no reload)
             for item in self.items[len(self.forward.items):]:
-                item.needs = sorted({reload[rid] for rid in item.reads if rid in reload})
+                needs = {reload[rid] for rid in item.reads if rid in reload}
+                if needs:  # (most read none: their empty list stays)
+                    item.needs = sorted(needs)
         return Schedule(self.items, self.res, self.d2h, self.h2d,
                         ideal_time=self.ideal_time,
                         first_backward=self.first_backward)
