@@ -155,8 +155,10 @@ class PlanContext:
         self.simulations += 1
         key = (plan.strategy, tuple(sorted(plan.decisions.items())),
                tuple(sorted(plan.prefetch.items())))
-        if key in self._results:
-            return self._results[key].model_copy(deep=True)
+        if key in self._results:  # (a copy of its own: its dicts, the rest immutable)
+            kept = self._results[key]
+            return kept.model_copy(update={"stall_s": dict(kept.stall_s),
+                                           "busy_fraction": dict(kept.busy_fraction)})
         result = simulate(self.profile, plan, self.hw, self.budget)
         kept = result.model_copy()  # a timeline is large: only the figures are kept
         kept._run = None

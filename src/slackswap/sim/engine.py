@@ -142,6 +142,8 @@ def run_schedule(sched: Schedule, link: HostLink, limit: float = math.inf,
         for r in item.allocs:
             total += size[r]
         need_of.append(total)
+    if not sched.d2h and not sched.h2d:  # NOTE [a step with no copies]
+        return _run_compute_only(sched, need_of, size, holds, limit, issued, tl)
     # (only a reload under a limit asks how much room compute will take)
     headroom = _Headroom(sched, need_of) if limit < math.inf and sched.h2d else None
     n_items = len(items)
@@ -296,6 +298,60 @@ def run_schedule(sched: Schedule, link: HostLink, limit: float = math.inf,
     tl.end, tl.peak, tl.peak_time = now, peak, peak_time
     if nxt < n_items or running >= 0:
         tl.blocked = _why_blocked(sched, nxt, used, limit, h2d.head)
+    return tl
+
+
+# NOTE [a step with no copies]
+#     A schedule with no copies (a keep-all or recompute-only plan, or any plan whose
+#     copies run on the compute stream, ``on_compute_stream``) has only the compute
+#     stream and the host: the next-event loop of ``run_schedule`` then takes exactly one
+#     step per item (start it, advance to its end, free) and one more where an item waits
+#     for the host. ``_run_compute_only`` is that loop with the copy engines taken out:
+#     the same arithmetic in the same order, so the same timeline to the bit (op times
+#     are finite: a profile holds no inf), in a fraction of the time (the compiled path's
+#     plans have no copies on the link).
+def _run_compute_only(sched: Schedule, need_of: list[int], size: list[int],
+                      holds: list[int], limit: float, issued: list[float] | None,
+                      tl: Timeline) -> Timeline:
+    """``run_schedule`` for a schedule with no copies (NOTE [a step with no copies])."""
+    items = sched.items
+    spans, memory, alloc_time, free_time = tl.spans, tl.memory, tl.alloc_time, tl.free_time
+    used, now, peak, peak_time = 0, 0.0, 0, 0.0
+    # The stream is idle only while an item waits for the host (nothing else can hold it
+    # up but memory, which nothing would free: the run stops): the event loop's stall
+    # counts then come to the wait, ``issued - now``, each added to "host" in turn.
+    host_stall = tl.stall["host"]
+    blocked = False
+    nxt = 0
+    for nxt, item in enumerate(items):  # noqa: B007 - nxt is read after the loop
+        need = need_of[nxt]
+        fits = used + need <= limit
+        if issued is not None and issued[nxt] > now:  # waits for the host: one event
+            if fits:
+                host_stall += issued[nxt] - now
+            now = issued[nxt]
+        if not fits:
+            blocked = True
+            break
+        for rid in item.allocs:
+            used += size[rid]
+            alloc_time[rid] = now
+            memory.append((now, used))
+        if used > peak:  # (sizes are not negative: the item's last allocation is its top)
+            peak, peak_time = used, now
+        run_end = now + item.duration
+        spans.append(Span("compute", nxt, now, run_end))
+        now = run_end
+        for rid in item.frees:
+            holds[rid] -= 1
+            if holds[rid] == 0:
+                used -= size[rid]
+                free_time[rid] = now
+                memory.append((now, used))
+    tl.stall["host"] = host_stall
+    tl.end, tl.peak, tl.peak_time = now, peak, peak_time
+    if blocked:
+        tl.blocked = _why_blocked(sched, nxt, used, limit, 0)
     return tl
 
 

@@ -128,12 +128,16 @@ class _Step:
     mutators: dict[int, list[int]]  # tensor -> forward in-place ops on it
     resets: list[int]  # backward ops before which the rebuild group goes
     forward: _Forward
-    # backward op -> (op, seconds, activations it reads or first needs, activations it makes)
-    backward: list[tuple[int, float, list[int], list[int]]]
+    # backward op -> (op, seconds, activations it reads or first needs, those of them
+    # backward unpacks there for the last time, (activation, bytes) it makes)
+    backward: list[tuple[int, float, list[int], list[int], list[tuple[int, int]]]]
     ideal_time: float  # the sum of op times
     # (forward op, the ops that write it, small activation it reads): NOTE [small unseen
     # tensors held by recipes]
     small_reads: list[tuple[int, list[int], int]]
+    # tensor -> its residency, for those resident when forward ends that stay then with
+    # every saved activation kept (NOTE [leaving after forward])
+    stays: dict[int, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,13 +228,25 @@ def _step(profile: StepProfile) -> _Step:
     for op in ops[first_backward:]:
         wanted = [tid for tid in dict.fromkeys([*op.inputs, *needed_at.get(op.index, [])])
                   if _is_activation(tensors[tid])]
-        makes = [tid for tid in op.outputs
+        makes = [(tid, tensors[tid].bytes) for tid in op.outputs
                  if tensors[tid].producer == op.index and _is_activation(tensors[tid])]
-        backward.append((op.index, op.time_s, wanted, makes))
+        last = [tid for tid in wanted if unpacked.get(tid) == op.index]
+        backward.append((op.index, op.time_s, wanted, last, makes))
+    forward = _lay_out_forward(profile, first_backward)
+    stays = {tid: rid for tid, rid in forward.live.items()
+             if _keeps(tensors[tid], kept, first_backward)}
     return _Step(first_backward, named, planned, kept, end, unpacked, released, mutators,
-                 _group_resets(profile),
-                 _lay_out_forward(profile, first_backward), backward,
-                 sum(op.time_s for op in ops), _small_reads(profile))
+                 _group_resets(profile), forward, backward,
+                 sum(op.time_s for op in ops), _small_reads(profile), stays)
+
+
+def _keeps(t: TensorRecord, decision: dict[int, Decision], first_backward: int) -> bool:
+    """Stays on the device from production to its last use, or until the step lets go
+    of it in backward (NOTE [held until let go]: one no backward op reads, held by a
+    module-level cache, as Mask2Former's sine position embedding)."""
+    d = decision.get(t.id)
+    return d == Decision.KEEP or (d is None and (bool(t.backward_consumers) or (
+        t.released_after is not None and t.released_after >= first_backward)))
 
 
 def _small_reads(profile: StepProfile) -> list[tuple[int, list[int], int]]:
@@ -290,10 +306,13 @@ class _Builder:
         self.tensors = profile.tensors
         step = profile.derived("schedule", lambda: _step(profile))
         self.decision = dict(step.kept)
+        self.decided: list[int] = []  # tensors the plan decides on
         for name, d in plan.decisions.items():  # saved activations, and unsaved tensors
             t = step.planned.get(name)  # kept or offloaded as checkpoints
             if t is not None:
                 self.decision[t.id] = d if t.bytes >= MIN_PLANNED_BYTES else Decision.KEEP
+                self.decided.append(t.id)
+        self.stays = step.stays
         self.prefetch = {step.named[n].id: i for n, i in plan.prefetch.items()}
         # checkpoints the runtime holds for rebuilds, kept or reloaded (NOTE [rebuild groups])
         self.checkpoints = {profile.checkpointable[n].id for n, d in plan.decisions.items()
@@ -320,14 +339,6 @@ class _Builder:
         self.members: list[tuple[int, int]] = []  # (residency, op) joined that op's group
 
     # -- helpers --------------------------------------------------------------------------
-    def _keeps(self, t: TensorRecord) -> bool:
-        """Stays on the device from production to its last use, or until the step lets go
-        of it in backward (NOTE [held until let go]: one no backward op reads, held by a
-        module-level cache, as Mask2Former's sine position embedding)."""
-        d = self.decision.get(t.id)
-        return d == Decision.KEEP or (d is None and (bool(t.backward_consumers) or (
-            t.released_after is not None and t.released_after >= self.first_backward)))
-
     def _gone(self, tid: int, pos: int) -> bool:
         """A saved tensor backward has unpacked for the last time before op ``pos``."""
         end = self.end.get(tid)
@@ -361,18 +372,29 @@ class _Builder:
 
     # -- forward ------------------------------------------------------------------------
     def _forward(self) -> None:
-        f = self.forward  # (laid out once per profile: copied, as the build extends it)
-        self.items = [Item(op, op, seconds, False, list(allocs), [], [], list(reads))
+        # (laid out once per profile: copied, as the build extends it; a forward item's
+        # allocations and reads are never extended, the only lists shared with the
+        # layout: a backward item or a rebuild allocates and reads what comes later)
+        f = self.forward
+        self.items = [Item(op, op, seconds, False, allocs, [], [], reads)
                       for op, seconds, allocs, reads in f.items]
         self.res = [Residency(tid, size, "compute") for tid, size in f.residencies]
         self.uses = dict(enumerate(list(u) for u in f.uses))
-        self.live = dict(f.live)
         # End of forward: what backward will not find resident leaves the live set.
-        for tid in list(self.live):
-            t = self.tensors[tid]
-            if self._keeps(t):
+        # NOTE [leaving after forward]: a tensor whose decision is the one it has with
+        # every saved activation kept leaves or stays as it does then (``_Step.stays``),
+        # so only those the plan decides on are asked, in residency order (the
+        # order of forward's live set): the same live set, and the same copies in the
+        # same order, as asking every resident tensor, without a pass over all of them
+        # per plan. (The live set is only looked up, never walked: its order is moot.)
+        self.live = live = dict(self.stays)
+        decided = [tid for tid in dict.fromkeys(self.decided) if tid in f.live]
+        for tid in sorted(decided, key=f.live.__getitem__):
+            t, rid = self.tensors[tid], f.live[tid]
+            if _keeps(t, self.decision, self.first_backward):
+                live[tid] = rid
                 continue
-            rid = self.live.pop(tid)
+            live.pop(tid, None)
             if self.decision.get(tid) == Decision.OFFLOAD:
                 self.res[rid].holds += 1
                 self.d2h.append(Copy(tid, t.bytes, rid, after_item=t.producer))
@@ -458,11 +480,10 @@ class _Builder:
             copy.d2h = index[id(old[copy.d2h])]
 
     def _backward(self) -> None:
-        live, end, decision, tensors = self.live, self.end, self.decision, self.tensors
-        unpacked = self.unpacked
+        live, end, decision, res = self.live, self.end, self.decision, self.res
         uses = self.uses
         moved = (Decision.OFFLOAD, Decision.RECOMPUTE)
-        for index, seconds, wanted, makes in self.backward:
+        for index, seconds, wanted, last, makes in self.backward:
             made: list[int] = []
             self.first_item[index] = len(self.items)
             reads = []
@@ -473,8 +494,8 @@ class _Builder:
                     rid = self._ensure(tid, index, made)
                 if rid is not None:
                     reads.append(rid)
-            for tid in wanted:  # unpacked for the last time: the group holds it
-                if unpacked.get(tid) == index and tid in live and decision.get(tid) in moved:
+            for tid in last:  # unpacked for the last time: the group holds it
+                if tid in live and decision.get(tid) in moved:
                     self.members.append((live[tid], index))
             k = len(self.items)
             item = Item(index, index, seconds, False, [], [], [], [])  # (no factory calls)
@@ -486,9 +507,12 @@ class _Builder:
                 rid = live.get(tid)
                 if rid is not None and k not in uses[rid]:
                     uses[rid].append(k)
-            for tid in makes:
+            for tid, size in makes:  # (``_new_residency`` written out)
                 if tid not in live:
-                    live[tid] = self._new_residency(tensors[tid], "compute", k)
+                    live[tid] = rid = len(res)
+                    res.append(Residency(tid, size, "compute"))
+                    uses[rid] = [k]
+                    item.allocs.append(rid)
             for tid in made:  # intermediates rebuilt for this op only
                 live.pop(tid, None)
 
@@ -515,7 +539,9 @@ class _Builder:
         reload = {copy.residency: h for h, copy in enumerate(self.h2d)}
         if reload:  # (forward's items read no reload)
             for item in self.items[len(self.forward.items):]:
-                item.needs = sorted({reload[rid] for rid in item.reads if rid in reload})
+                needs = {reload[rid] for rid in item.reads if rid in reload}
+                if needs:  # (most read none: their empty list stays)
+                    item.needs = sorted(needs)
         return Schedule(self.items, self.res, self.d2h, self.h2d,
                         ideal_time=self.ideal_time,
                         first_backward=self.first_backward)
@@ -526,7 +552,8 @@ def on_compute_stream(sched: Schedule, d2h_s: list[float], h2d_s: list[float]) -
     copy's seconds), as PyTorch's activation-offloading pass issues them on the compute
     stream: a copy out right after the last forward item that reads the tensor (freeing
     it there, as the copy engine's completion would), a reload right before the first
-    item that needs it (allocating it). The copy engines are left with nothing to do."""
+    item that needs it (allocating it). The copy engines are left with nothing to do.
+    The items share their lists of residencies with ``sched``'s."""
     last_read: dict[int, int] = {}  # residency -> last forward item reading it
     for k, item in enumerate(sched.items):
         if item.position >= sched.first_backward:
@@ -547,8 +574,10 @@ def on_compute_stream(sched: Schedule, d2h_s: list[float], h2d_s: list[float]) -
     items = []
     for k, item in enumerate(sched.items):
         items += before.get(k, [])
+        # (its lists shared, not copied: ``simulate`` lays the schedule out for this
+        # call alone and keeps only this one; nothing changes a schedule's lists after)
         items.append(Item(item.op, item.position, item.duration, item.recompute,
-                          list(item.allocs), list(item.frees), [], list(item.reads)))
+                          item.allocs, item.frees, [], item.reads))
         items += after.get(k, [])
     return Schedule(items, sched.residencies, [], [], sched.ideal_time, sched.first_backward)
 
