@@ -291,6 +291,53 @@ def test_auto_plans_again_under_autocast() -> None:
         assert torch.equal(a.grad, b.grad)
 
 
+def _autocast_steps(dtype: torch.dtype, budget: float, twice: bool) -> None:
+    """Three steps of a small MLP under autocast, attached (recompute-only) and not,
+    bit-identical; ``twice``: the last step calls the model again in its region, on a
+    new batch shape, planned with the first call's casts cached."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(
+        torch.nn.LayerNorm(64), torch.nn.Linear(64, 256), torch.nn.GELU(),
+        torch.nn.Linear(256, 64)) for _ in range(3)])
+    ref = copy.deepcopy(model)
+    xs = torch.randn(3, 32, 64, generator=torch.Generator().manual_seed(1))
+    got, want = [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", slackswap.PathNotice)
+        attached = slackswap.attach(model, budget=budget, strategy="recompute-only")
+        for m, out in ((model, got), (ref, want)):
+            for step in range(3):
+                with torch.autocast("cpu", dtype=dtype):
+                    y = m(xs[step])
+                    if twice and step == 2:
+                        y = y.sum(0) + m(xs[:2].flatten(0, 1)).sum(0)
+                loss = y.float().pow(2).mean()
+                loss.backward()
+                if m is model:
+                    assert not attached.stats.off_path
+                    assert attached.stats.recomputed_ops > 0
+                out.append(params(m) | {"loss": loss.detach()} | {
+                    f"grad {n}": p.grad.clone() for n, p in m.named_parameters()})
+                m.zero_grad(set_to_none=True)
+        attached.detach()
+    assert len(attached.plans) == 1 + twice
+    for a, b in zip(got, want, strict=True):
+        assert_same(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_first_step_under_autocast_stays_on_path(dtype: torch.dtype) -> None:
+    """NOTE [autocast's cache of weight casts]: attach profiles inside the step's autocast
+    region; the casts of the profiled step are not left cached, so the first training
+    step of a batch shape casts its weights as the profile did and runs the plan's
+    rebuilds, not the whole forward again off the profiled path (it did: 'its op 2 is
+    addmm where the profiled step's ran _to_copy'). Two forwards in one region, the
+    second of a new shape (profiled with the first's casts cached, left cached), stay
+    bit-identical too."""
+    _autocast_steps(dtype, 0.85, twice=False)
+    _autocast_steps(dtype, 0.9, twice=True)
+
+
 def test_torch_compile(monkeypatch: pytest.MonkeyPatch) -> None:
     """Attached to a compiled module, the plan runs, and runs it eagerly: Dynamo looks at
     no frame while the block is open (NOTE [compiled code runs eagerly in a block]; it
