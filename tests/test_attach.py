@@ -22,6 +22,7 @@ from slackswap.core.hardware import with_overrides
 from slackswap.device_budget import RESERVE, device_budget
 from slackswap.errors import InputError
 from slackswap.runtime import block
+from slackswap.runtime.attach import Attached
 
 # the loss and autograd's seed gradient, held past their last use in the profile
 SCALARS = 64
@@ -291,16 +292,35 @@ def test_auto_plans_again_under_autocast() -> None:
         assert torch.equal(a.grad, b.grad)
 
 
-def _autocast_steps(dtype: torch.dtype, budget: float, twice: bool) -> None:
-    """Three steps of a small MLP under autocast, attached (recompute-only) and not,
-    bit-identical; ``twice``: the last step calls the model again in its region, on a
-    new batch shape, planned with the first call's casts cached."""
+def _mlp() -> tuple[torch.nn.Module, torch.Tensor]:
+    """Three LayerNorm-MLP blocks, and three batches of 32 rows."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Sequential(
         torch.nn.LayerNorm(64), torch.nn.Linear(64, 256), torch.nn.GELU(),
         torch.nn.Linear(256, 64)) for _ in range(3)])
+    return model, torch.randn(3, 32, 64, generator=torch.Generator().manual_seed(1))
+
+
+def _planned_step(model: torch.nn.Module, loss: torch.Tensor,
+                  attached: Attached | None) -> dict[str, torch.Tensor]:
+    """Backward from ``loss``; the loss, parameters and gradients. ``attached``: the step
+    ran the plan, rebuilds and all, not off the profiled path."""
+    loss.backward()
+    if attached is not None:
+        assert not attached.stats.off_path
+        assert attached.stats.recomputed_ops > 0
+    record = params(model) | {"loss": loss.detach()} | {
+        f"grad {n}": p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return record
+
+
+def _autocast_steps(dtype: torch.dtype, budget: float, twice: bool) -> None:
+    """Three steps of a small MLP under autocast, attached (recompute-only) and not,
+    bit-identical; ``twice``: the last step calls the model again in its region, on a
+    new batch shape, planned with the first call's casts cached."""
+    model, xs = _mlp()
     ref = copy.deepcopy(model)
-    xs = torch.randn(3, 32, 64, generator=torch.Generator().manual_seed(1))
     got, want = [], []
     with warnings.catch_warnings():
         warnings.simplefilter("error", slackswap.PathNotice)
@@ -311,14 +331,8 @@ def _autocast_steps(dtype: torch.dtype, budget: float, twice: bool) -> None:
                     y = m(xs[step])
                     if twice and step == 2:
                         y = y.sum(0) + m(xs[:2].flatten(0, 1)).sum(0)
-                loss = y.float().pow(2).mean()
-                loss.backward()
-                if m is model:
-                    assert not attached.stats.off_path
-                    assert attached.stats.recomputed_ops > 0
-                out.append(params(m) | {"loss": loss.detach()} | {
-                    f"grad {n}": p.grad.clone() for n, p in m.named_parameters()})
-                m.zero_grad(set_to_none=True)
+                out.append(_planned_step(m, y.float().pow(2).mean(),
+                                         attached if m is model else None))
         attached.detach()
     assert len(attached.plans) == 1 + twice
     for a, b in zip(got, want, strict=True):
@@ -336,6 +350,27 @@ def test_first_step_under_autocast_stays_on_path(dtype: torch.dtype) -> None:
     bit-identical too."""
     _autocast_steps(dtype, 0.85, twice=False)
     _autocast_steps(dtype, 0.9, twice=True)
+
+
+def test_forward_hook_on_the_model_stays_on_path() -> None:
+    """NOTE [the saves by the model's return]: a forward hook of the user's on the attached
+    model that changes its output saves tensors after the forward returns; the profiled
+    step counts its saves where the runtime does, so every step runs the plan (each ran
+    its forward again off the path: 'it returned after 30 saves where the profiled step
+    made 31'), bit-identical to the hooked model without SlackSwap."""
+    model, xs = _mlp()
+    model.register_forward_hook(lambda m, args, out: out.sigmoid() * 3)
+    ref = copy.deepcopy(model)
+    got, want = [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", slackswap.PathNotice)
+        with slackswap.attach(model, budget=0.92, strategy="recompute-only") as attached:
+            for m, out in ((model, got), (ref, want)):
+                for x in xs:
+                    out.append(_planned_step(m, m(x).pow(2).mean(),
+                                             attached if m is model else None))
+    for a, b in zip(got, want, strict=True):
+        assert_same(a, b)
 
 
 def test_torch_compile(monkeypatch: pytest.MonkeyPatch) -> None:
