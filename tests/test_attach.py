@@ -352,14 +352,25 @@ def test_first_step_under_autocast_stays_on_path(dtype: torch.dtype) -> None:
     _autocast_steps(dtype, 0.9, twice=True)
 
 
-def test_forward_hook_on_the_model_stays_on_path() -> None:
-    """NOTE [the saves by the model's return]: a forward hook of the user's on the attached
-    model that changes its output saves tensors after the forward returns; the profiled
-    step counts its saves where the runtime does, so every step runs the plan (each ran
-    its forward again off the path: 'it returned after 30 saves where the profiled step
-    made 31'), bit-identical to the hooked model without SlackSwap."""
+@pytest.mark.parametrize("hook", ["forward", "pre"])
+def test_hooks_on_the_model(hook: str) -> None:
+    """Hooks of the user's on the attached model, registered before attaching, that
+    change its output or its input: every step runs the plan, rebuilds and all,
+    bit-identical to the hooked model without SlackSwap.
+    - ``forward`` (NOTE [the saves by the model's return]): the hook saves tensors after
+      the forward returns; the profiled step counts its saves where the runtime does (each
+      step ran its forward again off the path: 'it returned after 30 saves where the
+      profiled step made 31');
+    - ``pre`` (NOTE [the model's call as it was made]): attach plans the call as it was
+      made, before the user's pre-hook changed its input (the hook ran twice in the
+      profiled step, which was refused: 'Given normalized_shape=[64], expected input
+      with shape [*, 64], but got input of size[32, 128]')."""
     model, xs = _mlp()
-    model.register_forward_hook(lambda m, args, out: out.sigmoid() * 3)
+    if hook == "forward":
+        model.register_forward_hook(lambda m, args, out: out.sigmoid() * 3)
+    else:
+        model.register_forward_pre_hook(lambda m, args: (torch.cat([args[0]] * 2, -1),))
+        xs = xs[..., :32]
     ref = copy.deepcopy(model)
     got, want = [], []
     with warnings.catch_warnings():
