@@ -6,8 +6,8 @@ state and seeds:
 - ``gradscaler``: ``torch.amp.GradScaler`` with fp16 autocast on the CPU;
 - ``accumulate``: two micro-batches per optimizer step, each with its own backward;
 - ``weight_norm`` / ``orthogonal``: ``torch.nn.utils.parametrize`` parametrizations;
-- ``fwd_hook`` / ``fwd_pre_hook`` / ``root_hook``: forward hooks of the user's that change
-  a submodule's output or input, or the model's own output;
+- ``fwd_hook`` / ``fwd_pre_hook`` / ``root_hook`` / ``root_pre_hook``: forward hooks of the
+  user's that change a submodule's output or input, or the model's own output or input;
 - ``bwd_hook``: ``register_full_backward_hook`` scaling a block's input gradient;
 - ``tied``: the head's weight is the embedding's;
 - ``functional_call``: ``torch.func.functional_call`` with parameters held outside the model;
@@ -170,6 +170,9 @@ def _hooked(kind: str) -> Net:
         net.blocks[0].register_forward_pre_hook(lambda m, args: (args[0] * 2,))
     elif kind == "root_hook":
         net.register_forward_hook(lambda m, args, out: out.float().sigmoid() * 3)
+    elif kind == "root_pre_hook":  # other token ids (run twice, others again)
+        net.register_forward_pre_hook(lambda m, args, kwargs: (args, kwargs | {
+            "ids": (kwargs["ids"] * 7 + 1) % VOCAB}), with_kwargs=True)
     elif kind == "bwd_hook":
         net.blocks[1].register_full_backward_hook(
             lambda m, gin, gout: tuple(None if g is None else g * 0.5 for g in gin))
@@ -185,7 +188,7 @@ def build(name: str) -> Loop:
         return Accumulate(Net())
     if name in ("weight_norm", "orthogonal"):
         return Loop(_parametrized(name))
-    if name in ("fwd_hook", "fwd_pre_hook", "root_hook", "bwd_hook"):
+    if name in ("fwd_hook", "fwd_pre_hook", "root_hook", "root_pre_hook", "bwd_hook"):
         return Loop(_hooked(name))
     if name == "tied":
         return Loop(Net(tie=True))
@@ -202,8 +205,8 @@ def build(name: str) -> Loop:
 
 
 PATTERNS = ["gradscaler", "accumulate", "weight_norm", "orthogonal", "fwd_hook",
-            "fwd_pre_hook", "root_hook", "bwd_hook", "tied", "functional_call", "dict", "tuple",
-            "retain_graph", "grad_penalty"]
+            "fwd_pre_hook", "root_hook", "root_pre_hook", "bwd_hook", "tied",
+            "functional_call", "dict", "tuple", "retain_graph", "grad_penalty"]
 
 
 def train(loop: Loop, attach: Callable[[torch.nn.Module], Any] | None,
