@@ -8,6 +8,11 @@ is the same ``torch.compile`` without a plan, with the same backend and options.
     python benchmarks/scout_compiled.py                # every case
     python benchmarks/scout_compiled.py gpt2 attach    # the cases whose name has a word
 
+The callbacks' cases whose name has ``lora`` or ``dora`` train a peft LoRA (DoRA) GPT-2
+(peft is not a test dependency: a case skips without it); ``eager`` in a callback case's name
+attaches without ``compile=True``, ``0.3`` plans at 0.3 (else 0.7). Compiled cases under
+Inductor run with deterministic algorithms.
+
 Each case prints ``identical``, ``refused(<the one-line error>)`` or ``MISMATCH(<what>)``
 (or ``skipped(<why>)`` when an optional package is missing). Tiny models (hidden 32-64,
 two layers), configs only: no weights are downloaded.
@@ -30,7 +35,7 @@ import torch
 import slackswap
 from slackswap.errors import SlackSwapError
 
-STEPS = 2
+STEPS = 3
 
 
 class Mismatch(Exception):
@@ -109,6 +114,21 @@ def vit(dropout: float = 0.1) -> tuple[torch.nn.Module, Callable[[int], dict]]:
 def _lm_batch(n: int) -> dict:
     ids = torch.randint(0, 128, (2, n), generator=torch.Generator().manual_seed(n))
     return {"input_ids": ids, "labels": ids.clone()}
+
+
+def lora(dropout: float = 0.1, dora: bool = False) -> tuple[torch.nn.Module, Callable[[int], dict]]:
+    """A peft LoRA (or DoRA) GPT-2: its adapters trained, the base frozen."""
+    import peft
+
+    model, make = gpt2(dropout)
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, use_dora=dora,
+                             target_modules=["c_attn", "c_proj"], fan_in_fan_out=True)
+    return peft.get_peft_model(model, config).train(), make
+
+
+def dora(dropout: float = 0.1) -> tuple[torch.nn.Module, Callable[[int], dict]]:
+    return lora(dropout, dora=True)
 
 
 MODELS = {"gpt2": gpt2, "llama": llama, "bert": bert, "t5": t5, "vit": vit}
@@ -371,8 +391,9 @@ def lightning_case(what: str) -> None:
     checkpoint (and is compared with an uninterrupted run too)."""
     from slackswap.integrations.lightning import SlackSwapCallback
 
-    compiled = what != "resume eager"
+    compiled = what != "resume eager" and "eager" not in what
     dropout = 0.0 if what.startswith("resume") else 0.1
+    build = {"lora": lora, "dora": dora}.get(what.split()[0], gpt2)
 
     def fit(model: torch.nn.Module, slack: bool, root: str, steps: int = 4,
             ckpt: str | None = None, **trainer: Any) -> torch.nn.Module:
@@ -380,7 +401,7 @@ def lightning_case(what: str) -> None:
         callbacks = []
         if slack:
             callbacks.append(SlackSwapCallback(
-                budget=0.7, module="model", compile=compiled, **(
+                budget=0.3 if "0.3" in what else 0.7, module="model", compile=compiled, **(
                     {"backend": "aot_eager"} if compiled else {})))
         torch.manual_seed(0)
         t = pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False,
@@ -392,7 +413,7 @@ def lightning_case(what: str) -> None:
         return model
 
     def run(slack: bool) -> dict[str, torch.Tensor]:
-        model, _ = gpt2(dropout)
+        model, _ = build(dropout)
         torch._dynamo.reset()
         if compiled and not slack:
             _resolve_loss(model, _lm_batch(16))
@@ -412,6 +433,8 @@ def lightning_case(what: str) -> None:
                 fit(model, slack, root, accumulate_grad_batches=2)
             elif what == "bf16":
                 fit(model, slack, root, precision="bf16-mixed")
+            elif build is not gpt2:
+                fit(model, slack, root)
             else:
                 fit(model, slack, root, val_check_interval=1, check_val_every_n_epoch=None)
         model._compiled_call_impl = None
@@ -427,7 +450,8 @@ def hf_case(what: str) -> None:
     tf = _tf()
     from slackswap.integrations.hf import SlackSwapCallback
 
-    compiled = what != "resume eager"
+    compiled = what != "resume eager" and "eager" not in what
+    build = {"lora": lora, "dora": dora}.get(what.split()[0], gpt2)
 
     class CompileInPlace(tf.TrainerCallback):
         def on_train_begin(self, args: Any, state: Any, control: Any,
@@ -453,9 +477,9 @@ def hf_case(what: str) -> None:
                 args |= {"save_strategy": "steps", "save_steps": 2}
 
             def trainer(model: torch.nn.Module, steps: int = 4) -> Any:
-                cb = [SlackSwapCallback(budget=0.7, **({"compile": True,
-                                                        "backend": "aot_eager"}
-                                                       if compiled else {}))] if slack \
+                cb = [SlackSwapCallback(budget=0.3 if "0.3" in what else 0.7, **({
+                    "compile": True,
+                    "backend": "aot_eager"} if compiled else {}))] if slack \
                     else [CompileInPlace()] if compiled else []
                 data = _examples()
                 if what == "accumulate":  # a different count of tokens in each batch
@@ -466,10 +490,10 @@ def hf_case(what: str) -> None:
                     **(args | {"max_steps": steps})), train_dataset=data,
                     eval_dataset=data[:2], callbacks=cb)
 
-            model, _ = gpt2(0.1)
+            model, _ = build(0.1)
             if what.startswith("resume"):
                 trainer(model, 2).train()
-                model, _ = gpt2(0.1)
+                model, _ = build(0.1)
                 trainer(model).train(resume_from_checkpoint=f"{root}/checkpoint-2")
             else:
                 trainer(model).train()
@@ -487,7 +511,9 @@ def cases() -> dict[str, Callable[[], str | None]]:
         for budget in (0.7, 0.5, 0.3):
             out[f"compile aot_eager {name} {budget}"] = (
                 lambda n=name, b=budget: compiled_case(n, b))
-        out[f"compile inductor {name} 0.7"] = lambda n=name: compiled_case(n, 0.7, "inductor")
+        for budget in (0.7, 0.3):
+            out[f"compile inductor {name} {budget}"] = (
+                lambda n=name, b=budget: compiled_case(n, b, "inductor"))
     out["compile inductor gpt2 0.7 bf16"] = lambda: compiled_case("gpt2", 0.7, "inductor",
                                                                   bf16=True)
     out["compile aot_eager llama 0.5 bf16"] = lambda: compiled_case("llama", 0.5, bf16=True)
@@ -511,6 +537,10 @@ def cases() -> dict[str, Callable[[], str | None]]:
         out[f"lightning {what}"] = lambda w=what: lightning_case(w)
     for what in ("resume", "resume eager", "accumulate", "eval", "backend"):
         out[f"hf trainer {what}"] = lambda w=what: hf_case(w)
+    for what in ("lora eager", "lora", "dora eager", "dora", "lora 0.3", "lora eager 0.3",
+                 "accumulate 0.3"):
+        out[f"hf trainer {what}"] = lambda w=what: hf_case(w)
+        out[f"lightning {what}"] = lambda w=what: lightning_case(w)
     return out
 
 

@@ -22,6 +22,7 @@ from slackswap.core.hardware import with_overrides
 from slackswap.device_budget import RESERVE, device_budget
 from slackswap.errors import InputError
 from slackswap.runtime import block
+from slackswap.runtime.attach import Attached
 
 # the loss and autograd's seed gradient, held past their last use in the profile
 SCALARS = 64
@@ -312,6 +313,98 @@ def test_auto_plans_again_under_autocast() -> None:
     assert len(step.plans) == 2 and torch.equal(*losses)
     for a, b in zip(model.parameters(), ref.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad)
+
+
+def _mlp() -> tuple[torch.nn.Module, torch.Tensor]:
+    """Three LayerNorm-MLP blocks, and three batches of 32 rows."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(
+        torch.nn.LayerNorm(64), torch.nn.Linear(64, 256), torch.nn.GELU(),
+        torch.nn.Linear(256, 64)) for _ in range(3)])
+    return model, torch.randn(3, 32, 64, generator=torch.Generator().manual_seed(1))
+
+
+def _planned_step(model: torch.nn.Module, loss: torch.Tensor,
+                  attached: Attached | None) -> dict[str, torch.Tensor]:
+    """Backward from ``loss``; the loss, parameters and gradients. ``attached``: the step
+    ran the plan, rebuilds and all, not off the profiled path."""
+    loss.backward()
+    if attached is not None:
+        assert not attached.stats.off_path
+        assert attached.stats.recomputed_ops > 0
+    record = params(model) | {"loss": loss.detach()} | {
+        f"grad {n}": p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return record
+
+
+def _autocast_steps(dtype: torch.dtype, budget: float, twice: bool) -> None:
+    """Three steps of a small MLP under autocast, attached (recompute-only) and not,
+    bit-identical; ``twice``: the last step calls the model again in its region, on a
+    new batch shape, planned with the first call's casts cached."""
+    model, xs = _mlp()
+    ref = copy.deepcopy(model)
+    got, want = [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", slackswap.PathNotice)
+        attached = slackswap.attach(model, budget=budget, strategy="recompute-only")
+        for m, out in ((model, got), (ref, want)):
+            for step in range(3):
+                with torch.autocast("cpu", dtype=dtype):
+                    y = m(xs[step])
+                    if twice and step == 2:
+                        y = y.sum(0) + m(xs[:2].flatten(0, 1)).sum(0)
+                out.append(_planned_step(m, y.float().pow(2).mean(),
+                                         attached if m is model else None))
+        attached.detach()
+    assert len(attached.plans) == 1 + twice
+    for a, b in zip(got, want, strict=True):
+        assert_same(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_first_step_under_autocast_stays_on_path(dtype: torch.dtype) -> None:
+    """NOTE [autocast's cache of weight casts]: attach profiles inside the step's autocast
+    region; the casts of the profiled step are not left cached, so the first training
+    step of a batch shape casts its weights as the profile did and runs the plan's
+    rebuilds, not the whole forward again off the profiled path (it did: 'its op 2 is
+    addmm where the profiled step's ran _to_copy'). Two forwards in one region, the
+    second of a new shape (profiled with the first's casts cached, left cached), stay
+    bit-identical too."""
+    _autocast_steps(dtype, 0.85, twice=False)
+    _autocast_steps(dtype, 0.9, twice=True)
+
+
+@pytest.mark.parametrize("hook", ["forward", "pre"])
+def test_hooks_on_the_model(hook: str) -> None:
+    """Hooks of the user's on the attached model, registered before attaching, that
+    change its output or its input: every step runs the plan, rebuilds and all,
+    bit-identical to the hooked model without SlackSwap.
+    - ``forward`` (NOTE [the saves by the model's return]): the hook saves tensors after
+      the forward returns; the profiled step counts its saves where the runtime does (each
+      step ran its forward again off the path: 'it returned after 30 saves where the
+      profiled step made 31');
+    - ``pre`` (NOTE [the model's call as it was made]): attach plans the call as it was
+      made, before the user's pre-hook changed its input (the hook ran twice in the
+      profiled step, which was refused: 'Given normalized_shape=[64], expected input
+      with shape [*, 64], but got input of size[32, 128]')."""
+    model, xs = _mlp()
+    if hook == "forward":
+        model.register_forward_hook(lambda m, args, out: out.sigmoid() * 3)
+    else:
+        model.register_forward_pre_hook(lambda m, args: (torch.cat([args[0]] * 2, -1),))
+        xs = xs[..., :32]
+    ref = copy.deepcopy(model)
+    got, want = [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", slackswap.PathNotice)
+        with slackswap.attach(model, budget=0.92, strategy="recompute-only") as attached:
+            for m, out in ((model, got), (ref, want)):
+                for x in xs:
+                    out.append(_planned_step(m, m(x).pow(2).mean(),
+                                             attached if m is model else None))
+    for a, b in zip(got, want, strict=True):
+        assert_same(a, b)
 
 
 def test_torch_compile(monkeypatch: pytest.MonkeyPatch) -> None:

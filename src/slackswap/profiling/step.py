@@ -541,7 +541,8 @@ def _run_step(
               module_events(recorder.module_event)):
             with torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack):
                 output = call()
-                recorder.model_saves = len(recorder.saves)  # NOTE [a step off the profiled path]
+                if recorder.model_saves is None:  # (no forward counted them: NOTE [the saves
+                    recorder.model_saves = len(recorder.saves)  # by the model's return])
                 loss = _loss(output, loss_fn, name)
                 del output
             recorder.end_forward()
@@ -551,6 +552,39 @@ def _run_step(
     finally:
         if collecting:
             gc.enable()
+
+
+# NOTE [the saves by the model's return]
+#     The runtime checks, as the model's forward returns, that the step saved as many
+#     tensors as the profiled step had by then (``StepProfile.model_saves``, NOTE [a step
+#     off the profiled path]): it calls the forward through its guard, so it counts before
+#     the model's forward hooks run. The profile counted when the model's call returned,
+#     after them: a forward hook of the user's on the model that computes (one that
+#     changes its output) saved tensors in between, and every step of the attached model
+#     was taken as off the path and ran its forward again. So the profiled step counts
+#     where the runtime does, as the forward returns (``saves_at_return``).
+
+
+@contextlib.contextmanager
+def saves_at_return(model: torch.nn.Module, recorder: StepRecorder) -> Iterator[None]:
+    """Inside, ``recorder.model_saves`` is set as ``model``'s forward returns, before its
+    forward hooks run (NOTE [the saves by the model's return])."""
+    had, own = "forward" in model.__dict__, model.__dict__.get("forward")
+    inner = model.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        output = inner(*args, **kwargs)
+        recorder.model_saves = len(recorder.saves)
+        return output
+
+    model.__dict__["forward"] = forward
+    try:
+        yield
+    finally:
+        if had:
+            model.__dict__["forward"] = own
+        else:
+            del model.__dict__["forward"]
 
 
 @contextlib.contextmanager
@@ -691,7 +725,7 @@ def _trace_analytic(
     # a loss_fn may close over real tensors (the targets): they join the trace as fakes
     allowed, fake_mode.allow_non_fake_inputs = fake_mode.allow_non_fake_inputs, True
     try:
-        with fake_mode, fsdp_hooks_off(model):
+        with fake_mode, fsdp_hooks_off(model), saves_at_return(model, recorder):
             _run_step(call, loss_fn, name, recorder, tracker, extra, state.values())
     finally:
         fake_mode.allow_non_fake_inputs = allowed
@@ -742,6 +776,8 @@ def _trace_measured(
     for _ in range(warmup):
         with guard:
             _loss(_call(model, batch, name), loss_fn, name).backward()
+        if guard.fresh_casts:  # NOTE [autocast's cache of weight casts]
+            torch.clear_autocast_cache()
     model.zero_grad(set_to_none=True)
     clock = _CudaClock() if device.type == "cuda" else _wall_clock
     tracker = ModTracker()
@@ -750,8 +786,9 @@ def _trace_measured(
     _register_state(recorder, model, model_state(model), batch_tensors(batch))
     # the guard is entered after the recorder, so it sees each op first: its copies are
     # not in the op's measured time
-    _run_step(lambda: _call(model, batch, name), loss_fn, name, recorder, tracker,
-              guard, params)
+    with saves_at_return(model, recorder):
+        _run_step(lambda: _call(model, batch, name), loss_fn, name, recorder, tracker,
+                  guard, params)
     model.zero_grad(set_to_none=True)
     if isinstance(clock, _CudaClock):
         for op, seconds in zip(recorder.ops, clock.durations(), strict=True):

@@ -101,6 +101,18 @@ def attach(model: torch.nn.Module, budget: str | int | float = 0.5,
     return Attached(model, budget, resolve_hardware(hardware), strategy, loss_fn, group)
 
 
+# NOTE [the model's call as it was made]
+#     Attach's pre-hook plans a new batch shape by calling the model on the call's
+#     arguments, and opens the block. Registered after the user's own pre-hooks on the
+#     model, it saw the arguments as they had changed them, and the profiled call ran
+#     them again: an input changed twice (a hook that concatenates, or reshapes, was
+#     refused as a forward that raised; one that scales profiled other values), and the
+#     block opened after their ops. It runs first of the model's pre-hooks: it plans the
+#     call as it was made, keyed by its shapes, and the user's pre-hooks run inside the
+#     block, as they ran inside the profiled call. Global pre-hooks
+#     (``register_module_forward_pre_hook``) still run before it.
+
+
 class Attached:
     """What :func:`attach` returns: the plans made so far, by batch shape (``plans``),
     what the last planned step did (``stats``), and :meth:`detach`."""
@@ -120,7 +132,9 @@ class Attached:
         self._closer: Any = None
         self._planning = False
         _drop_copied_hooks(model)  # a copy of a model attached before (NOTE [a copied model])
-        self._pre = model.register_forward_pre_hook(self._before, with_kwargs=True)
+        # NOTE [the model's call as it was made]: first of the model's own pre-hooks
+        self._pre = model.register_forward_pre_hook(self._before, with_kwargs=True,
+                                                    prepend=True)
         # the block opens inside the model's call, after its forward was looked up: the
         # guard goes on now (NOTE [a step off the profiled path])
         guard_forward(eager_module(model), None)

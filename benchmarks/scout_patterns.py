@@ -1,0 +1,316 @@
+"""Scout: training patterns around the eager ``slackswap.attach``, each compared bit for bit
+(``torch.equal``: the loss, every gradient, then parameters, buffers and torch's RNG state
+after each of three optimizer steps) with the same loop without SlackSwap, from the same
+state and seeds:
+
+- ``gradscaler``: ``torch.amp.GradScaler`` with fp16 autocast on the CPU;
+- ``accumulate``: two micro-batches per optimizer step, each with its own backward;
+- ``weight_norm`` / ``orthogonal``: ``torch.nn.utils.parametrize`` parametrizations;
+- ``fwd_hook`` / ``fwd_pre_hook`` / ``root_hook`` / ``root_pre_hook``: forward hooks of the
+  user's that change a submodule's output or input, or the model's own output or input;
+- ``bwd_hook``: ``register_full_backward_hook`` scaling a block's input gradient;
+- ``tied``: the head's weight is the embedding's;
+- ``functional_call``: ``torch.func.functional_call`` with parameters held outside the model;
+- ``dict`` / ``tuple``: a model returning several losses, added outside;
+- ``retain_graph``: two backwards through one graph (``retain_graph=True``);
+- ``grad_penalty``: a gradient penalty (``torch.autograd.grad(create_graph=True)``).
+
+Eager (``attach``) and compiled (``attach(compile=True)`` against ``model.compile()`` with
+the same backend).
+
+    python benchmarks/scout_patterns.py                 # every case and setting (SETTINGS)
+    python benchmarks/scout_patterns.py tied hook       # the cases whose name has a word
+
+Each case prints ``identical``, ``refused(<the one-line error>)`` or ``MISMATCH(<what>)``
+(a traceback's last line where a one-line error belongs).
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from scout_vision import after_step, compare, count_stats
+
+import slackswap
+from slackswap.errors import SlackSwapError
+
+STEPS = 3
+VOCAB, WIDTH = 64, 32
+
+
+class Net(torch.nn.Module):
+    """A tiny language model: embedding, residual MLP blocks with dropout, a head."""
+
+    def __init__(self, layers: int = 3, tie: bool = False, returns: str = "logits") -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, WIDTH)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(
+            torch.nn.LayerNorm(WIDTH), torch.nn.Linear(WIDTH, WIDTH), torch.nn.GELU(),
+            torch.nn.Linear(WIDTH, 4 * WIDTH), torch.nn.GELU(), torch.nn.Dropout(0.1),
+            torch.nn.Linear(4 * WIDTH, WIDTH)) for _ in range(layers))
+        self.norm = torch.nn.LayerNorm(WIDTH)
+        self.head = torch.nn.Linear(WIDTH, VOCAB, bias=False)
+        if tie:
+            self.head.weight = self.emb.weight
+        self.returns = returns
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> Any:
+        h = self.emb(ids)
+        for block in self.blocks:
+            h = h + block(h)
+        logits = self.head(self.norm(h))
+        if self.returns == "logits":
+            return logits
+        ce = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        aux = logits.float().pow(2).mean()
+        if self.returns == "dict":
+            return {"ce": ce, "aux": aux, "logits": logits}
+        return ce, aux, logits
+
+
+def _batch(i: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(i)
+    ids = torch.randint(0, VOCAB, (4, 16), generator=g)
+    return {"ids": ids, "labels": torch.roll(ids, -1, 1)}
+
+
+def _ce(out: Any, batch: dict) -> torch.Tensor:
+    if isinstance(out, dict):
+        return out["ce"] + 0.1 * out["aux"]
+    if isinstance(out, tuple):
+        return out[0] + 0.1 * out[1]
+    return F.cross_entropy(out.flatten(0, 1).float(), batch["labels"].flatten())
+
+
+@dataclass
+class Loop:
+    """How one pattern trains: the model, and what one optimizer step does."""
+
+    model: torch.nn.Module
+    params: list[torch.Tensor] = field(default_factory=list)  # optimized (default: model's)
+    fp16: bool = False
+    scaler: Any = None
+
+    def forward(self, batch: dict) -> Any:
+        with torch.autocast("cpu", torch.float16, enabled=self.fp16):
+            return self.model(**batch)
+
+    def backward(self, step: int) -> torch.Tensor:
+        """Forward and backward for ``step``; returns the loss recorded."""
+        batch = _batch(step)
+        loss = _ce(self.forward(batch), batch)
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        return loss
+
+
+class Accumulate(Loop):
+    def backward(self, step: int) -> torch.Tensor:
+        total = 0
+        for micro in range(2):
+            batch = _batch(10 * step + micro)
+            loss = _ce(self.forward(batch), batch) / 2
+            loss.backward()
+            total = total + loss.detach()
+        return total
+
+
+class RetainGraph(Loop):
+    def backward(self, step: int) -> torch.Tensor:
+        batch = _batch(step)
+        loss = _ce(self.forward(batch), batch)
+        loss.backward(retain_graph=True)
+        (0.5 * loss).backward()
+        return loss
+
+
+class GradPenalty(Loop):
+    def backward(self, step: int) -> torch.Tensor:
+        batch = _batch(step)
+        loss = _ce(self.forward(batch), batch)
+        weights = [b[3].weight for b in self.model.blocks]
+        grads = torch.autograd.grad(loss, weights, create_graph=True)
+        (loss + 0.1 * sum(g.pow(2).sum() for g in grads)).backward()
+        return loss
+
+
+class Functional(Loop):
+    """``torch.func.functional_call`` with parameters the loop holds, not the model."""
+
+    def forward(self, batch: dict) -> Any:
+        names = [n for n, _ in self.model.named_parameters()]
+        return torch.func.functional_call(self.model, dict(zip(names, self.params,
+                                                               strict=True)), (), batch)
+
+
+def _parametrized(kind: str) -> Net:
+    torch.manual_seed(0)
+    net = Net()
+    for block in net.blocks:
+        if kind == "weight_norm":
+            for i in (1, 3, 6):
+                torch.nn.utils.parametrizations.weight_norm(block[i])
+        else:
+            torch.nn.utils.parametrizations.orthogonal(block[1])
+    return net
+
+
+def _hooked(kind: str) -> Net:
+    torch.manual_seed(0)
+    net = Net()
+    if kind == "fwd_hook":
+        net.blocks[1].register_forward_hook(lambda m, args, out: out * 0.5 + out.tanh())
+    elif kind == "fwd_pre_hook":
+        net.blocks[0].register_forward_pre_hook(lambda m, args: (args[0] * 2,))
+    elif kind == "root_hook":
+        net.register_forward_hook(lambda m, args, out: out.float().sigmoid() * 3)
+    elif kind == "root_pre_hook":  # other token ids (run twice, others again)
+        net.register_forward_pre_hook(lambda m, args, kwargs: (args, kwargs | {
+            "ids": (kwargs["ids"] * 7 + 1) % VOCAB}), with_kwargs=True)
+    elif kind == "bwd_hook":
+        net.blocks[1].register_full_backward_hook(
+            lambda m, gin, gout: tuple(None if g is None else g * 0.5 for g in gin))
+    return net
+
+
+def build(name: str) -> Loop:
+    """The loop for pattern ``name`` on a fresh model (the same weights every call)."""
+    torch.manual_seed(0)
+    if name == "gradscaler":
+        return Loop(Net(), fp16=True, scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10))
+    if name == "accumulate":
+        return Accumulate(Net())
+    if name in ("weight_norm", "orthogonal"):
+        return Loop(_parametrized(name))
+    if name in ("fwd_hook", "fwd_pre_hook", "root_hook", "root_pre_hook", "bwd_hook"):
+        return Loop(_hooked(name))
+    if name == "tied":
+        return Loop(Net(tie=True))
+    if name == "functional_call":
+        net = Net()
+        return Functional(net, [p.detach().clone().requires_grad_() for p in net.parameters()])
+    if name in ("dict", "tuple"):
+        return Loop(Net(returns=name))
+    if name == "retain_graph":
+        return RetainGraph(Net())
+    if name == "grad_penalty":
+        return GradPenalty(Net())
+    raise KeyError(name)
+
+
+PATTERNS = ["gradscaler", "accumulate", "weight_norm", "orthogonal", "fwd_hook",
+            "fwd_pre_hook", "root_hook", "root_pre_hook", "bwd_hook", "tied",
+            "functional_call", "dict", "tuple", "retain_graph", "grad_penalty"]
+
+
+def train(loop: Loop, attach: Callable[[torch.nn.Module], Any] | None,
+          backend: str | None = None) -> tuple[list, dict]:
+    """STEPS AdamW steps: per step the loss, every gradient, then the state after it.
+    ``backend``: the run without SlackSwap compiles the model in place with it, as
+    ``attach(compile=True)`` does."""
+    torch._dynamo.reset()
+    if backend is not None and attach is None:
+        loop.model.compile(backend=backend, fullgraph=True, dynamic=False)
+    params = loop.params or list(loop.model.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    info: dict[str, Any] = {"verified": 0, "off_path": 0, "offloaded": 0, "recomputed": 0}
+    attached = attach(loop.model) if attach is not None else None
+    records = []
+    try:
+        for step in range(STEPS):
+            torch.manual_seed(100 + step)
+            rec = {"loss": loop.backward(step).detach().clone()}
+            named = ([(str(i), p) for i, p in enumerate(loop.params)] if loop.params
+                     else list(loop.model.named_parameters()))
+            for n, p in named:
+                rec[f"grad {n}"] = None if p.grad is None else p.grad.clone()
+            if loop.scaler is not None:
+                loop.scaler.step(opt)
+                loop.scaler.update()
+                rec["scale"] = loop.scaler.get_scale() * torch.ones(())
+            else:
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+            for i, p in enumerate(loop.params):
+                rec[f"param {i}"] = p.detach().clone()
+            records.append(after_step(loop.model, rec))
+            if attached is not None:
+                count_stats(info, attached)
+    finally:
+        if attached is not None:
+            attached.detach()
+    return records, info
+
+
+def run(name: str, budget: float, strategy: str = "slackswap",
+        backend: str | None = None) -> str:
+    """``backend``: compiled (``attach(compile=True)`` against ``model.compile()``); under
+    Inductor with deterministic algorithms (on a CPU its embedding backward is not
+    deterministic otherwise)."""
+    compiled = {} if backend is None else {"compile": True, "backend": backend}
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic or backend == "inductor")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                want, _ = train(build(name), None, backend)
+            except Exception as e:  # what plain PyTorch cannot run: SlackSwap's own word?
+                mine = run_alone(name, budget, strategy, compiled)
+                return f"plain PyTorch raised {_last_line(e)}; with SlackSwap: {mine}"
+            got, info = train(build(name), lambda m: slackswap.attach(
+                m, budget=budget, strategy=strategy, **compiled))
+    except SlackSwapError as e:
+        return f"refused({str(e).splitlines()[0]})"
+    except Exception as e:  # a traceback where a one-line refusal belongs
+        return f"MISMATCH(raised {_last_line(e)})"
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    diff = compare(got, want)
+    if diff:
+        return f"MISMATCH({diff})"
+    return (f"identical [recomputed {info['recomputed']}, offloaded {info['offloaded']} B, "
+            f"off path {info['off_path']}]")
+
+
+def _last_line(e: BaseException) -> str:
+    return traceback.format_exception_only(type(e), e)[-1].strip().splitlines()[0][:300]
+
+
+def run_alone(name: str, budget: float, strategy: str, compiled: dict) -> str:
+    """The run with SlackSwap where the plain one raised: a one-line refusal, or what."""
+    try:
+        train(build(name), lambda m: slackswap.attach(m, budget=budget, strategy=strategy,
+                                                      **compiled))
+    except SlackSwapError as e:
+        return f"refused({str(e).splitlines()[0]})"
+    except Exception as e:  # noqa: BLE001
+        return f"raised {_last_line(e)}"
+    return "trained"
+
+
+# the planner offloads everything on these tiny models at the default hardware:
+# recompute-only makes the rebuilds run too
+SETTINGS = [(0.7, "slackswap", None), (0.3, "slackswap", None),
+            (0.5, "recompute-only", None), (0.7, "recompute-only", None),
+            (0.7, "slackswap", "aot_eager"), (0.5, "slackswap", "aot_eager"),
+            (0.7, "slackswap", "inductor")]
+
+
+def main(words: list[str]) -> None:
+    for name in PATTERNS:
+        for budget, strategy, backend in SETTINGS:
+            label = f"attach {backend or 'eager'} {name} {budget} {strategy}"
+            if words and not any(w in label for w in words):
+                continue
+            print(f"{label} -> {run(name, budget, strategy, backend)}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
