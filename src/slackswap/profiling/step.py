@@ -776,7 +776,7 @@ def _trace_measured(
     for _ in range(warmup):
         with guard:
             _loss(_call(model, batch, name), loss_fn, name).backward()
-        if guard.fresh_casts:  # NOTE [autocast's cache of weight casts]
+        if guard.cast_weights:  # NOTE [autocast's cache of weight casts]
             torch.clear_autocast_cache()
     model.zero_grad(set_to_none=True)
     clock = _CudaClock() if device.type == "cuda" else _wall_clock

@@ -97,14 +97,17 @@ class StateGuard(TorchDispatchMode):
     """Copies each watched storage before the first op that writes it; :meth:`restore`
     writes the copies back (NOTE [a profiled step leaves no trace])."""
 
-    def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
+    def __init__(self, tensors: Iterable[torch.Tensor],
+                 weights: Iterable[torch.Tensor] = ()) -> None:
         super().__init__()
         self.watched: dict[int, torch.Tensor] = {
             t.untyped_storage()._cdata: t for t in tensors if _real(t)}
         self.copies: dict[int, tuple[torch.Tensor, torch.UntypedStorage, _Geometry]] = {}
         self.host_random = False  # whether the step drew from :class:`HostRandom`'s streams
-        # NOTE [autocast's cache of weight casts]: cleared before each profiled step
-        self.fresh_casts = False
+        # NOTE [autocast's cache of weight casts]: the weights whose casts autocast
+        # caches, and whether the step cast one (then its casts are let go after it)
+        self.weights = {id(w) for w in weights if w.requires_grad}
+        self.cast_weights = False
         # each ``torch.Generator`` an op drew from (``generator=``), as before its first
         # draw: one the model holds nowhere (a call's argument, a global) is put back too
         self.generators: dict[int, _GeneratorState] = {}
@@ -116,6 +119,8 @@ class StateGuard(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is _TO_COPY and args and id(args[0]) in self.weights:
+            self.cast_weights = True  # NOTE [autocast's cache of weight casts]
         generator = kwargs.get("generator")
         if isinstance(generator, torch.Generator) and id(generator) not in self.generators:
             self.generators[id(generator)] = _GeneratorState(generator)
@@ -428,47 +433,27 @@ class HostRandom:
 
 
 # NOTE [autocast's cache of weight casts]
-#     Under autocast, the low-precision cast of a weight (a float32 leaf that requires
-#     grad) is cached until the outermost autocast region ends: a forward casts each
-#     weight once, and every later use in the region reads the cached cast, with no
-#     ``_to_copy`` op. ``attach`` profiles inside the training step's own region (its
-#     forward hook), so a profiled step left its casts cached, and the training forward
-#     right after it ran no cast where the profile had one: its first step of each batch
-#     shape under autocast left the profiled path (a plan that recomputes ran it again
-#     from the start, as NOTE [a step off the profiled path] runs a LayerDrop skip), and
-#     so did the measured step after CUDA's warm-up steps. So when no weight of the model
-#     is cached as the profiled step begins (the usual one forward per region:
-#     ``fresh_autocast_cache`` asks each 2-D weight with a small matmul, whose cast is
-#     new or cached), the cache is cleared before each profiled step and after the last,
-#     and the training forward casts as the profile did. When one is cached (the model
-#     ran already in this region), the cache is left as it is: the profile and the
-#     training forward both read it, as plain PyTorch's forward would. Clearing drops
-#     other modules' cached casts too: a module trained twice in the region, around the
-#     attached model's first forward of a batch shape, casts its weights again the
-#     second time (its gradient then adds two casts' in float32, not one cast's).
-
-
-def fresh_autocast_cache(model: torch.nn.Module) -> bool:
-    """Whether autocast is on for the model's device, with its cache, and caches no cast
-    of the model's weights: then the cache is cleared, and True (NOTE [autocast's cache
-    of weight casts]). The probe's own casts are cleared with it."""
-    params = [p for p in model.parameters()  # (a sharded or fake weight: not asked)
-              if p.dtype == torch.float32 and p.requires_grad and p.dim() == 2
-              and type(p.data) is torch.Tensor and not p.is_meta]
-    if not params or not torch.is_grad_enabled() or not torch.is_autocast_cache_enabled() \
-            or not torch.is_autocast_enabled(params[0].device.type):
-        return False
-    with _disable_current_modes():
-        mark = torch.zeros((), requires_grad=True).mul(1).grad_fn._sequence_nr()
-        for p in params:
-            out = torch.mm(p, p.new_zeros(p.shape[1], 1))
-            if out.dtype == p.dtype:  # not cast: autocast leaves mm as it is here
-                return False
-            cast = out.grad_fn.next_functions[0][0]
-            if cast is None or cast._sequence_nr() < mark:  # cached before the probe
-                return False
-    torch.clear_autocast_cache()
-    return True
+#     Under autocast, the low-precision cast of a weight (a leaf that requires grad) is
+#     cached until the outermost autocast region ends: a forward casts each weight once,
+#     and every later use in the region reads the cached cast, with no ``_to_copy`` op.
+#     ``attach`` profiles inside the training step's own region (its forward hook), so a
+#     profiled step left its casts cached, and the training forward right after it ran
+#     no cast where the profile had one: its first step of each batch shape under
+#     autocast left the profiled path (a plan that recomputes ran it again from the
+#     start, as NOTE [a step off the profiled path] runs a LayerDrop skip), and so did the
+#     measured step after CUDA's warm-up steps. So a profiled (or warm-up) step that cast
+#     one of the model's weights (:class:`StateGuard` sees the ``_to_copy`` of it: the
+#     weight was not cached before the step) lets go of autocast's cache after it, and
+#     the next forward casts as the profile did. A step that cast none (the model ran
+#     already in this region, its casts cached) leaves the cache as it is: the profile
+#     and the training forward both read it, as plain PyTorch's forward would. Asked
+#     after the step, nothing is cast to find out (a cast of every weight to ask the
+#     cache first would hold half the float32 weights' bytes again on the device).
+#     Letting go of the cache drops other modules' cached casts too: a module trained
+#     twice in the region, around the attached model's first forward of a batch shape,
+#     casts its weights again the second time (its gradient then adds two casts' in
+#     float32, not one cast's).
+_TO_COPY = torch.ops.aten._to_copy.default
 
 
 @contextlib.contextmanager
@@ -483,15 +468,14 @@ def leaves_no_trace(model: torch.nn.Module, batch: Iterable[torch.Tensor] = (),
         param.grad = None  # the profiled step accumulates into fresh tensors, not these
     buffers = {b: b.clone() for b in model.buffers()}  # what a compiled step writes too
     attributes = _Attributes(model)
-    guard = StateGuard(_tensors(model, batch))
+    guard = StateGuard(_tensors(model, batch), model.parameters())
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     host_random = HostRandom()
-    guard.fresh_casts = fresh_autocast_cache(model)  # NOTE [autocast's cache of weight casts]
     try:
         yield guard
     finally:
-        if guard.fresh_casts:
+        if guard.cast_weights:  # NOTE [autocast's cache of weight casts]
             torch.clear_autocast_cache()
         written = set(guard.copies)  # the storages the step wrote in place
         guard.restore()
