@@ -82,15 +82,21 @@ def _geometry(t: torch.Tensor) -> _Geometry:
     return (t.untyped_storage().nbytes(), tuple(t.shape), t.stride(), t.storage_offset())
 
 
-def put_back(t: torch.Tensor, values: torch.UntypedStorage, geometry: _Geometry) -> None:
-    """NOTE [a tensor resized in place is put back whole]: ``t``'s storage holds
-    ``values`` again and ``t`` the geometry it had (call under ``no_grad``)."""
+def _reshaped(t: torch.Tensor, geometry: _Geometry) -> torch.UntypedStorage:
+    """NOTE [a tensor resized in place is put back whole]: ``t`` over a storage of the
+    size it had, in the geometry it had (call under ``no_grad``); that storage."""
     storage = t.untyped_storage()
-    if storage.nbytes() != geometry[0]:
-        storage.resize_(geometry[0])
-    storage.copy_(values)
     if _geometry(t) != geometry:
+        if storage.nbytes() != geometry[0]:
+            storage.resize_(geometry[0])
         t.set_(storage, geometry[3], geometry[1], geometry[2])
+    return storage
+
+
+def put_back(t: torch.Tensor, values: torch.UntypedStorage, geometry: _Geometry) -> None:
+    """``t``'s storage holds ``values`` again and ``t`` the geometry it had (NOTE [a
+    tensor resized in place is put back whole]; call under ``no_grad``)."""
+    _reshaped(t, geometry).copy_(values)
 
 
 class StateGuard(TorchDispatchMode):
@@ -295,23 +301,15 @@ class _HeldTensor:
     def __init__(self, t: torch.Tensor, values: torch.Tensor) -> None:
         self.ref, self.version, self.values, self.device = (
             weakref.ref(t), t._version, values, t.device)
-        self.geometry = (tuple(t.shape), t.stride(), t.storage_offset())
+        self.geometry = _geometry(t)
 
     def restored(self) -> torch.Tensor:
         t = self.ref()
         with torch.no_grad():
             if t is None:  # replaced and freed: a new one with its values
                 return self.values.to(self.device, copy=True)
-            if t._version != self.version:  # written in place
-                size, stride, offset = self.geometry
-                if (tuple(t.shape), t.stride(), t.storage_offset()) != self.geometry:
-                    # NOTE [a tensor resized in place is put back whole]
-                    storage = t.untyped_storage()
-                    needed = (offset + sum((n - 1) * s for n, s in zip(size, stride, strict=True))
-                              + 1) * t.element_size() if all(size) else 0
-                    if storage.nbytes() < needed:
-                        storage.resize_(needed)
-                    t.set_(storage, offset, size, stride)
+            if t._version != self.version:  # written in place (or resized)
+                _reshaped(t, self.geometry)
                 t.copy_(self.values)
         return t
 
