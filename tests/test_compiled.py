@@ -306,6 +306,9 @@ def test_a_graph_break_is_a_one_line_error_naming_it() -> None:
             else:
                 slackswap.compile(model, x, budget=1.0, backend="aot_eager")
         assert "\n" not in str(err.value)
+        # which call, and the batch it could not plan, as eager attach says it
+        who = "slackswap.attach(compile=True)" if attach else "slackswap.compile"
+        assert str(err.value).startswith(f"{who}, planning a batch of shapes [[4, 8]]: ")
 
 
 def test_unknown_strategies_and_backends_are_refused() -> None:

@@ -17,6 +17,7 @@ from torch._functorch import config as functorch_config
 from torch._functorch.compile_utils import fx_graph_cse
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
+from torch.utils import _pytree as pytree
 
 from slackswap.compiled.joint import (
     Applied,
@@ -591,7 +592,8 @@ def _planned_module(model: torch.nn.Module, state: CompiledPlan, backend: str,
     compiled.__class__ = PlannedModule
     # its own: OptimizedModule sets other attributes on the model it wraps
     compiled.__dict__.update(slackswap=state, _planned_options=(backend, dict(compile_kwargs)))
-    compiled.forward = with_one_line_errors(with_losses_resolved(compiled.forward, model))
+    compiled.forward = with_one_line_errors(with_losses_resolved(compiled.forward, model),
+                                            "slackswap.compile")
     return compiled
 
 
@@ -604,18 +606,22 @@ def _planned_again(model: torch.nn.Module, budget: str | int | float, hardware: 
                            compile_kwargs)
 
 
-def with_one_line_errors(step: Callable[..., Any]) -> Callable[..., Any]:
+def with_one_line_errors(step: Callable[..., Any], who: str) -> Callable[..., Any]:
     """``step``, raising a graph break's or a plan's error as its one-line
-    ``SlackSwapError`` (:func:`planning_error`); the model's own errors as they are."""
+    ``SlackSwapError`` (:func:`planning_error`), led by ``who`` and the call's tensor
+    shapes, as ``slackswap.attach`` names the batch it could not plan; the model's own
+    errors as they are."""
 
     @functools.wraps(step)
     def call(*args: Any, **kwargs: Any) -> Any:
         try:
             return step(*args, **kwargs)
         except Exception as e:  # a graph break, or the plan's error: one line
-            if (error := planning_error(e)) is None or error is e:
-                raise  # the model's own, or one line already
-            raise error from e
+            if (error := planning_error(e)) is None:
+                raise  # the model's own
+            shapes = [list(t.shape) for t in pytree.tree_leaves((args, kwargs))
+                      if isinstance(t, torch.Tensor)]
+            raise type(error)(f"{who}, planning a batch of shapes {shapes}: {error}") from e
 
     return call
 
@@ -758,6 +764,6 @@ def planning_error(e: BaseException) -> SlackSwapError | None:
         frames = [ln.strip() for ln in lines if ln.strip().startswith("File ")]
         where = f" at {frames[-1]}" if frames else ""
         return InputError(f"the model has a graph break{where}: {lines[0]}; "
-                          "slackswap.compile plans one graph: remove the break or train "
-                          "with slackswap.attach")
+                          "the compiled path plans one graph: remove the break, or train "
+                          "eagerly (slackswap.attach without compile=True)")
     return None

@@ -68,7 +68,8 @@ class CompiledAttached:
                  compile_kwargs: dict[str, Any]) -> None:
         self.model, self.compiled = model, state
         model._compiled_call_impl = with_one_line_errors(with_losses_resolved(
-            planned_compile(model._call_impl, state, backend, compile_kwargs), model))
+            planned_compile(model._call_impl, state, backend, compile_kwargs), model),
+            "slackswap.attach(compile=True)")
         ATTACHED.add(model)
 
     @property
