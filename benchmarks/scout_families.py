@@ -336,6 +336,57 @@ def _counting_layerdrop() -> Case:
     return _CountingLayerDrop().train(), {"x": torch.randn(256, 32, generator=g)}, None
 
 
+# -- families added by the second scout: masking, softcaps, MoE with shared experts, alibi,
+# relative position bias, interpolated positions, state-space and recurrent layers ----------
+def _pixels(size: int = 16, seed: int = 1, labels: bool = False) -> Callable[[], dict]:
+    def make() -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        out = {"pixel_values": torch.randn(2, 3, size, size, generator=g)}
+        if labels:
+            out["labels"] = torch.tensor([0, 1])
+        return out
+    return make
+
+
+_VIT = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+            image_size=16, patch_size=4, hidden_dropout_prob=0.1,
+            attention_probs_dropout_prob=0.1)
+
+
+def _beit_masked() -> dict[str, torch.Tensor]:
+    b = _pixels()()
+    g = torch.Generator().manual_seed(3)
+    b["bool_masked_pos"] = torch.rand(2, 16, generator=g) > 0.5
+    b["labels"] = torch.randint(0, 64, (int(b["bool_masked_pos"].sum()),), generator=g)
+    return b
+
+
+def _inplace_dropout(base: Callable[[], Case]) -> Callable[[], Case]:
+    """Every ``nn.Dropout`` of the model switched to ``inplace=True`` (no checkpointing)."""
+    def build() -> Case:
+        model, batch, loss_fn = base()
+        for m in model.modules():
+            if isinstance(m, torch.nn.Dropout):
+                m.inplace = True
+        return model, batch, loss_fn
+    return build
+
+
+def _mpt() -> Case:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.MptConfig(d_model=32, n_heads=4, n_layers=2, expansion_ratio=2,
+                                    max_seq_len=64, vocab_size=96, resid_pdrop=0.1,
+                                    emb_pdrop=0.1, attn_config={"alibi": True, "clip_qkv": 0.5})
+    # the field is typed int (validated on assignment); the model takes it as a rate
+    object.__setattr__(config.attn_config, "attn_pdrop", 0.1)
+    return transformers.MptForCausalLM(config).train(), _lm_batch(), None
+
+
+_ROPE_HALF = [1.0, 1.5, 2.0, 2.5]  # head_dim 8: 4 rotary frequency factors
+
+
 CASES: dict[str, Callable[[], Case]] = {
     "peft_lora_llama": _peft("lora", _tf("LlamaConfig", "LlamaForCausalLM", **_LLAMA),
                              target_modules=["q_proj", "v_proj", "gate_proj"]),
@@ -390,6 +441,102 @@ CASES: dict[str, Callable[[], Case]] = {
     "no_grad_inside": _no_grad_inside,
     "weight_spectral_norm": _norms,
     "counting_layerdrop": _counting_layerdrop,
+    "vit_mae": _tf("ViTMAEConfig", "ViTMAEForPreTraining", _pixels(), **_VIT,
+                   decoder_hidden_size=32, decoder_num_hidden_layers=1,
+                   decoder_num_attention_heads=4, decoder_intermediate_size=64,
+                   mask_ratio=0.75, norm_pix_loss=True),
+    "gemma2_softcap": _tf("Gemma2Config", "Gemma2ForCausalLM", head_dim=8, sliding_window=4,
+                          attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+                          attention_dropout=0.1, query_pre_attn_scalar=8, **_LLAMA),
+    "gemma3_text": _tf("Gemma3TextConfig", "Gemma3ForCausalLM", head_dim=8, sliding_window=4,
+                       layer_types=["sliding_attention", "full_attention"],
+                       query_pre_attn_scalar=8, attention_dropout=0.1, **_LLAMA),
+    "qwen2_moe": _tf("Qwen2MoeConfig", "Qwen2MoeForCausalLM", num_experts=4,
+                     num_experts_per_tok=2, moe_intermediate_size=32,
+                     shared_expert_intermediate_size=48, output_router_logits=True,
+                     attention_dropout=0.1, **_LLAMA),
+    "qwen3_moe": _tf("Qwen3MoeConfig", "Qwen3MoeForCausalLM", num_experts=4,
+                     num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                     output_router_logits=True, head_dim=8, **_LLAMA),
+    "olmo_clip_qkv": _tf("OlmoConfig", "OlmoForCausalLM", clip_qkv=0.5,
+                         attention_dropout=0.1, pad_token_id=0, **_LLAMA),
+    "olmo2": _tf("Olmo2Config", "Olmo2ForCausalLM", attention_dropout=0.1, pad_token_id=0,
+                 **_LLAMA),
+    "falcon_alibi": _tf("FalconConfig", "FalconForCausalLM", hidden_size=32,
+                        num_hidden_layers=2, num_attention_heads=4, vocab_size=96,
+                        alibi=True, parallel_attn=True, multi_query=True, bias=True,
+                        hidden_dropout=0.1, attention_dropout=0.1),
+    "falcon_new_arch": _tf("FalconConfig", "FalconForCausalLM", hidden_size=32,
+                           num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2,
+                           vocab_size=96, new_decoder_architecture=True,
+                           hidden_dropout=0.1, attention_dropout=0.1),
+    "mpt_alibi": _mpt,
+    "beit_mim": _tf("BeitConfig", "BeitForMaskedImageModeling", _beit_masked, **_VIT,
+                    vocab_size=64, use_mask_token=True, use_relative_position_bias=True,
+                    layer_scale_init_value=0.1, drop_path_rate=0.2),
+    "data2vec_vision": _tf("Data2VecVisionConfig", "Data2VecVisionForImageClassification",
+                           _pixels(labels=True), **_VIT, num_labels=2,
+                           use_shared_relative_position_bias=True,
+                           layer_scale_init_value=0.1, drop_path_rate=0.2),
+    "dinov2_interp": _tf("Dinov2Config", "Dinov2ForImageClassification",
+                         _pixels(size=24, labels=True), hidden_size=32, num_hidden_layers=2,
+                         num_attention_heads=4, mlp_ratio=2, image_size=16, patch_size=4,
+                         hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
+                         drop_path_rate=0.2, num_labels=2),
+    "dinov2_swiglu": _tf("Dinov2Config", "Dinov2ForImageClassification",
+                         _pixels(size=16, labels=True), hidden_size=32, num_hidden_layers=2,
+                         num_attention_heads=4, mlp_ratio=2, image_size=16, patch_size=4,
+                         use_swiglu_ffn=True, layerscale_value=0.5, num_labels=2),
+    "mamba2_torch": _tf("Mamba2Config", "Mamba2ForCausalLM", hidden_size=32,
+                        num_hidden_layers=2, vocab_size=96, state_size=8, expand=2,
+                        num_heads=8, head_dim=8, n_groups=1, chunk_size=4,
+                        time_step_rank=4, use_cache=False, pad_token_id=0),
+    "rwkv": _tf("RwkvConfig", "RwkvForCausalLM", vocab_size=96, hidden_size=32,
+                num_hidden_layers=2, attention_hidden_size=32, intermediate_size=64,
+                context_length=64, use_cache=False, rescale_every=0),
+    "phi3_longrope": _tf("Phi3Config", "Phi3ForCausalLM", lambda: _lm_batch(length=40),
+                         rope_scaling={"rope_type": "longrope", "short_factor": _ROPE_HALF,
+                                       "long_factor": [f * 2 for f in _ROPE_HALF]},
+                         original_max_position_embeddings=16, attention_dropout=0.1,
+                         resid_pdrop=0.1, pad_token_id=0, **_LLAMA),
+    "bert_inplace_dropout": _inplace_dropout(_tf(
+        "BertConfig", "BertForMaskedLM", hidden_dropout_prob=0.2,
+        attention_probs_dropout_prob=0.2, **_SMALL)),
+    "jamba": _tf("JambaConfig", "JambaForCausalLM", num_experts=4, num_experts_per_tok=2,
+                 attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                 expert_layer_offset=0, mamba_d_state=8, mamba_dt_rank=4,
+                 use_mamba_kernels=False, output_router_logits=True, pad_token_id=0,
+                 **_LLAMA),
+    "zamba2_shared": _tf("Zamba2Config", "Zamba2ForCausalLM", hidden_size=32,
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                         intermediate_size=64, vocab_size=96, max_position_embeddings=64,
+                         layers_block_type=["mamba", "hybrid", "mamba", "hybrid"],
+                         mamba_d_state=8, mamba_headdim=8, n_mamba_heads=8, chunk_size=4,
+                         use_mamba_kernels=False, use_shared_attention_adapter=True,
+                         adapter_rank=4, use_mem_rope=True, pad_token_id=0),
+    "recurrent_gemma": _tf("RecurrentGemmaConfig", "RecurrentGemmaForCausalLM",
+                           num_hidden_layers=3, vocab_size=96, hidden_size=32,
+                           intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=8, lru_width=32, attention_window_size=4,
+                           block_types=["recurrent", "attention", "recurrent"],
+                           logits_soft_cap=3.0, pad_token_id=0),
+    "gpt_oss": _tf("GptOssConfig", "GptOssForCausalLM", num_local_experts=4,
+                   num_experts_per_tok=2, head_dim=8, sliding_window=4,
+                   layer_types=["sliding_attention", "full_attention"],
+                   output_router_logits=True, attention_dropout=0.1, **_LLAMA),
+    "deepseek_v3": _tf("DeepseekV3Config", "DeepseekV3ForCausalLM", moe_intermediate_size=32,
+                       n_shared_experts=1, n_routed_experts=8, n_group=2, topk_group=1,
+                       num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=16,
+                       q_lora_rank=16, qk_rope_head_dim=4, v_head_dim=8, qk_nope_head_dim=4,
+                       attention_dropout=0.1, **_LLAMA),
+    "qwen3_next": _tf("Qwen3NextConfig", "Qwen3NextForCausalLM", head_dim=8,
+                      linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+                      linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                      layer_types=["linear_attention", "full_attention"],
+                      output_router_logits=True, **_LLAMA),
+    "cohere": _tf("CohereConfig", "CohereForCausalLM", logit_scale=0.5, use_qk_norm=True,
+                  attention_dropout=0.1, pad_token_id=0, **_LLAMA),
 }
 NEEDS = {"diffusers_vae": "diffusers", "diffusers_unet_cross": "diffusers",
          "diffusers_dit": "diffusers"}
