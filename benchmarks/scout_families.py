@@ -384,6 +384,21 @@ def _mpt() -> Case:
     return transformers.MptForCausalLM(config).train(), _lm_batch(), None
 
 
+def _padded_batch(left: bool) -> Callable[[], dict]:
+    """A batch whose second row is padded (left or right) by four tokens."""
+    def make() -> dict[str, torch.Tensor]:
+        b = _lm_batch()
+        mask = b["attention_mask"]
+        if left:
+            mask[1, :4] = 0
+        else:
+            mask[1, -4:] = 0
+        b["input_ids"] = b["input_ids"].masked_fill(mask == 0, 0)
+        b["labels"] = b["input_ids"].masked_fill(mask == 0, -100)
+        return b
+    return make
+
+
 _ROPE_HALF = [1.0, 1.5, 2.0, 2.5]  # head_dim 8: 4 rotary frequency factors
 
 
@@ -537,6 +552,42 @@ CASES: dict[str, Callable[[], Case]] = {
                       output_router_logits=True, **_LLAMA),
     "cohere": _tf("CohereConfig", "CohereForCausalLM", logit_scale=0.5, use_qk_norm=True,
                   attention_dropout=0.1, pad_token_id=0, **_LLAMA),
+    "modernbert_unpadded": _tf("ModernBertConfig", "ModernBertForMaskedLM",
+                               _padded_batch(left=False), hidden_size=32,
+                               num_hidden_layers=3, num_attention_heads=4,
+                               intermediate_size=64, vocab_size=96,
+                               max_position_embeddings=64, local_attention=4,
+                               attention_dropout=0.1, mlp_dropout=0.1,
+                               embedding_dropout=0.1, pad_token_id=0, bos_token_id=1,
+                               eos_token_id=2, cls_token_id=1, sep_token_id=2),
+    "llama_left_padded": _tf("LlamaConfig", "LlamaForCausalLM", _padded_batch(left=True),
+                             attention_dropout=0.1, pad_token_id=0, **_LLAMA),
+    "canine": _tf("CanineConfig", "CanineForSequenceClassification", _cls_batch,
+                  hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  intermediate_size=64, num_hash_functions=4, num_hash_buckets=64,
+                  downsampling_rate=4, local_transformer_stride=4, num_labels=2,
+                  hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
+                  max_position_embeddings=64),
+    "convbert": _tf("ConvBertConfig", "ConvBertForMaskedLM", embedding_size=16,
+                    conv_kernel_size=3, head_ratio=2, num_groups=2,
+                    hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1, **_SMALL),
+    "mobilebert": _tf("MobileBertConfig", "MobileBertForMaskedLM", embedding_size=16,
+                      intra_bottleneck_size=16, true_hidden_size=16, num_feedforward_networks=2,
+                      hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1, **_SMALL),
+    "nemotron": _tf("NemotronConfig", "NemotronForCausalLM", head_dim=8,
+                    partial_rotary_factor=0.5, attention_dropout=0.1, pad_token_id=0,
+                    **_LLAMA),
+    "granitemoe": _tf("GraniteMoeConfig", "GraniteMoeForCausalLM", num_local_experts=4,
+                      num_experts_per_tok=2, embedding_multiplier=2.0, logits_scaling=4.0,
+                      residual_multiplier=0.5, attention_multiplier=0.2,
+                      output_router_logits=True, attention_dropout=0.1, **_LLAMA),
+    "lfm2_shortconv": _tf("Lfm2Config", "Lfm2ForCausalLM", block_multiple_of=16,
+                          layer_types=["conv", "full_attention"], pad_token_id=0, **_LLAMA),
+    "falcon_h1": _tf("FalconH1Config", "FalconH1ForCausalLM", mamba_d_ssm=32, mamba_n_heads=4,
+                     mamba_d_head=8, mamba_d_state=8, mamba_chunk_size=4,
+                     embedding_multiplier=2.0, key_multiplier=0.5,
+                     mlp_multipliers=[0.5, 2.0], ssm_multipliers=[1.0, 0.5, 2.0, 1.0, 0.5],
+                     attention_dropout=0.1, **_LLAMA),
 }
 NEEDS = {"diffusers_vae": "diffusers", "diffusers_unet_cross": "diffusers",
          "diffusers_dit": "diffusers"}
