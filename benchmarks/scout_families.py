@@ -661,25 +661,36 @@ def _micro(batch: dict) -> list[dict]:
 EXTRAS = ["grad", "inputs", "attach", "accumulate", "eval_mid", "bf16"]
 
 
+def _extra_budget(profile: slackswap.StepProfile | None) -> float:
+    """Half the keep-all peak, or (a model no plan fits at half) a little above the smallest
+    budget known to fit, so that the extras still run the model under a plan."""
+    if profile is None:
+        return 0.5
+    from slackswap.planners import smallest_feasible_budget
+    least = smallest_feasible_budget(profile) / max(1, profile.keep_all_peak)
+    return 0.5 if least <= 0.45 else min(1.0, least + 0.05)
+
+
 def _extra(kind: str, pristine: torch.nn.Module, batch: dict, loss_fn: Callable | None,
            profile: slackswap.StepProfile | None) -> tuple[list[dict], dict]:
     model = copy.deepcopy(pristine)
+    budget = _extra_budget(profile)
     if kind in ("grad", "inputs"):
         if profile is None:
             raise InputError("no profile to plan from")
-        plan = slackswap.plan(profile, 0.5)
+        plan = slackswap.plan(profile, budget)
         got, info = train(model, [batch], loss_fn, how=kind, block=lambda _s, _b:
                           slackswap.apply(model, plan, profile=profile, verify=True))
         ref, _ = train(copy.deepcopy(pristine), [batch], loss_fn, how=kind)
     elif kind == "bf16":
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            plan = slackswap.plan(model, batch, budget=0.5, loss_fn=loss_fn)
+            plan = slackswap.plan(model, batch, budget=budget, loss_fn=loss_fn)
         got, info = train(model, [batch], loss_fn, bf16=True,
                           block=lambda _s, _b: slackswap.apply(model, plan, verify=True))
         ref, _ = train(copy.deepcopy(pristine), [batch], loss_fn, bf16=True)
     elif kind in ("attach", "eval_mid"):
         eval_at = 1 if kind == "eval_mid" else None
-        attached = slackswap.attach(model, budget=0.5, loss_fn=loss_fn)
+        attached = slackswap.attach(model, budget=budget, loss_fn=loss_fn)
         with attached:
             got, info = train(model, [batch], loss_fn, eval_at=eval_at)
             stats = attached.stats  # the last step's
@@ -688,7 +699,7 @@ def _extra(kind: str, pristine: torch.nn.Module, batch: dict, loss_fn: Callable 
     elif kind == "accumulate":
         if "input_ids" not in batch:
             raise InputError("accumulate: no sequence batch here")
-        step = slackswap.auto(model, budget=0.5, loss_fn=loss_fn)
+        step = slackswap.auto(model, budget=budget, loss_fn=loss_fn)
         got, info = train(model, _micro(batch), loss_fn, block=lambda _s, b: step(b))
         ref, _ = train(copy.deepcopy(pristine), _micro(batch), loss_fn)
     else:
