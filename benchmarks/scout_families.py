@@ -399,6 +399,81 @@ def _padded_batch(left: bool) -> Callable[[], dict]:
     return make
 
 
+def _wav2vec2_pretraining() -> Case:
+    """Wav2Vec2's contrastive pre-training: a Gumbel-softmax quantizer (torch's RNG), masked
+    time steps and sampled negatives (numpy's, drawn here once, as a data collator does)."""
+    import numpy as np
+    import transformers
+    from transformers.models.wav2vec2.modeling_wav2vec2 import (
+        _compute_mask_indices,
+        _sample_negative_indices,
+    )
+
+    torch.manual_seed(0)
+    config = transformers.Wav2Vec2Config(
+        vocab_size=20, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, conv_dim=(16, 16), conv_stride=(4, 2), conv_kernel=(8, 4),
+        num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=4, hidden_dropout=0.1,
+        attention_dropout=0.1, feat_proj_dropout=0.1, layerdrop=0.0, num_negatives=4,
+        codevector_dim=16, proj_codevector_dim=16, num_codevectors_per_group=8,
+        num_codevector_groups=2, mask_time_prob=0.3, mask_time_length=2)
+    model = transformers.Wav2Vec2ForPreTraining(config).train()
+    g = torch.Generator().manual_seed(1)
+    values = torch.randn(2, 400, generator=g)
+    frames = int(model._get_feat_extract_output_lengths(400))
+    np.random.seed(0)
+    mask = _compute_mask_indices((2, frames), mask_prob=0.3, mask_length=2, min_masks=2)
+    negatives = _sample_negative_indices((2, frames), 4, mask_time_indices=mask)
+    return model, {"input_values": values, "mask_time_indices": torch.tensor(mask),
+                   "sampled_negative_indices": torch.tensor(negatives)}, None
+
+
+class _VQStep(torch.nn.Module):
+    def __init__(self, vq: torch.nn.Module) -> None:
+        super().__init__()
+        self.vq = vq
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = self.vq(x)  # argmin over the codebook, a straight-through estimator
+        return {"loss": torch.nn.functional.mse_loss(out.sample, x) + out.commit_loss.mean()}
+
+
+def _vq() -> Case:
+    import diffusers
+
+    torch.manual_seed(0)
+    vq = diffusers.VQModel(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(16, 32),
+        latent_channels=4, num_vq_embeddings=16, vq_embed_dim=4, norm_num_groups=8,
+        sample_size=16)
+    g = torch.Generator().manual_seed(1)
+    return _VQStep(vq).train(), {"x": torch.randn(2, 3, 16, 16, generator=g)}, None
+
+
+def _llava() -> Case:
+    """A vision tower's patch features scattered into a language model's embeddings at the
+    image tokens (``masked_scatter``), trained end to end."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlavaConfig(
+        vision_config=transformers.CLIPVisionConfig(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+            image_size=16, patch_size=4, attention_dropout=0.1),
+        text_config=transformers.LlamaConfig(**_LLAMA, attention_dropout=0.1,
+                                             pad_token_id=0),
+        image_token_id=95, vision_feature_layer=-1, vision_feature_select_strategy="default",
+        projector_hidden_act="gelu")
+    model = transformers.LlavaForConditionalGeneration(config).train()
+    b = _lm_batch(vocab=90, length=24)
+    b["input_ids"][:, 2:18] = 95  # 16 patches (the CLS feature dropped: "default")
+    b["labels"] = b["input_ids"].masked_fill(b["input_ids"] == 95, -100)
+    g = torch.Generator().manual_seed(2)
+    b["pixel_values"] = torch.randn(2, 3, 16, 16, generator=g)
+    return model, b, None
+
+
 _ROPE_HALF = [1.0, 1.5, 2.0, 2.5]  # head_dim 8: 4 rotary frequency factors
 
 
@@ -588,9 +663,12 @@ CASES: dict[str, Callable[[], Case]] = {
                      embedding_multiplier=2.0, key_multiplier=0.5,
                      mlp_multipliers=[0.5, 2.0], ssm_multipliers=[1.0, 0.5, 2.0, 1.0, 0.5],
                      attention_dropout=0.1, **_LLAMA),
+    "wav2vec2_pretraining": _wav2vec2_pretraining,
+    "diffusers_vq": _vq,
+    "llava": _llava,
 }
-NEEDS = {"diffusers_vae": "diffusers", "diffusers_unet_cross": "diffusers",
-         "diffusers_dit": "diffusers"}
+NEEDS = {"diffusers_vae": "diffusers", "diffusers_vq": "diffusers",
+         "diffusers_unet_cross": "diffusers", "diffusers_dit": "diffusers"}
 
 
 def _call(model: torch.nn.Module, batch: Mapping) -> Any:
