@@ -474,6 +474,59 @@ def _llava() -> Case:
     return model, b, None
 
 
+def _informer() -> Case:
+    """Informer: ProbSparse attention samples keys with ``torch.randint`` in forward,
+    distilling convolutions, a mean scaler, LayerDrop, and a Student-t likelihood loss."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.InformerConfig(
+        prediction_length=4, context_length=16, lags_sequence=[1, 2], num_time_features=1,
+        d_model=16, encoder_ffn_dim=32, decoder_ffn_dim=32, encoder_layers=2,
+        decoder_layers=1, sampling_factor=2, distil=True, dropout=0.1,
+        encoder_layerdrop=0.2, decoder_layerdrop=0.0)
+    model = transformers.InformerForPrediction(config).train()
+    g = torch.Generator().manual_seed(1)
+    past = 16 + 2  # the context and the largest lag
+
+    def time(n: int) -> torch.Tensor:
+        return torch.linspace(0, 1, n).view(1, n, 1).repeat(2, 1, 1)
+    return model, {
+        "past_values": torch.randn(2, past, generator=g).abs() + 1,
+        "past_time_features": time(past), "past_observed_mask": torch.ones(2, past),
+        "future_values": torch.randn(2, 4, generator=g).abs() + 1,
+        "future_time_features": time(4)}, None
+
+
+class _Ensemble(torch.nn.Module):
+    """Four MLPs stacked with ``torch.func.stack_module_state`` and run under ``vmap``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        nets = [torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(),
+                                    torch.nn.Dropout(0.1), torch.nn.Linear(32, 4))
+                for _ in range(4)]
+        params, _ = torch.func.stack_module_state(nets)
+        self.params = torch.nn.ParameterDict(
+            {k.replace(".", "_"): torch.nn.Parameter(v) for k, v in params.items()})
+        self.names = list(params)
+        self.base = [copy.deepcopy(nets[0]).to("meta")]
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        def one(p: dict, x: torch.Tensor) -> torch.Tensor:
+            return torch.func.functional_call(self.base[0], p, (x,))
+        stacked = {n: self.params[n.replace(".", "_")] for n in self.names}
+        out = torch.vmap(one, randomness="different")(stacked, x.expand(4, *x.shape))
+        return {"loss": torch.nn.functional.cross_entropy(out.mean(0), y)}
+
+
+def _vmap_ensemble() -> Case:
+    g = torch.Generator().manual_seed(1)
+    return _Ensemble().train(), {"x": torch.randn(64, 16, generator=g),
+                                 "y": torch.randint(0, 4, (64,), generator=g)}, None
+
+
 _ROPE_HALF = [1.0, 1.5, 2.0, 2.5]  # head_dim 8: 4 rotary frequency factors
 
 
@@ -666,6 +719,12 @@ CASES: dict[str, Callable[[], Case]] = {
     "wav2vec2_pretraining": _wav2vec2_pretraining,
     "diffusers_vq": _vq,
     "llava": _llava,
+    "fnet_fourier": _tf("FNetConfig", "FNetForMaskedLM", hidden_size=32,
+                        num_hidden_layers=2, intermediate_size=64, vocab_size=96,
+                        max_position_embeddings=64, hidden_dropout_prob=0.1,
+                        use_tpu_fourier_optimizations=False, pad_token_id=0),
+    "informer_probsparse": _informer,
+    "vmap_ensemble": _vmap_ensemble,
 }
 NEEDS = {"diffusers_vae": "diffusers", "diffusers_vq": "diffusers",
          "diffusers_unet_cross": "diffusers", "diffusers_dit": "diffusers"}
