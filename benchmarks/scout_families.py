@@ -527,6 +527,40 @@ def _vmap_ensemble() -> Case:
                                  "y": torch.randint(0, 4, (64,), generator=g)}, None
 
 
+class _EMAQuantizer(torch.nn.Module):
+    """A VQ-VAE with an EMA codebook (as in SoundStream, Jukebox, vector-quantize-pytorch):
+    the codebook, a buffer, quantizes the step's latents and is then updated in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.enc = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(),
+                                       torch.nn.Linear(32, 8))
+        self.dec = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(),
+                                       torch.nn.Linear(32, 16))
+        self.register_buffer("embed", torch.randn(12, 8))
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        z = self.enc(x)
+        with torch.no_grad():
+            ind = torch.cdist(z, self.embed).argmin(-1)
+        q = torch.nn.functional.embedding(ind, self.embed)
+        st = z + (q - z).detach()  # straight through
+        out = self.dec(st * 2.0)
+        if self.training:
+            with torch.no_grad():  # the EMA update, after the codebook was read
+                onehot = torch.nn.functional.one_hot(ind, 12).type_as(z)
+                mean = (onehot.t() @ z) / onehot.sum(0).clamp(min=1).unsqueeze(1)
+                self.embed.mul_(0.9).add_(mean, alpha=0.1)
+        loss = torch.nn.functional.mse_loss(out, x) + 0.25 * (z - q).pow(2).mean()
+        return {"loss": loss}
+
+
+def _ema_vq() -> Case:
+    g = torch.Generator().manual_seed(1)
+    return _EMAQuantizer().train(), {"x": torch.randn(64, 16, generator=g)}, None
+
+
 _ROPE_HALF = [1.0, 1.5, 2.0, 2.5]  # head_dim 8: 4 rotary frequency factors
 
 
@@ -725,6 +759,7 @@ CASES: dict[str, Callable[[], Case]] = {
                         use_tpu_fourier_optimizations=False, pad_token_id=0),
     "informer_probsparse": _informer,
     "vmap_ensemble": _vmap_ensemble,
+    "ema_vq": _ema_vq,
 }
 NEEDS = {"diffusers_vae": "diffusers", "diffusers_vq": "diffusers",
          "diffusers_unet_cross": "diffusers", "diffusers_dit": "diffusers"}
