@@ -858,9 +858,11 @@ def _extra(kind: str, pristine: torch.nn.Module, batch: dict, loss_fn: Callable 
         ref, _ = train(copy.deepcopy(pristine), [batch], loss_fn, how=kind)
     elif kind == "bf16":
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            plan = slackswap.plan(model, batch, budget=budget, loss_fn=loss_fn)
-        got, info = train(model, [batch], loss_fn, bf16=True,
-                          block=lambda _s, _b: slackswap.apply(model, plan, verify=True))
+            bf16_profile = slackswap.profile(copy.deepcopy(pristine), copy.deepcopy(batch),
+                                             mode="traced", loss_fn=loss_fn)
+        plan = slackswap.plan(bf16_profile, max(budget, _extra_budget(bf16_profile)))
+        got, info = train(model, [batch], loss_fn, bf16=True, block=lambda _s, _b:
+                          slackswap.apply(model, plan, profile=bf16_profile, verify=True))
         ref, _ = train(copy.deepcopy(pristine), [batch], loss_fn, bf16=True)
     elif kind in ("attach", "eval_mid"):
         eval_at = 1 if kind == "eval_mid" else None
