@@ -4,7 +4,12 @@ attention, MoE jitter; diffusers' VAE and a cross-attention UNet in a diffusion 
 ``autograd.grad``, ``backward(inputs=)``, gradient accumulation, ``eval()`` in the middle of
 training, ``no_grad`` inside forward, bf16 autocast), trained three AdamW steps under
 SlackSwap plans and compared bit for bit with plain PyTorch from the same state and seeds
-(loss, every gradient, parameters and buffers after each optimizer step).
+(loss, every gradient, parameters and buffers after each optimizer step). A plan mode
+also fails if a step held more saved bytes than the plan's simulated peak. The second
+scout's families (ViTMAE to the EMA codebook, after ``counting_layerdrop`` in ``CASES``)
+add random masking, logit softcaps and sliding windows, MoE with shared experts, alibi,
+relative position bias, interpolated positions, state-space, recurrent and short-conv
+layers, complex FFTs, ProbSparse sampling, padded batches, ``vmap`` and in-place dropout.
 
     python benchmarks/scout_families.py gpt2_dropout peft_lora --json out.json
 
