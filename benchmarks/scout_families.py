@@ -566,6 +566,24 @@ def _ema_vq() -> Case:
     return _EMAQuantizer().train(), {"x": torch.randn(64, 16, generator=g)}, None
 
 
+def _llama_outputs() -> Case:
+    """Hidden states and attention maps returned to the caller (saved tensors the user
+    holds) and used in the loss, beside the model's own, with eager attention."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**_LLAMA, attention_dropout=0.1,
+                                      attn_implementation="eager")
+    model = transformers.LlamaForCausalLM(config).train()
+    b = _lm_batch(labels=False)
+    b.update(output_hidden_states=True, output_attentions=True)
+
+    def loss_fn(out: Any) -> torch.Tensor:
+        return (out.logits.logsumexp(-1).mean() + 0.1 * out.hidden_states[1].pow(2).mean()
+                + out.attentions[0].amax(-1).mean())
+    return model, b, loss_fn
+
+
 _ROPE_HALF = [1.0, 1.5, 2.0, 2.5]  # head_dim 8: 4 rotary frequency factors
 
 
@@ -765,6 +783,7 @@ CASES: dict[str, Callable[[], Case]] = {
     "informer_probsparse": _informer,
     "vmap_ensemble": _vmap_ensemble,
     "ema_vq": _ema_vq,
+    "llama_outputs": _llama_outputs,
 }
 NEEDS = {"diffusers_vae": "diffusers", "diffusers_vq": "diffusers",
          "diffusers_unet_cross": "diffusers", "diffusers_dit": "diffusers"}
