@@ -13,7 +13,22 @@ state and seeds:
 - ``functional_call``: ``torch.func.functional_call`` with parameters held outside the model;
 - ``dict`` / ``tuple``: a model returning several losses, added outside;
 - ``retain_graph``: two backwards through one graph (``retain_graph=True``);
-- ``grad_penalty``: a gradient penalty (``torch.autograd.grad(create_graph=True)``).
+- ``grad_penalty``: a gradient penalty (``torch.autograd.grad(create_graph=True)``);
+- ``lbfgs``: ``torch.optim.LBFGS``, its closure running forward and backward several
+  times per optimizer step;
+- ``ema``: a ``swa_utils.AveragedModel`` EMA (a deep copy of the attached model) updated
+  after each step and run under ``no_grad`` and in ``eval()`` with grad enabled;
+- ``val_no_grad`` / ``val_grad``: ``model.eval()`` validation between steps, under
+  ``no_grad``, or with grad enabled and its graph dropped unused;
+- ``varlen``: sequence lengths 16, 8, 16 (a plan per batch shape);
+- ``sub_compile``: one block compiled (``aot_eager``) inside the model;
+- ``user_checkpoint``: the model calls ``torch.utils.checkpoint`` itself;
+- ``bf16`` / ``freeze`` / ``unfreeze``: the model changed between steps
+  (``model.to(torch.bfloat16)``; the first block's ``requires_grad`` off, and on again);
+- ``two_forwards``: two forwards, both graphs alive, before one backward;
+- ``no_grad_first``: a ``no_grad`` forward (reference logits) before the training one;
+- ``backward_inputs``: ``loss.backward(inputs=...)`` to the blocks only;
+- ``func_grad``: ``torch.func.grad`` over ``functional_call``.
 
 Eager (``attach``) and compiled (``attach(compile=True)`` against ``model.compile()`` with
 the same backend).
@@ -48,7 +63,8 @@ VOCAB, WIDTH = 64, 32
 class Net(torch.nn.Module):
     """A tiny language model: embedding, residual MLP blocks with dropout, a head."""
 
-    def __init__(self, layers: int = 3, tie: bool = False, returns: str = "logits") -> None:
+    def __init__(self, layers: int = 3, tie: bool = False, returns: str = "logits",
+                 ckpt: bool = False) -> None:
         super().__init__()
         self.emb = torch.nn.Embedding(VOCAB, WIDTH)
         self.blocks = torch.nn.ModuleList(torch.nn.Sequential(
@@ -59,12 +75,13 @@ class Net(torch.nn.Module):
         self.head = torch.nn.Linear(WIDTH, VOCAB, bias=False)
         if tie:
             self.head.weight = self.emb.weight
-        self.returns = returns
+        self.returns, self.ckpt = returns, ckpt
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> Any:
         h = self.emb(ids)
         for block in self.blocks:
-            h = h + block(h)
+            h = h + (torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
+                     if self.ckpt else block(h))
         logits = self.head(self.norm(h))
         if self.returns == "logits":
             return logits
@@ -75,9 +92,9 @@ class Net(torch.nn.Module):
         return ce, aux, logits
 
 
-def _batch(i: int) -> dict[str, torch.Tensor]:
+def _batch(i: int, length: int = 16) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(i)
-    ids = torch.randint(0, VOCAB, (4, 16), generator=g)
+    ids = torch.randint(0, VOCAB, (4, length), generator=g)
     return {"ids": ids, "labels": torch.roll(ids, -1, 1)}
 
 
@@ -108,6 +125,21 @@ class Loop:
         loss = _ce(self.forward(batch), batch)
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
         return loss
+
+    def optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=1e-2)
+
+    def before(self, step: int) -> None:
+        """What the loop does to the model before ``step``'s forward (nothing)."""
+
+    def step(self, opt: torch.optim.Optimizer, rec: dict) -> None:
+        """The optimizer step (after ``backward``); may add to the step's record."""
+        if self.scaler is not None:
+            self.scaler.step(opt)
+            self.scaler.update()
+            rec["scale"] = self.scaler.get_scale() * torch.ones(())
+        else:
+            opt.step()
 
 
 class Accumulate(Loop):
@@ -147,6 +179,155 @@ class Functional(Loop):
         names = [n for n, _ in self.model.named_parameters()]
         return torch.func.functional_call(self.model, dict(zip(names, self.params,
                                                                strict=True)), (), batch)
+
+
+class Lbfgs(Loop):
+    """``torch.optim.LBFGS``: its closure runs forward and backward up to four times per
+    optimizer step."""
+
+    def optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        self.opt = torch.optim.LBFGS(params, lr=0.1, max_iter=3, history_size=4)
+        return self.opt
+
+    def closure(self) -> torch.Tensor:
+        self.opt.zero_grad()
+        loss = _ce(self.forward(self.batch), self.batch)
+        loss.backward()
+        return loss
+
+    def backward(self, step: int) -> torch.Tensor:
+        self.batch = _batch(step)
+        return self.closure()
+
+    def step(self, opt: torch.optim.Optimizer, rec: dict) -> None:
+        rec["lbfgs loss"] = opt.step(self.closure).detach().clone()
+
+
+class Ema(Loop):
+    """An EMA (``swa_utils.AveragedModel``) of the attached model, made after the first
+    step's forward (a deep copy of the attached model) and updated after each step; it
+    validates under ``no_grad`` in train mode, and in eval mode with grad enabled."""
+
+    ema: Any = None
+
+    def step(self, opt: torch.optim.Optimizer, rec: dict) -> None:
+        super().step(opt, rec)
+        if self.ema is None:
+            self.ema = torch.optim.swa_utils.AveragedModel(
+                self.model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
+        self.ema.update_parameters(self.model)
+        for n, p in self.ema.named_parameters():
+            rec[f"ema {n}"] = p.detach().clone()
+        batch = _batch(1000)
+        with torch.no_grad():
+            rec["ema train no_grad"] = _ce(self.ema(**batch), batch)
+        self.ema.eval()
+        rec["ema eval grad"] = _ce(self.ema(**batch), batch).detach()
+        self.ema.train()
+
+
+class Validate(Loop):
+    """``model.eval()`` validation between steps: under ``no_grad``, or (``grad``) with
+    grad enabled and the graph dropped without a backward."""
+
+    def __init__(self, model: torch.nn.Module, grad: bool) -> None:
+        super().__init__(model)
+        self.grad = grad
+
+    def step(self, opt: torch.optim.Optimizer, rec: dict) -> None:
+        super().step(opt, rec)
+        self.model.eval()
+        batch = _batch(1000)
+        with torch.set_grad_enabled(self.grad):
+            rec["val"] = _ce(self.forward(batch), batch).detach()
+        self.model.train()
+
+
+class VarLen(Loop):
+    """Sequence lengths 16, 8, 16 (two batch shapes, the first seen again)."""
+
+    def backward(self, step: int) -> torch.Tensor:
+        batch = _batch(step, (16, 8, 16)[step % 3])
+        loss = _ce(self.forward(batch), batch)
+        loss.backward()
+        return loss
+
+
+class Change(Loop):
+    """The model changed before the second step: ``bf16`` (``model.to(torch.bfloat16)``,
+    SGD) or ``freeze`` (the first block's ``requires_grad`` off)."""
+
+    def __init__(self, model: torch.nn.Module, change: str) -> None:
+        super().__init__(model)
+        self.change = change
+
+    def optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        if self.change == "bf16":
+            return torch.optim.SGD(params, lr=1e-1)
+        return super().optimizer(params)
+
+    def before(self, step: int) -> None:
+        if step == 1 and self.change == "bf16":
+            self.model.to(torch.bfloat16)
+        elif step == 1:
+            self.model.blocks[0].requires_grad_(False)
+        elif step == 2 and self.change == "unfreeze":
+            self.model.blocks[0].requires_grad_(True)
+
+
+class TwoForwards(Loop):
+    """Two forwards before one backward (a contrastive or preference loss): both
+    graphs alive at once."""
+
+    def backward(self, step: int) -> torch.Tensor:
+        a, b = _batch(step), _batch(50 + step)
+        loss = _ce(self.forward(a), a) + 0.5 * _ce(self.forward(b), b)
+        loss.backward()
+        return loss
+
+
+class NoGradFirst(Loop):
+    """A ``no_grad`` forward on the batch (reference logits) before the training forward,
+    with a KL term to them."""
+
+    def backward(self, step: int) -> torch.Tensor:
+        batch = _batch(step)
+        with torch.no_grad():
+            ref = self.forward(batch).float().log_softmax(-1)
+        logits = self.forward(batch)
+        kl = F.kl_div(logits.float().log_softmax(-1), ref, log_target=True,
+                      reduction="batchmean")
+        loss = _ce(logits, batch) + kl
+        loss.backward()
+        return loss
+
+
+class BackwardInputs(Loop):
+    """``loss.backward(inputs=...)``: gradients for the blocks only."""
+
+    def backward(self, step: int) -> torch.Tensor:
+        batch = _batch(step)
+        loss = _ce(self.forward(batch), batch)
+        loss.backward(inputs=list(self.model.blocks.parameters()))
+        return loss
+
+
+class FuncGrad(Loop):
+    """``torch.func.grad`` over ``functional_call`` (gradients set by hand)."""
+
+    def backward(self, step: int) -> torch.Tensor:
+        batch = _batch(step)
+        named = dict(self.model.named_parameters())
+
+        def loss_of(params: dict) -> tuple[torch.Tensor, torch.Tensor]:
+            out = torch.func.functional_call(self.model, params, (), batch)
+            loss = _ce(out, batch)
+            return loss, loss.detach()
+
+        grads, loss = torch.func.grad(loss_of, has_aux=True)(named)
+        for n, p in named.items():
+            p.grad = grads[n]
+        return loss
 
 
 def _parametrized(kind: str) -> Net:
@@ -201,12 +382,44 @@ def build(name: str) -> Loop:
         return RetainGraph(Net())
     if name == "grad_penalty":
         return GradPenalty(Net())
+    return build_more(name)
+
+
+def build_more(name: str) -> Loop:  # noqa: PLR0911 (one case a line)
+    """The loops of the training patterns below ``grad_penalty`` in ``PATTERNS``."""
+    if name == "lbfgs":
+        return Lbfgs(Net())
+    if name == "ema":
+        return Ema(Net())
+    if name in ("val_no_grad", "val_grad"):
+        return Validate(Net(), grad=name == "val_grad")
+    if name == "varlen":
+        return VarLen(Net())
+    if name == "sub_compile":
+        net = Net()
+        net.blocks[1].compile(backend="aot_eager")
+        return Loop(net)
+    if name == "user_checkpoint":
+        return Loop(Net(ckpt=True))
+    if name in ("bf16", "freeze", "unfreeze"):
+        return Change(Net(), name)
+    if name == "two_forwards":
+        return TwoForwards(Net())
+    if name == "no_grad_first":
+        return NoGradFirst(Net())
+    if name == "backward_inputs":
+        return BackwardInputs(Net())
+    if name == "func_grad":
+        return FuncGrad(Net())
     raise KeyError(name)
 
 
 PATTERNS = ["gradscaler", "accumulate", "weight_norm", "orthogonal", "fwd_hook",
             "fwd_pre_hook", "root_hook", "root_pre_hook", "bwd_hook", "tied",
-            "functional_call", "dict", "tuple", "retain_graph", "grad_penalty"]
+            "functional_call", "dict", "tuple", "retain_graph", "grad_penalty",
+            "lbfgs", "ema", "val_no_grad", "val_grad", "varlen", "sub_compile",
+            "user_checkpoint", "bf16", "freeze", "unfreeze", "two_forwards", "no_grad_first",
+            "backward_inputs", "func_grad"]
 
 
 def train(loop: Loop, attach: Callable[[torch.nn.Module], Any] | None,
@@ -218,24 +431,20 @@ def train(loop: Loop, attach: Callable[[torch.nn.Module], Any] | None,
     if backend is not None and attach is None:
         loop.model.compile(backend=backend, fullgraph=True, dynamic=False)
     params = loop.params or list(loop.model.parameters())
-    opt = torch.optim.AdamW(params, lr=1e-2)
+    opt = loop.optimizer(params)
     info: dict[str, Any] = {"verified": 0, "off_path": 0, "offloaded": 0, "recomputed": 0}
     attached = attach(loop.model) if attach is not None else None
     records = []
     try:
         for step in range(STEPS):
             torch.manual_seed(100 + step)
+            loop.before(step)
             rec = {"loss": loop.backward(step).detach().clone()}
             named = ([(str(i), p) for i, p in enumerate(loop.params)] if loop.params
                      else list(loop.model.named_parameters()))
             for n, p in named:
                 rec[f"grad {n}"] = None if p.grad is None else p.grad.clone()
-            if loop.scaler is not None:
-                loop.scaler.step(opt)
-                loop.scaler.update()
-                rec["scale"] = loop.scaler.get_scale() * torch.ones(())
-            else:
-                opt.step()
+            loop.step(opt, rec)
             opt.zero_grad(set_to_none=True)
             for i, p in enumerate(loop.params):
                 rec[f"param {i}"] = p.detach().clone()

@@ -265,3 +265,52 @@ def test_a_loss_after_the_block_is_refused_before_it_changes_the_model() -> None
     loss.backward()
     got = [{"loss": loss.detach(), **{n: p.grad for n, p in model.named_parameters()}}]
     _assert_identical(got, _loss_after_the_model(_normed()[0], x, steps=1))
+
+
+@pytest.mark.parametrize("transform", ["grad", "vmap"])
+def test_a_step_inside_a_torch_func_transform_is_refused_in_one_line(transform: str) -> None:
+    """``torch.func.grad`` (or ``vmap``) over ``functional_call`` of an attached model, or
+    around an ``apply`` block: one ``InputError`` line, the model, its gradients and the
+    RNG untouched; outside the transform the attached model trains as plain PyTorch. It
+    raised PyTorch's multi-line error from inside the runtime (``requires_grad_()`` inside
+    a transform while copying the batch to plan it; saved-tensor hooks pushed under
+    ``grad``)."""
+    model, ids = _model(), _ids()
+    params = dict(model.named_parameters())
+
+    def loss_of(p: dict, x: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(model, p, (x,))
+
+    def run() -> Any:
+        if transform == "grad":
+            return torch.func.grad(loss_of)(params, ids)
+        return torch.func.vmap(loss_of, in_dims=(None, 0))(params, ids[:, None])
+
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    with slackswap.attach(model, budget=0.5, hardware="a100-80gb") as attached:
+        with pytest.raises(slackswap.InputError, match="inside a torch.func transform"):
+            run()
+        assert not attached.plans
+        plan = slackswap.plan(_model(), ids, budget=0.5, hardware="a100-80gb")
+    with pytest.raises(slackswap.InputError, match="^slackswap.apply: the step runs inside"):
+        torch.func.grad(lambda p: _in_block(model, plan, p, ids))(params)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(torch.get_rng_state(), rng)
+    step = _plain_step
+    want = _train(_model(), ids, step)
+    with slackswap.attach(model, budget=0.5, hardware="a100-80gb"):
+        _assert_identical(_train(model, ids, step), want)
+
+
+def _in_block(model: nn.Module, plan: Plan, params: dict, ids: torch.Tensor) -> torch.Tensor:
+    with slackswap.apply(model, plan):
+        return torch.func.functional_call(model, params, (ids,))
+
+
+def _plain_step(model: nn.Module, ids: torch.Tensor, block: Callable[[], Any],
+                ) -> dict[str, torch.Tensor]:
+    loss = model(ids)
+    loss.backward()
+    return {"loss": loss}
