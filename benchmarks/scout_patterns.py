@@ -28,7 +28,14 @@ state and seeds:
 - ``two_forwards``: two forwards, both graphs alive, before one backward;
 - ``no_grad_first``: a ``no_grad`` forward (reference logits) before the training one;
 - ``backward_inputs``: ``loss.backward(inputs=...)`` to the blocks only;
-- ``func_grad``: ``torch.func.grad`` over ``functional_call``.
+- ``func_grad``: ``torch.func.grad`` over ``functional_call``;
+- ``accelerate_after`` / ``accelerate_before``: ``accelerate.Accelerator`` on the CPU
+  (bf16, ``accumulate`` over two micro-batches, ``accelerator.backward``,
+  ``clip_grad_norm_``), the model attached after ``prepare`` or before it;
+- ``gpt2`` / ``gpt2_checkpointing``: a tiny transformers GPT-2 with its own loss, and
+  with ``gradient_checkpointing_enable()``;
+- ``trainer``: ``transformers.Trainer`` (``SlackSwapCallback``) on the CPU, bf16, two
+  micro-batches a step, padded lengths, an evaluation after each step (``train_hf``).
 
 Eager (``attach``) and compiled (``attach(compile=True)`` against ``model.compile()`` with
 the same backend).
@@ -43,6 +50,7 @@ Each case prints ``identical``, ``refused(<the one-line error>)`` or ``MISMATCH(
 from __future__ import annotations
 
 import sys
+import tempfile
 import traceback
 import warnings
 from collections.abc import Callable
@@ -330,6 +338,70 @@ class FuncGrad(Loop):
         return loss
 
 
+class Accelerate(Loop):
+    """``accelerate.Accelerator`` on the CPU (``mixed_precision="bf16"``, two micro-batches
+    per optimizer step under ``accumulate``, ``accelerator.backward``, ``clip_grad_norm_``),
+    the model prepared before it is attached (``when="after"``) or after (``"before"``)."""
+
+    def __init__(self, model: torch.nn.Module, when: str) -> None:
+        super().__init__(model)
+        self.when = when
+
+    def optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        from accelerate import Accelerator
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        self.acc = Accelerator(cpu=True, mixed_precision="bf16", gradient_accumulation_steps=2)
+        self.opt = super().optimizer(params)
+        if self.when == "after":
+            self.model, self.opt = self.acc.prepare(self.model, self.opt)
+        return self.opt
+
+    def before(self, step: int) -> None:
+        if step == 0 and self.when == "before":
+            self.model, self.opt = self.acc.prepare(self.model, self.opt)
+
+    def backward(self, step: int) -> torch.Tensor:
+        total = 0
+        for micro in range(2):
+            batch = _batch(10 * step + micro)
+            with self.acc.accumulate(self.model):
+                loss = _ce(self.model(**batch), batch)
+                self.acc.backward(loss)
+            total = total + loss.detach()
+        return total
+
+    def step(self, opt: torch.optim.Optimizer, rec: dict) -> None:
+        assert self.acc.sync_gradients
+        rec["norm"] = self.acc.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        self.opt.zero_grad()
+
+
+class Gpt2(Loop):
+    """A tiny transformers GPT-2 from its config, its own loss (``labels``), with
+    ``gradient_checkpointing_enable()`` turned on by the user (``checkpointing``)."""
+
+    def __init__(self, checkpointing: bool) -> None:
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        torch.manual_seed(0)
+        config = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=WIDTH, n_layer=2,
+                            n_head=2)
+        model = GPT2LMHeadModel(config).train()
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        super().__init__(model)
+
+    def backward(self, step: int) -> torch.Tensor:
+        batch = _batch(step)
+        loss = self.model(input_ids=batch["ids"], labels=batch["ids"]).loss
+        loss.backward()
+        return loss
+
+
 def _parametrized(kind: str) -> Net:
     torch.manual_seed(0)
     net = Net()
@@ -411,6 +483,10 @@ def build_more(name: str) -> Loop:  # noqa: PLR0911 (one case a line)
         return BackwardInputs(Net())
     if name == "func_grad":
         return FuncGrad(Net())
+    if name in ("accelerate_before", "accelerate_after"):
+        return Accelerate(Net(), name.split("_")[1])
+    if name in ("gpt2", "gpt2_checkpointing"):
+        return Gpt2(checkpointing=name == "gpt2_checkpointing")
     raise KeyError(name)
 
 
@@ -419,7 +495,8 @@ PATTERNS = ["gradscaler", "accumulate", "weight_norm", "orthogonal", "fwd_hook",
             "functional_call", "dict", "tuple", "retain_graph", "grad_penalty",
             "lbfgs", "ema", "val_no_grad", "val_grad", "varlen", "sub_compile",
             "user_checkpoint", "bf16", "freeze", "unfreeze", "two_forwards", "no_grad_first",
-            "backward_inputs", "func_grad"]
+            "backward_inputs", "func_grad", "accelerate_before", "accelerate_after", "gpt2",
+            "gpt2_checkpointing", "trainer"]
 
 
 def train(loop: Loop, attach: Callable[[torch.nn.Module], Any] | None,
@@ -457,24 +534,85 @@ def train(loop: Loop, attach: Callable[[torch.nn.Module], Any] | None,
     return records, info
 
 
+def train_hf(callback: Any, backend: str | None, out: str) -> tuple[list, dict]:
+    """``transformers.Trainer`` on the CPU (bf16, two micro-batches a step, gradient
+    clipping, dropout, lengths padded to 8 or 16: two batch shapes, an evaluation after
+    each step) on a tiny GPT-2 from its config: per optimizer step, the parameters, the
+    logged loss and gradient norm, the evaluation loss and torch's RNG state."""
+    import transformers
+
+    class Record(transformers.TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None,
+                        **kwargs: Any) -> None:
+            records.append(after_step(model, {}))
+
+    torch._dynamo.reset()
+    model = Gpt2(checkpointing=False).model
+    if backend is not None and callback is None:
+        model.compile(backend=backend, fullgraph=True, dynamic=False)
+    g = torch.Generator().manual_seed(7)
+    data = [{"input_ids": ids, "labels": ids} for ids in
+            (torch.randint(0, VOCAB, (int(n),), generator=g)
+             for n in torch.randint(3, 13, (16,), generator=g))]
+    collator = transformers.DataCollatorForLanguageModeling(_Tokenizer(), mlm=False,
+                                                            pad_to_multiple_of=8)
+    args = transformers.TrainingArguments(
+        output_dir=out, max_steps=STEPS, per_device_train_batch_size=2,
+        gradient_accumulation_steps=2, use_cpu=True, bf16=True, report_to=[], learning_rate=1e-2,
+        save_strategy="no", logging_steps=1, eval_strategy="steps", eval_steps=1,
+        per_device_eval_batch_size=4, disable_tqdm=True, seed=0)
+    records: list[dict] = []
+    callbacks = [Record()] if callback is None else [callback, Record()]
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
+                                   eval_dataset=data[:4], data_collator=collator,
+                                   callbacks=callbacks)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h or "eval_loss" in h]
+    for rec, i in zip(records, range(STEPS), strict=True):
+        for h in logs:
+            if h.get("step") == i + 1:
+                rec.update({k: torch.tensor(float(v)) for k, v in h.items()
+                            if k in ("loss", "grad_norm", "eval_loss")})
+    info: dict[str, Any] = {"verified": 0, "off_path": 0, "offloaded": 0, "recomputed": 0}
+    if callback is not None:
+        count_stats(info, callback.attached)
+    return records, info
+
+
+class _Tokenizer:
+    """What ``DataCollatorForLanguageModeling`` asks of a tokenizer to pad token ids."""
+
+    pad_token_id, padding_side = 0, "right"
+    model_input_names = ["input_ids"]
+
+    def pad(self, examples: list[dict], pad_to_multiple_of: int | None = None,
+            return_tensors: str = "pt", **kwargs: Any) -> dict[str, torch.Tensor]:
+        n = max(len(e["input_ids"]) for e in examples)
+        n = -(-n // (pad_to_multiple_of or 1)) * (pad_to_multiple_of or 1)
+        ids = torch.zeros(len(examples), n, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, e in enumerate(examples):
+            ids[i, :len(e["input_ids"])] = e["input_ids"]
+            mask[i, :len(e["input_ids"])] = 1
+        return {"input_ids": ids, "attention_mask": mask}
+
+
 def run(name: str, budget: float, strategy: str = "slackswap",
         backend: str | None = None) -> str:
     """``backend``: compiled (``attach(compile=True)`` against ``model.compile()``); under
     Inductor with deterministic algorithms (on a CPU its embedding backward is not
     deterministic otherwise)."""
-    compiled = {} if backend is None else {"compile": True, "backend": backend}
+    plain, mine = runs(name, budget, strategy, backend)
     deterministic = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(deterministic or backend == "inductor")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
-                want, _ = train(build(name), None, backend)
+                want, _ = plain()
             except Exception as e:  # what plain PyTorch cannot run: SlackSwap's own word?
-                mine = run_alone(name, budget, strategy, compiled)
-                return f"plain PyTorch raised {_last_line(e)}; with SlackSwap: {mine}"
-            got, info = train(build(name), lambda m: slackswap.attach(
-                m, budget=budget, strategy=strategy, **compiled))
+                return f"plain PyTorch raised {_last_line(e)}; with SlackSwap: {run_alone(mine)}"
+            got, info = mine()
     except SlackSwapError as e:
         return f"refused({str(e).splitlines()[0]})"
     except Exception as e:  # a traceback where a one-line refusal belongs
@@ -488,15 +626,30 @@ def run(name: str, budget: float, strategy: str = "slackswap",
             f"off path {info['off_path']}]")
 
 
+def runs(name: str, budget: float, strategy: str, backend: str | None,
+         ) -> tuple[Callable[[], tuple], Callable[[], tuple]]:
+    """Pattern ``name`` trained without SlackSwap, and with it."""
+    compiled = {} if backend is None else {"compile": True, "backend": backend}
+    if name == "trainer":
+        from slackswap.integrations.hf import SlackSwapCallback
+
+        out = tempfile.mkdtemp()
+        return (lambda: train_hf(None, backend, out),
+                lambda: train_hf(SlackSwapCallback(budget=budget, strategy=strategy,
+                                                   **compiled), None, out))
+    return (lambda: train(build(name), None, backend),
+            lambda: train(build(name), lambda m: slackswap.attach(
+                m, budget=budget, strategy=strategy, **compiled)))
+
+
 def _last_line(e: BaseException) -> str:
     return traceback.format_exception_only(type(e), e)[-1].strip().splitlines()[0][:300]
 
 
-def run_alone(name: str, budget: float, strategy: str, compiled: dict) -> str:
+def run_alone(mine: Callable[[], tuple]) -> str:
     """The run with SlackSwap where the plain one raised: a one-line refusal, or what."""
     try:
-        train(build(name), lambda m: slackswap.attach(m, budget=budget, strategy=strategy,
-                                                      **compiled))
+        mine()
     except SlackSwapError as e:
         return f"refused({str(e).splitlines()[0]})"
     except Exception as e:  # noqa: BLE001
