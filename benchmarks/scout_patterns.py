@@ -35,7 +35,13 @@ state and seeds:
 - ``gpt2`` / ``gpt2_checkpointing``: a tiny transformers GPT-2 with its own loss, and
   with ``gradient_checkpointing_enable()``;
 - ``trainer``: ``transformers.Trainer`` (``SlackSwapCallback``) on the CPU, bf16, two
-  micro-batches a step, padded lengths, an evaluation after each step (``train_hf``).
+  micro-batches a step, padded lengths, an evaluation after each step (``train_hf``);
+- ``interleaved``: two forwards, then each loss's backward in turn (either order);
+- ``skip_step``: a training forward whose graph is dropped unused between steps;
+- ``optimize_input``: a frozen model in ``eval()``, its input embeddings optimized;
+- ``adversarial``: FGSM on the embeddings (the gradient to them, a second forward);
+- ``two_models``: two models attached (a language model and a critic, GAN-style);
+- ``lora``: peft's LoRA on the tiny GPT-2.
 
 Eager (``attach``) and compiled (``attach(compile=True)`` against ``model.compile()`` with
 the same backend).
@@ -85,8 +91,9 @@ class Net(torch.nn.Module):
             self.head.weight = self.emb.weight
         self.returns, self.ckpt = returns, ckpt
 
-    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> Any:
-        h = self.emb(ids)
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor,
+                embeds: torch.Tensor | None = None) -> Any:
+        h = self.emb(ids) if embeds is None else embeds
         for block in self.blocks:
             h = h + (torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
                      if self.ckpt else block(h))
@@ -136,6 +143,10 @@ class Loop:
 
     def optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=1e-2)
+
+    def attached(self) -> list[torch.nn.Module]:
+        """The models attached (or compiled, without SlackSwap)."""
+        return [self.model]
 
     def before(self, step: int) -> None:
         """What the loop does to the model before ``step``'s forward (nothing)."""
@@ -402,6 +413,105 @@ class Gpt2(Loop):
         return loss
 
 
+class Interleaved(Loop):
+    """Two forwards, then each loss's backward on its own: the first graph's first on even
+    steps, the second's first on odd ones."""
+
+    def backward(self, step: int) -> torch.Tensor:
+        a, b = _batch(step), _batch(50 + step)
+        losses = [_ce(self.forward(a), a), 0.5 * _ce(self.forward(b), b)]
+        for loss in (losses if step % 2 == 0 else losses[::-1]):
+            loss.backward()
+        return losses[0].detach() + losses[1].detach()
+
+
+class SkipStep(Loop):
+    """Before the second step, a training forward whose graph is dropped unused (a loss
+    judged bad, the batch skipped)."""
+
+    def backward(self, step: int) -> torch.Tensor:
+        if step == 1:
+            batch = _batch(99)
+            _ce(self.forward(batch), batch)
+        return super().backward(step)
+
+
+class OptimizeInput(Loop):
+    """The model frozen in ``eval()``, its input embeddings optimized (an adversarial
+    example, deep dream): the graph is recorded only through the input."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        net = Net().eval().requires_grad_(False)
+        embeds = torch.randn(4, 16, WIDTH, generator=torch.Generator().manual_seed(3))
+        super().__init__(net, [embeds.requires_grad_()])
+
+    def backward(self, step: int) -> torch.Tensor:
+        batch = _batch(0)
+        loss = _ce(self.model(**batch, embeds=self.params[0]), batch)
+        loss.backward()
+        return loss
+
+
+class Adversarial(Loop):
+    """Adversarial training (FGSM on the embeddings): the embedding taken outside the
+    model's call, the loss's gradient to it, and a second forward on the perturbed
+    embeddings before one backward."""
+
+    def backward(self, step: int) -> torch.Tensor:
+        batch = _batch(step)
+        emb = self.model.emb(batch["ids"])
+        loss = _ce(self.model(**batch, embeds=emb), batch)
+        (g,) = torch.autograd.grad(loss, emb, retain_graph=True)
+        adv = _ce(self.model(**batch, embeds=emb + 0.1 * g.sign()), batch)
+        (loss + adv).backward()
+        return loss
+
+
+class Pair(torch.nn.Module):
+    """A language model and a critic of its output distributions, trained together."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm = Net()
+        wide = 4 * WIDTH
+        self.critic = torch.nn.Sequential(
+            torch.nn.Linear(VOCAB, wide), torch.nn.GELU(), torch.nn.Linear(wide, wide),
+            torch.nn.GELU(), torch.nn.Dropout(0.1), torch.nn.Linear(wide, wide),
+            torch.nn.Tanh(), torch.nn.Linear(wide, 1))
+
+
+class TwoModels(Loop):
+    """Two attached models, GAN-style: the critic on real one-hot tokens, on the language
+    model's distributions detached, and on them with grad (its input requires grad)."""
+
+    def attached(self) -> list[torch.nn.Module]:
+        return [self.model.lm, self.model.critic]
+
+    def backward(self, step: int) -> torch.Tensor:
+        batch, critic = _batch(step), self.model.critic
+        logits = self.model.lm(**batch)
+        probs = logits.float().softmax(-1)
+        real = critic(F.one_hot(batch["labels"], VOCAB).float())
+        d_loss = F.softplus(critic(probs.detach())).mean() + F.softplus(-real).mean()
+        g_loss = _ce(logits, batch) + F.softplus(-critic(probs)).mean()
+        (d_loss + g_loss).backward()
+        return g_loss
+
+
+class Lora(Gpt2):
+    """peft's LoRA on the tiny GPT-2 (``c_attn`` and ``c_fc``), its base weights frozen."""
+
+    def __init__(self) -> None:
+        import peft
+
+        super().__init__(checkpointing=False)
+        torch.manual_seed(1)
+        self.model = peft.get_peft_model(self.model, peft.LoraConfig(
+            r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["c_attn", "c_fc"],
+            init_lora_weights=False))
+
+
 def _parametrized(kind: str) -> Net:
     torch.manual_seed(0)
     net = Net()
@@ -487,6 +597,23 @@ def build_more(name: str) -> Loop:  # noqa: PLR0911 (one case a line)
         return Accelerate(Net(), name.split("_")[1])
     if name in ("gpt2", "gpt2_checkpointing"):
         return Gpt2(checkpointing=name == "gpt2_checkpointing")
+    return build_beside(name)
+
+
+def build_beside(name: str) -> Loop:  # noqa: PLR0911 (one case a line)
+    """The loops of the patterns from ``interleaved`` on in ``PATTERNS``."""
+    if name == "interleaved":
+        return Interleaved(Net())
+    if name == "skip_step":
+        return SkipStep(Net())
+    if name == "optimize_input":
+        return OptimizeInput()
+    if name == "adversarial":
+        return Adversarial(Net())
+    if name == "two_models":
+        return TwoModels(Pair())
+    if name == "lora":
+        return Lora()
     raise KeyError(name)
 
 
@@ -496,7 +623,8 @@ PATTERNS = ["gradscaler", "accumulate", "weight_norm", "orthogonal", "fwd_hook",
             "lbfgs", "ema", "val_no_grad", "val_grad", "varlen", "sub_compile",
             "user_checkpoint", "bf16", "freeze", "unfreeze", "two_forwards", "no_grad_first",
             "backward_inputs", "func_grad", "accelerate_before", "accelerate_after", "gpt2",
-            "gpt2_checkpointing", "trainer"]
+            "gpt2_checkpointing", "trainer", "interleaved", "skip_step", "optimize_input",
+            "adversarial", "two_models", "lora"]
 
 
 def train(loop: Loop, attach: Callable[[torch.nn.Module], Any] | None,
@@ -506,11 +634,12 @@ def train(loop: Loop, attach: Callable[[torch.nn.Module], Any] | None,
     ``attach(compile=True)`` does."""
     torch._dynamo.reset()
     if backend is not None and attach is None:
-        loop.model.compile(backend=backend, fullgraph=True, dynamic=False)
+        for model in loop.attached():
+            model.compile(backend=backend, fullgraph=True, dynamic=False)
     params = loop.params or list(loop.model.parameters())
     opt = loop.optimizer(params)
     info: dict[str, Any] = {"verified": 0, "off_path": 0, "offloaded": 0, "recomputed": 0}
-    attached = attach(loop.model) if attach is not None else None
+    attached = [attach(m) for m in loop.attached()] if attach is not None else []
     records = []
     try:
         for step in range(STEPS):
@@ -526,11 +655,11 @@ def train(loop: Loop, attach: Callable[[torch.nn.Module], Any] | None,
             for i, p in enumerate(loop.params):
                 rec[f"param {i}"] = p.detach().clone()
             records.append(after_step(loop.model, rec))
-            if attached is not None:
-                count_stats(info, attached)
+            for one in attached:
+                count_stats(info, one)
     finally:
-        if attached is not None:
-            attached.detach()
+        for one in attached:
+            one.detach()
     return records, info
 
 
