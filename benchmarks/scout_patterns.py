@@ -41,7 +41,13 @@ state and seeds:
 - ``optimize_input``: a frozen model in ``eval()``, its input embeddings optimized;
 - ``adversarial``: FGSM on the embeddings (the gradient to them, a second forward);
 - ``two_models``: two models attached (a language model and a critic, GAN-style);
-- ``lora``: peft's LoRA on the tiny GPT-2.
+- ``lora``: peft's LoRA on the tiny GPT-2;
+- ``cnn`` / ``channels_last``: a BatchNorm CNN with in-place ReLUs, and the same with
+  model and batch in ``torch.channels_last``;
+- ``optimizer_in_backward``: SGD per parameter in ``register_post_accumulate_grad_hook``;
+- ``grad_clamp_hook``: a ``Tensor.register_hook`` clamping every weight's gradient;
+- ``anomaly``: ``torch.autograd.set_detect_anomaly(True)`` around forward and backward;
+- ``float64``: the model in double precision.
 
 Eager (``attach``) and compiled (``attach(compile=True)`` against ``model.compile()`` with
 the same backend).
@@ -512,6 +518,75 @@ class Lora(Gpt2):
             init_lora_weights=False))
 
 
+class Cnn(torch.nn.Module):
+    """Convolutions, BatchNorm, in-place ReLUs, pooling and dropout: an image classifier."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layers: list[torch.nn.Module] = []
+        for c_in, c_out in ((3, 16), (16, 32), (32, 32)):
+            layers += [torch.nn.Conv2d(c_in, c_out, 3, padding=1, bias=False),
+                       torch.nn.BatchNorm2d(c_out), torch.nn.ReLU(inplace=True),
+                       torch.nn.MaxPool2d(2) if c_out == 16 else torch.nn.Identity()]
+        self.body = torch.nn.Sequential(*layers)
+        self.head = torch.nn.Sequential(torch.nn.Dropout(0.1), torch.nn.Linear(32, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x).mean((2, 3)))
+
+
+class Images(Loop):
+    """The CNN on images, in ``channels_last`` (model and batch) when ``channels_last``."""
+
+    def __init__(self, channels_last: bool) -> None:
+        torch.manual_seed(0)
+        model = Cnn()
+        self.fmt = torch.channels_last if channels_last else torch.contiguous_format
+        super().__init__(model.to(memory_format=self.fmt))
+
+    def backward(self, step: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(8, 3, 16, 16, generator=g).to(memory_format=self.fmt)
+        y = torch.randint(0, 10, (8,), generator=g)
+        loss = F.cross_entropy(self.model(x), y)
+        loss.backward()
+        return loss
+
+
+class InBackward(Loop):
+    """The optimizer step fused into backward (``register_post_accumulate_grad_hook``, one
+    SGD per parameter as its gradient is ready; ``hook="clamp"``: a gradient hook of the
+    user's on every weight instead, clamping it), anomaly detection on (``anomaly``)."""
+
+    def __init__(self, model: torch.nn.Module, hook: str) -> None:
+        super().__init__(model)
+        self.hook, self.opts = hook, {}
+        for n, p in model.named_parameters():
+            if hook == "optimizer":
+                self.opts[n] = torch.optim.SGD([p], lr=1e-1, momentum=0.9)
+                p.register_post_accumulate_grad_hook(self._step_one)
+            elif hook == "clamp" and p.dim() == 2:
+                p.register_hook(lambda g: g.clamp(-1e-3, 1e-3))
+
+    def _step_one(self, p: torch.Tensor) -> None:
+        self.grads.append(p.grad.clone())
+        opt = next(o for o in self.opts.values() if o.param_groups[0]["params"][0] is p)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def backward(self, step: int) -> torch.Tensor:
+        self.grads: list[torch.Tensor] = []
+        with torch.autograd.set_detect_anomaly(self.hook == "anomaly"):
+            loss = super().backward(step)
+        return loss
+
+    def step(self, opt: torch.optim.Optimizer, rec: dict) -> None:
+        for i, g in enumerate(self.grads):
+            rec[f"fused grad {i}"] = g
+        if self.hook != "optimizer":
+            super().step(opt, rec)
+
+
 def _parametrized(kind: str) -> Net:
     torch.manual_seed(0)
     net = Net()
@@ -614,6 +689,12 @@ def build_beside(name: str) -> Loop:  # noqa: PLR0911 (one case a line)
         return TwoModels(Pair())
     if name == "lora":
         return Lora()
+    if name in ("cnn", "channels_last"):
+        return Images(channels_last=name == "channels_last")
+    if name in ("optimizer_in_backward", "grad_clamp_hook", "anomaly"):
+        return InBackward(Net(), name.split("_")[0].replace("grad", "clamp"))
+    if name == "float64":
+        return Loop(Net().double())
     raise KeyError(name)
 
 
@@ -624,7 +705,8 @@ PATTERNS = ["gradscaler", "accumulate", "weight_norm", "orthogonal", "fwd_hook",
             "user_checkpoint", "bf16", "freeze", "unfreeze", "two_forwards", "no_grad_first",
             "backward_inputs", "func_grad", "accelerate_before", "accelerate_after", "gpt2",
             "gpt2_checkpointing", "trainer", "interleaved", "skip_step", "optimize_input",
-            "adversarial", "two_models", "lora"]
+            "adversarial", "two_models", "lora", "cnn", "channels_last",
+            "optimizer_in_backward", "grad_clamp_hook", "anomaly", "float64"]
 
 
 def train(loop: Loop, attach: Callable[[torch.nn.Module], Any] | None,
