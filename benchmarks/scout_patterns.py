@@ -47,7 +47,9 @@ state and seeds:
 - ``optimizer_in_backward``: SGD per parameter in ``register_post_accumulate_grad_hook``;
 - ``grad_clamp_hook``: a ``Tensor.register_hook`` clamping every weight's gradient;
 - ``anomaly``: ``torch.autograd.set_detect_anomaly(True)`` around forward and backward;
-- ``float64``: the model in double precision.
+- ``float64``: the model in double precision;
+- ``dropout``: a dropout schedule (``p`` 0.1, 0.3, then 0 from step to step);
+- ``skip``: a flag on the model, set between steps, that skips a block in forward.
 
 Eager (``attach``) and compiled (``attach(compile=True)`` against ``model.compile()`` with
 the same backend).
@@ -96,11 +98,14 @@ class Net(torch.nn.Module):
         if tie:
             self.head.weight = self.emb.weight
         self.returns, self.ckpt = returns, ckpt
+        self.skip: int | None = None  # a block the forward passes over
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor,
                 embeds: torch.Tensor | None = None) -> Any:
         h = self.emb(ids) if embeds is None else embeds
-        for block in self.blocks:
+        for i, block in enumerate(self.blocks):
+            if i == self.skip:
+                continue
             h = h + (torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
                      if self.ckpt else block(h))
         logits = self.head(self.norm(h))
@@ -292,7 +297,13 @@ class Change(Loop):
         return super().optimizer(params)
 
     def before(self, step: int) -> None:
-        if step == 1 and self.change == "bf16":
+        if self.change == "dropout":  # a dropout schedule: 0.1, 0.3, then off
+            for m in self.model.modules():
+                if isinstance(m, torch.nn.Dropout):
+                    m.p = (0.1, 0.3, 0.0)[step]
+        elif self.change == "skip":  # a flag the forward reads: the second block skipped
+            self.model.skip = 1 if step >= 1 else None
+        elif step == 1 and self.change == "bf16":
             self.model.to(torch.bfloat16)
         elif step == 1:
             self.model.blocks[0].requires_grad_(False)
@@ -658,7 +669,7 @@ def build_more(name: str) -> Loop:  # noqa: PLR0911 (one case a line)
         return Loop(net)
     if name == "user_checkpoint":
         return Loop(Net(ckpt=True))
-    if name in ("bf16", "freeze", "unfreeze"):
+    if name in ("bf16", "freeze", "unfreeze", "dropout", "skip"):
         return Change(Net(), name)
     if name == "two_forwards":
         return TwoForwards(Net())
@@ -706,7 +717,8 @@ PATTERNS = ["gradscaler", "accumulate", "weight_norm", "orthogonal", "fwd_hook",
             "backward_inputs", "func_grad", "accelerate_before", "accelerate_after", "gpt2",
             "gpt2_checkpointing", "trainer", "interleaved", "skip_step", "optimize_input",
             "adversarial", "two_models", "lora", "cnn", "channels_last",
-            "optimizer_in_backward", "grad_clamp_hook", "anomaly", "float64"]
+            "optimizer_in_backward", "grad_clamp_hook", "anomaly", "float64", "dropout",
+            "skip"]
 
 
 def train(loop: Loop, attach: Callable[[torch.nn.Module], Any] | None,

@@ -314,3 +314,54 @@ def _plain_step(model: nn.Module, ids: torch.Tensor, block: Callable[[], Any],
     loss = model(ids)
     loss.backward()
     return {"loss": loss}
+
+
+class _Skipping(_Net):
+    """``_Net`` whose forward passes over the block a flag names (set between steps)."""
+
+    skip: int | None = None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        for i, block in enumerate(self.blocks):
+            if i != self.skip:
+                h = F.dropout(h + block(h), 0.1)
+        return F.cross_entropy(self.head(h[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+
+
+@pytest.mark.parametrize("budget", [0.8, 0.6])
+def test_a_block_skipped_by_a_flag_runs_off_the_path_exactly(budget: float) -> None:
+    """A flag set after planning skips a block shaped as the next one: the next block's
+    saves come under the skipped one's names, with no recipe (their ops ran where the
+    watch was dark). The step runs again as plain PyTorch (``stats.off_path``),
+    gradients bit-identical; it was refused as a plan recomputing an op that cannot
+    replay ("an in-place write it cannot see")."""
+
+    def skipping() -> nn.Module:
+        torch.manual_seed(0)
+        return _Skipping().train()
+
+    def flagged(model: nn.Module, ids: torch.Tensor, block: Callable[[], Any],
+                ) -> dict[str, torch.Tensor]:
+        model.skip = 1
+        with block():
+            loss = model(ids)
+        loss.backward()
+        return {"loss": loss}
+
+    ids = _ids()
+    want = _train(skipping(), ids, flagged)
+    model = skipping()
+    plan = slackswap.plan(model, ids, budget=budget, hardware="a100-80gb",
+                          strategy="recompute-only")
+    assert any(d == "recompute" for d in plan.decisions.values())
+    with pytest.warns(slackswap.PathNotice):
+        _assert_identical(_train(model, ids, flagged, plan), want)
+    model.skip = None
+    with slackswap.attach(skipping(), budget=budget, hardware="a100-80gb",
+                          strategy="recompute-only") as attached:
+        attached.model(ids).backward()  # planned on the full path, then the flag is set
+        attached.model.zero_grad(set_to_none=True)
+        with pytest.warns(slackswap.PathNotice):
+            _assert_identical(_train(attached.model, ids, flagged), want)
+    assert attached.stats.off_path
