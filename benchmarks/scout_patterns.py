@@ -419,6 +419,9 @@ class Gpt2(Loop):
         config = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=WIDTH, n_layer=2,
                             n_head=2)
         model = GPT2LMHeadModel(config).train()
+        # its loss named: without, transformers logs a warning on each call, which breaks
+        # the graph plain torch.compile traces (attach(compile=True) resolves it itself)
+        model.loss_type = "ForCausalLM"
         if checkpointing:
             model.gradient_checkpointing_enable()
         super().__init__(model)
@@ -491,11 +494,23 @@ class Pair(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.lm = Net()
+        self.critic = Critic()
+
+
+class Critic(torch.nn.Module):
+    """An MLP scoring token distributions (its own class: dynamo compiles no frame of a
+    bare ``nn.Sequential`` compiled in place)."""
+
+    def __init__(self) -> None:
+        super().__init__()
         wide = 4 * WIDTH
-        self.critic = torch.nn.Sequential(
+        self.body = torch.nn.Sequential(
             torch.nn.Linear(VOCAB, wide), torch.nn.GELU(), torch.nn.Linear(wide, wide),
             torch.nn.GELU(), torch.nn.Dropout(0.1), torch.nn.Linear(wide, wide),
             torch.nn.Tanh(), torch.nn.Linear(wide, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
 
 
 class TwoModels(Loop):
@@ -757,7 +772,8 @@ def train(loop: Loop, attach: Callable[[torch.nn.Module], Any] | None,
     return records, info
 
 
-def train_hf(callback: Any, backend: str | None, out: str) -> tuple[list, dict]:
+def train_hf(callback: Any, backend: str | None, out: str, bf16: bool = True,
+             accumulate: int = 2, evaluate: bool = True, pad: int = 8) -> tuple[list, dict]:
     """``transformers.Trainer`` on the CPU (bf16, two micro-batches a step, gradient
     clipping, dropout, lengths padded to 8 or 16: two batch shapes, an evaluation after
     each step) on a tiny GPT-2 from its config: per optimizer step, the parameters, the
@@ -778,11 +794,12 @@ def train_hf(callback: Any, backend: str | None, out: str) -> tuple[list, dict]:
             (torch.randint(0, VOCAB, (int(n),), generator=g)
              for n in torch.randint(3, 13, (16,), generator=g))]
     collator = transformers.DataCollatorForLanguageModeling(_Tokenizer(), mlm=False,
-                                                            pad_to_multiple_of=8)
+                                                            pad_to_multiple_of=pad)
     args = transformers.TrainingArguments(
         output_dir=out, max_steps=STEPS, per_device_train_batch_size=2,
-        gradient_accumulation_steps=2, use_cpu=True, bf16=True, report_to=[], learning_rate=1e-2,
-        save_strategy="no", logging_steps=1, eval_strategy="steps", eval_steps=1,
+        gradient_accumulation_steps=accumulate, use_cpu=True, bf16=bf16, report_to=[],
+        learning_rate=1e-2, save_strategy="no", logging_steps=1,
+        eval_strategy="steps" if evaluate else "no", eval_steps=1,
         per_device_eval_batch_size=4, disable_tqdm=True, seed=0)
     records: list[dict] = []
     callbacks = [Record()] if callback is None else [callback, Record()]
