@@ -715,3 +715,56 @@ def test_the_trainer_callback_refuses_the_trainers_own_checkpointing(tmp_path: P
         trainer.train()
     assert callback.attached is None and not model._forward_pre_hooks
     assert_same(params(model), before)
+
+
+def fused_optimizer_loop(model: torch.nn.Module, batches: list[dict],
+                         **attach) -> tuple[list, dict, list]:
+    """The optimizer fused into backward: SGD with momentum per parameter, stepped in its
+    ``register_post_accumulate_grad_hook``; a ``Tensor.register_hook`` on every weight
+    counts the gradients it sees. Losses, the parameters after, and the hooks' calls."""
+    calls: list[str] = []
+    names = {p: n for n, p in model.named_parameters()}
+    optimizers = {p: torch.optim.SGD([p], lr=0.1, momentum=0.9) for p in names}
+
+    def step(p: torch.Tensor) -> None:
+        calls.append(f"step {names[p]}")
+        optimizers[p].step()
+        optimizers[p].zero_grad(set_to_none=True)
+
+    for p, name in names.items():
+        p.register_post_accumulate_grad_hook(step)
+        p.register_hook(lambda g, name=name: calls.append(f"grad {name}"))
+    attached = slackswap.attach(model, **attach) if attach else None
+    losses = []
+    for i, batch in enumerate(batches):
+        torch.manual_seed(i)
+        loss = model(**batch).loss
+        loss.backward()
+        losses.append(loss.item())
+    if attached is not None:
+        attached.detach()
+    return losses, params(model), calls
+
+
+@pytest.mark.parametrize("strategy", ["recompute-only", "slackswap"])
+def test_an_optimizer_fused_into_backward_steps_on_training_steps_only(strategy: str) -> None:
+    """The parameters' gradient hooks run in the training steps, not in the step attach
+    profiles: the fused optimizer stepped on the profiled step's gradients too (its
+    momentum kept them: every later step differed from plain PyTorch's) and the hooks
+    saw one backward more; and ``slackswap.plan`` leaves them as they were."""
+    model, data = tiny_lm()
+    stack = {k: torch.stack([d[k] for d in data[:2]]) for k in data[0]}
+    batches = [stack, {k: v[:, :16] for k, v in stack.items()}, stack]
+    want = fused_optimizer_loop(copy.deepcopy(model), batches)
+    got = fused_optimizer_loop(model, batches, budget=0.7, strategy=strategy,
+                               hardware="a100-80gb")
+    assert got[0] == want[0]
+    assert_same(got[1], want[1])
+    assert got[2] == want[2]
+    before, calls = params(model), []
+    model.lm_head.weight.register_post_accumulate_grad_hook(lambda p: calls.append(p))
+    slackswap.plan(model, stack, budget=0.7, hardware="a100-80gb")
+    assert not calls and all(p.grad is None for p in model.parameters())
+    assert_same(params(model), before)
+    model(**stack).loss.backward()
+    assert len(calls) == 1  # the hook is back

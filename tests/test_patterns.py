@@ -265,3 +265,103 @@ def test_a_loss_after_the_block_is_refused_before_it_changes_the_model() -> None
     loss.backward()
     got = [{"loss": loss.detach(), **{n: p.grad for n, p in model.named_parameters()}}]
     _assert_identical(got, _loss_after_the_model(_normed()[0], x, steps=1))
+
+
+@pytest.mark.parametrize("transform", ["grad", "vmap"])
+def test_a_step_inside_a_torch_func_transform_is_refused_in_one_line(transform: str) -> None:
+    """``torch.func.grad`` (or ``vmap``) over ``functional_call`` of an attached model, or
+    around an ``apply`` block: one ``InputError`` line, the model, its gradients and the
+    RNG untouched; outside the transform the attached model trains as plain PyTorch. It
+    raised PyTorch's multi-line error from inside the runtime (``requires_grad_()`` inside
+    a transform while copying the batch to plan it; saved-tensor hooks pushed under
+    ``grad``)."""
+    model, ids = _model(), _ids()
+    params = dict(model.named_parameters())
+
+    def loss_of(p: dict, x: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(model, p, (x,))
+
+    def run() -> Any:
+        if transform == "grad":
+            return torch.func.grad(loss_of)(params, ids)
+        return torch.func.vmap(loss_of, in_dims=(None, 0))(params, ids[:, None])
+
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    with slackswap.attach(model, budget=0.5, hardware="a100-80gb") as attached:
+        with pytest.raises(slackswap.InputError, match="inside a torch.func transform"):
+            run()
+        assert not attached.plans
+        plan = slackswap.plan(_model(), ids, budget=0.5, hardware="a100-80gb")
+    with pytest.raises(slackswap.InputError, match="^slackswap.apply: the step runs inside"):
+        torch.func.grad(lambda p: _in_block(model, plan, p, ids))(params)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(torch.get_rng_state(), rng)
+    step = _plain_step
+    want = _train(_model(), ids, step)
+    with slackswap.attach(model, budget=0.5, hardware="a100-80gb"):
+        _assert_identical(_train(model, ids, step), want)
+
+
+def _in_block(model: nn.Module, plan: Plan, params: dict, ids: torch.Tensor) -> torch.Tensor:
+    with slackswap.apply(model, plan):
+        return torch.func.functional_call(model, params, (ids,))
+
+
+def _plain_step(model: nn.Module, ids: torch.Tensor, block: Callable[[], Any],
+                ) -> dict[str, torch.Tensor]:
+    loss = model(ids)
+    loss.backward()
+    return {"loss": loss}
+
+
+class _Skipping(_Net):
+    """``_Net`` whose forward passes over the block a flag names (set between steps)."""
+
+    skip: int | None = None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        for i, block in enumerate(self.blocks):
+            if i != self.skip:
+                h = F.dropout(h + block(h), 0.1)
+        return F.cross_entropy(self.head(h[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+
+
+@pytest.mark.parametrize("budget", [0.8, 0.6])
+def test_a_block_skipped_by_a_flag_runs_off_the_path_exactly(budget: float) -> None:
+    """A flag set after planning skips a block shaped as the next one: the next block's
+    saves come under the skipped one's names, with no recipe (their ops ran where the
+    watch was dark). The step runs again as plain PyTorch (``stats.off_path``),
+    gradients bit-identical; it was refused as a plan recomputing an op that cannot
+    replay ("an in-place write it cannot see")."""
+
+    def skipping() -> nn.Module:
+        torch.manual_seed(0)
+        return _Skipping().train()
+
+    def flagged(model: nn.Module, ids: torch.Tensor, block: Callable[[], Any],
+                ) -> dict[str, torch.Tensor]:
+        model.skip = 1
+        with block():
+            loss = model(ids)
+        loss.backward()
+        return {"loss": loss}
+
+    ids = _ids()
+    want = _train(skipping(), ids, flagged)
+    model = skipping()
+    plan = slackswap.plan(model, ids, budget=budget, hardware="a100-80gb",
+                          strategy="recompute-only")
+    assert any(d == "recompute" for d in plan.decisions.values())
+    with pytest.warns(slackswap.PathNotice):
+        _assert_identical(_train(model, ids, flagged, plan), want)
+    model.skip = None
+    with slackswap.attach(skipping(), budget=budget, hardware="a100-80gb",
+                          strategy="recompute-only") as attached:
+        attached.model(ids).backward()  # planned on the full path, then the flag is set
+        attached.model.zero_grad(set_to_none=True)
+        with pytest.warns(slackswap.PathNotice):
+            _assert_identical(_train(attached.model, ids, flagged), want)
+    assert attached.stats.off_path

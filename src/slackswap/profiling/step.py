@@ -51,7 +51,7 @@ from slackswap.profiling.untouched import StateGuard, leaves_no_trace
 
 __all__ = ["batch_fingerprint", "batch_tensors", "default_device", "eager_module", "fingerprint",
            "model_fingerprint", "model_state", "profile", "refuse_own_checkpointing",
-           "refuse_saved_tensor_hooks", "refusing_own_checkpoint_calls",
+           "refuse_functorch", "refuse_saved_tensor_hooks", "refusing_own_checkpoint_calls",
            "refusing_saved_tensor_hooks", "transformer_blocks", "wrappers", "gathered",
            "leaves_no_trace"]
 
@@ -101,6 +101,7 @@ def profile(
     name = name or module_class(model).__name__
     refuse_own_checkpointing(model)
     refuse_saved_tensor_hooks()
+    refuse_functorch()
     # what a plan is valid for: the model as it is held (sharded, if it is)
     held_fingerprint, state_bytes = _AS_HELD.get(id(model)) or _as_held(model)
     if mode == "analytic":
@@ -268,6 +269,29 @@ _HOOKS_AROUND = (
     "saved_tensors_hooks) are active around the step, and the plan's would replace them "
     "in its forward; run the step outside them and let the plan decide what to offload"
 )
+
+
+# NOTE [a step inside a torch.func transform]
+#     ``torch.func.grad`` (and ``vjp``, ``jacrev``, ``vmap``, ``jvp``) runs the model on
+#     tensors wrapped for its transform, and its ``grad`` refuses saved-tensor hooks: a step
+#     under one raised PyTorch's own multi-line error from inside the runtime (``attach``
+#     copying the batch to profile it, ``apply`` entering its pair of hooks), where the
+#     user needs one line saying what to do. A step begun inside any functorch transform
+#     is refused before anything runs: the plan's hooks and the profiled step cannot run
+#     on its wrapped tensors.
+_FUNCTORCH = (
+    "the step runs inside a torch.func transform ({kind}: torch.func.grad, vjp, jacrev, "
+    "vmap or jvp), whose wrapped tensors saved-tensor hooks cannot move; call the model "
+    "outside it (loss.backward() or torch.autograd.grad), or train it without SlackSwap"
+)
+
+
+def refuse_functorch(prefix: str = "") -> None:
+    """Refuse a step begun inside a ``torch.func`` transform (NOTE [a step inside a
+    torch.func transform]); ``prefix`` begins the message."""
+    top = torch._C._functorch.peek_interpreter_stack()
+    if top is not None:
+        raise InputError(prefix + _FUNCTORCH.format(kind=top.key().name.lower()))
 
 
 def refuse_saved_tensor_hooks() -> None:

@@ -23,6 +23,8 @@ NOTE [a profiled step leaves no trace]
       and marks the model; the flag removed alone, the next call registers them twice
       and collects every hidden state twice),
     - autocast's cache of weight casts (NOTE [autocast's cache of weight casts]),
+    - the parameters' gradient hooks of the program's own do not run (NOTE [a parameter's
+      gradient hooks wait for the training step]),
     - the RNG streams: the CPU's, every CUDA device's, any generator a module holds
       (``torch.Generator``, NumPy's ``Generator`` or ``RandomState``, ``random.Random``),
       any ``torch.Generator`` an op of the step drew from (``generator=``: one passed to
@@ -454,6 +456,35 @@ class HostRandom:
 _TO_COPY = torch.ops.aten._to_copy.default
 
 
+# NOTE [a parameter's gradient hooks wait for the training step]
+#     The profiled step's backward ran the program's hooks on the parameters' gradients:
+#     an optimizer fused into backward (``register_post_accumulate_grad_hook``, one
+#     optimizer step per parameter as its gradient is ready, as PyTorch's tutorial on
+#     saving memory shows) stepped on the profiled step's gradients, and its state (SGD's
+#     momentum, Adam's moments and step count, outside the model) kept that step, so every
+#     step after differed from plain PyTorch's; a hook that logs or counts gradients saw
+#     one step more; and what the hooks allocated in backward (the optimizer's state) was
+#     counted as the step's backward temporaries, in the activation peak the budget is a
+#     fraction of. A parameter's hooks act on its gradient only (a leaf's gradient flows
+#     nowhere else), and the profiled step's gradients are thrown away: they wait,
+#     emptied from their dicts in place (PyTorch's own handles and its C++ side hold
+#     those dicts) and refilled in order afterwards, for the training steps. The model's
+#     module backward hooks run: they are part of the graph the step records.
+
+
+def _held_hooks(params: Iterable[torch.Tensor]) -> list[tuple[dict, dict]]:
+    """Empty each of ``params``' dicts of gradient hooks (``Tensor.register_hook`` and
+    ``register_post_accumulate_grad_hook``) in place; returns each dict with what it held."""
+    held = []
+    for param in params:
+        for name in ("_backward_hooks", "_post_accumulate_grad_hooks"):
+            hooks = getattr(param, name, None)
+            if hooks:
+                held.append((hooks, dict(hooks)))
+                hooks.clear()
+    return held
+
+
 @contextlib.contextmanager
 def leaves_no_trace(model: torch.nn.Module, batch: Iterable[torch.Tensor] = (),
                     ) -> Iterator[StateGuard]:
@@ -464,6 +495,7 @@ def leaves_no_trace(model: torch.nn.Module, batch: Iterable[torch.Tensor] = (),
     grads = {p: p.grad for p in model.parameters()}
     for param in grads:
         param.grad = None  # the profiled step accumulates into fresh tensors, not these
+    hooks = _held_hooks(grads)  # NOTE [a parameter's gradient hooks wait for the training step]
     buffers = {b: b.clone() for b in model.buffers()}  # what a compiled step writes too
     attributes = _Attributes(model)
     guard = StateGuard(_tensors(model, batch), model.parameters())
@@ -495,6 +527,8 @@ def leaves_no_trace(model: torch.nn.Module, batch: Iterable[torch.Tensor] = (),
         attributes.restore()
         for param, grad in grads.items():
             param.grad = grad
+        for held, saved in hooks:
+            held.update(saved)
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)

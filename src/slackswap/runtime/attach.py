@@ -55,6 +55,7 @@ from slackswap.profiling.step import (
     eager_module,
     model_fingerprint,
     own_loss,
+    refuse_functorch,
 )
 from slackswap.runtime.block import apply, guard_forward, unguard
 from slackswap.runtime.oneshot import autocast_state, plan_model
@@ -180,6 +181,8 @@ class Attached:
                              "runs, whose ops a plan cannot reach; attach the compiled module "
                              "(slackswap.attach(torch.compile(model))), or train without "
                              "torch.compile")
+        # NOTE [a step inside a torch.func transform]: before the batch is copied to plan
+        refuse_functorch("slackswap.attach: ")
         key = self._key(module, args, kwargs)
         plan = self.plans.get(key)
         if plan is None:

@@ -39,6 +39,7 @@ from slackswap.profiling.step import (
     eager_module,
     model_fingerprint,
     model_state,
+    refuse_functorch,
     refuse_own_checkpointing,
     refuse_saved_tensor_hooks,
     refusing_own_checkpoint_calls,
@@ -192,6 +193,7 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         if not torch.is_grad_enabled():  # under no_grad nothing is saved
             return self
         refuse_saved_tensor_hooks()  # NOTE [saved-tensor hooks of the program's own]
+        refuse_functorch("slackswap.apply: ")  # NOTE [a step inside a torch.func transform]
         self._check_model(self.model)
         # What earlier steps packed stays valid: their handles hold their own nodes, and
         # host copies and rebuilt storages go as they are unpacked.

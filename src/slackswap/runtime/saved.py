@@ -11,6 +11,19 @@ NOTE [saves named by their order]
     each named save of a planned size is checked against the profile's bytes, and the
     step is refused at the first that differs.
 
+NOTE [a recompute the step cannot replay]
+    Saves of the same sizes are no proof of the same path: a model that skips a block
+    (a flag set between steps, a schedule) whose next block is shaped as it is saves
+    the next block's tensors under the skipped one's names. Those ops ran in segments the
+    watch left dark, so a save the plan recomputes came with no recipe, and the step was
+    refused as a plan recomputing an op that cannot replay (a hand-made plan's error,
+    naming an in-place write). Under a profile, a plan recomputes only what the profile
+    found replayable (checked before the model runs), so a save the plan recomputes
+    that the step cannot replay says the step is another than the profiled one: it is a
+    path change, and the step runs again as plain PyTorch (NOTE [a step off the profiled
+    path] in ``runtime/block.py``). Without a profile every op is watched and named by
+    the profiler's rule, and the plan's error stands.
+
 NOTE [values, not storages]
     A storage changed in place between two saves holds two values; the runtime keys what
     it holds by (storage, how many recorded ops had written it), so each save gets back
@@ -326,6 +339,10 @@ class SavedValues:
             return self._made(packed)
         assert node is not None
         if decision == Decision.RECOMPUTE and not node.replayable():
+            if self.watch is not None:  # NOTE [a recompute the step cannot replay]
+                raise PathChanged(path_changed(
+                    f"its save '{name}', which the plan recomputes, was made by ops the "
+                    f"profiled step did not run there ({node.unreplayable()})"))
             raise InputError(
                 f"cannot recompute '{name}': {node.unreplayable()} is not known to "
                 "replay bit for bit; keep or offload it (plans from slackswap.plan "
