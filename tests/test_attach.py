@@ -616,6 +616,7 @@ def test_callbacks_say_when_the_first_step_planned_nothing(tmp_path: Path) -> No
     # (a step that planned says nothing: the three-step tests above)
 
 
+@pytest.mark.heavy  # 10 s on two loaded cores
 def test_a_deep_copy_of_an_attached_model_is_not_attached() -> None:
     """``copy.deepcopy`` of an attached model (an EMA's ``AveragedModel``, a snapshot)
     copied the hooks with the attachment they are bound to: the copy stayed attached past

@@ -209,6 +209,7 @@ def test_reproduce_command(tmp_path, monkeypatch) -> None:
     assert code == 2 and "unknown workload 'gpt3'" in stderr
 
 
+@pytest.mark.heavy  # CLI runs in subprocesses (10 s on two loaded cores)
 def test_a_cache_that_cannot_be_written_is_read_only(tmp_path, monkeypatch) -> None:
     """Issue 50: ``fit`` and ``reproduce`` run on a cache they cannot write (its root is a
     file here), saying so once per folder in one line, not refusing to run."""

@@ -55,6 +55,7 @@ def _assert_equal(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
+@pytest.mark.heavy  # a graph compiled and planned per shape (15 s on two loaded cores)
 def test_a_loop_trains_as_torch_compile_with_a_plan_per_shape() -> None:
     """Three steps over two batch shapes, dropout on, and an evaluation forward: every
     loss and every gradient equal to ``torch.compile(model)``'s (``torch.equal``), one

@@ -293,6 +293,7 @@ def _spawn(fn: Any, world: int, *args: Any, limit_s: float = 240) -> None:
     group.run(fn, *args, limit_s=limit_s)
 
 
+@pytest.mark.heavy  # 44 s of worker time; the README example under FSDP2 stays in the default run
 def test_two_ranks_train_bit_identically_under_fsdp2() -> None:
     _spawn(_run, 2, "fsdp2", ["gpt2-xl-tiny", "bert-large-tiny", "llama-7b-tiny",
                               "gpt-neox-tiny", "bn-cnn"])

@@ -526,6 +526,7 @@ def test_a_plan_for_one_gpu_stalls_on_a_full_node_and_one_for_the_node_does_not(
     assert stalled(on_node_result) > 10 * stalled(planned)
 
 
+@pytest.mark.heavy  # 9 s on two loaded cores
 def test_the_host_memory_of_the_node_bounds_what_its_ranks_pin(tmp_path) -> None:
     from slackswap.planners import plan_with_result
     from slackswap.sim import simulate

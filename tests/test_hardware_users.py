@@ -179,6 +179,7 @@ def test_cli_auto_on_an_unknown_gpu_is_refused_in_one_line(monkeypatch) -> None:
     assert "slackswap hardware --template" in result.stderr
 
 
+@pytest.mark.heavy  # CLI runs in subprocesses (15 s on two loaded cores)
 def test_cli_auto_takes_a_calibrated_file_from_the_environment(tmp_path, monkeypatch) -> None:
     """On an H200 with ``$SLACKSWAP_HARDWARE`` naming the file ``slackswap calibrate``
     wrote, ``auto`` plans for the file, measured link and all, not for the preset."""

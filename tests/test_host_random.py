@@ -136,6 +136,7 @@ def test_a_step_run_again_off_the_profiled_path_draws_the_host_streams_again() -
     _assert_same(got, _train(reference, x, 6, _plain))
 
 
+@pytest.mark.heavy  # six steps of two trainings (17 s on two loaded cores)
 def test_whisper_with_specaugment_and_layerdrop_trains_as_plain_pytorch() -> None:
     """transformers' Whisper draws SpecAugment's masks from ``np.random`` (writing them
     into the batch's features) and skips layers by ``torch.rand``: planned steps that

@@ -166,7 +166,8 @@ def _off_path_step(model, batch, plan, profile):
     return peak, block, plain
 
 
-@pytest.mark.parametrize("factory", [_switch, _whisper])
+@pytest.mark.parametrize("factory", [pytest.param(_switch, marks=pytest.mark.heavy),
+                                     _whisper])  # (switch: 14 s on two loaded cores)
 def test_a_step_off_the_path_holds_no_more_than_plain_pytorch(factory) -> None:
     """The first try of a step that leaves the profiled path is let go of before the
     second: measured by the tracker, whose own backward hooks keep the first try's graph

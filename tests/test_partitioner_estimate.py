@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.nn as nn
 from torch import fx
@@ -22,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 import partitioner_estimate  # noqa: E402
 
 
+@pytest.mark.heavy  # a benchmark run (16 s on two loaded cores)
 def test_the_estimates_of_each_cut_hold_together() -> None:
     """At budget 1.0 the knob is plain torch.compile's partition, and so is
     slackswap.compile's (NOTE [the min-cut's free rebuilds]: the same bytes saved, the same

@@ -627,6 +627,7 @@ def _random_contexts(seeds: int, most_ops: int) -> Iterator[tuple[int, PlanConte
                                                  * profile.keep_all_peak))
 
 
+@pytest.mark.heavy  # searches every assignment of many small steps (20 s on two loaded cores)
 def test_the_best_assignment_on_small_steps() -> None:
     """On small random steps (3 to 7 planable activations, every budget from 30%), the
     plan retains within half a point of the best of all 3^n keep/offload/recompute
@@ -835,6 +836,7 @@ def test_a_whole_workload_stops_spending_less_slack_past_the_best(monkeypatch) -
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # every strategy over budgets (14 s on two loaded cores)
 def test_never_worse_than_a_baseline_across_budgets() -> None:
     """bert-large on a100-80gb at 20-80% in steps of 20 (30, 50 and 70% on every preset:
     ``test_never_worse_than_a_baseline_on_every_preset``, ``-m full``)."""
@@ -849,6 +851,7 @@ def test_never_worse_than_a_baseline_across_budgets() -> None:
                 assert ours[1].retention >= attempt[1].retention, (tenths, strategy)
 
 
+@pytest.mark.heavy  # plans every strategy (9 s on two loaded cores)
 def test_planning_writes_nothing_to_stdout(capfd) -> None:
     """HiGHS prints a stray debug line from C++ on some MIP solves (NOTE [solver output]
     in planners/quiet.py), as it does planning one bert-large-mlm layer at 50% on
