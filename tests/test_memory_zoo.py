@@ -25,6 +25,7 @@ import torch
 import zoo
 from memory_tracking import ActivationMemory
 from test_memory_truth import SCALARS, _this_machine
+from test_runtime_zoo import HALF_HEAVY
 
 import slackswap
 from slackswap.core.plan import Plan
@@ -136,6 +137,9 @@ def _cases(full: bool) -> list:
         for strategy in STRATEGIES if full else ["slackswap"]:
             for budget in ([0.7, 0.5, SMALLEST] if full else [0.5]):
                 marks = _known(name, strategy, budget) + ([pytest.mark.full] if full else [])
+                # the plan is test_runtime_zoo's at half the peak, ``heavy`` for these models
+                # there: planned here alone it takes as long (8 to 13 s on two loaded cores)
+                marks += [pytest.mark.heavy] * (not full and name in HALF_HEAVY)
                 cases.append(pytest.param(name, strategy, budget, marks=marks,
                                           id=f"{name}-{strategy}-{budget}"))
     return cases
