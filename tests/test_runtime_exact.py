@@ -443,7 +443,7 @@ def test_verify_catches_a_reload_that_differs(monkeypatch) -> None:
         return out
 
     monkeypatch.setattr(HostCopies, "reload", corrupt)
-    with pytest.raises(VerifyError, match="differs from the original"):
+    with pytest.raises(VerifyError, match="differs from the original as backward reads it"):
         _step(model, x, _uniform(profile, "offload"), profile, verify=True)
 
 

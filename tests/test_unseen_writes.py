@@ -12,7 +12,7 @@ import torch
 
 import slackswap
 from slackswap.core.plan import Plan
-from slackswap.errors import InputError
+from slackswap.errors import InputError, VerifyError
 
 
 def _names(profile) -> list[str]:
@@ -96,6 +96,59 @@ def test_a_saved_tensor_written_after_its_save_is_never_moved(how: str) -> None:
                 continue
             assert plan.decisions.get(written, "keep") == "keep"
             assert _same(_step(model, x, plan, profile), reference), (strategy, budget)
+
+
+class _WrittenOnSomeBatches(_Written):
+    """``_Written``'s write after the save made only on batches whose first value is
+    positive: the profiled step (a batch without it) saw no such write."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.sigmoid(self.c(torch.sigmoid(self.a(x)).tanh()))
+        y = self.b(h)
+        if x[0, 0] > 0:
+            if self.how == "data":
+                h.data.clamp_(0.3, 0.7)
+            elif self.how == "numpy":  # no op at all
+                h.detach().numpy()[:] *= 0.5
+            else:  # seen by autograd: plain PyTorch's backward raises
+                h.mul_(0.5)
+        return y.square().sum()
+
+
+@pytest.mark.parametrize(("how", "decision"), [
+    ("data", "offload"), ("numpy", "offload"), ("numpy", "recompute"), ("op", "offload"),
+    ("op", "recompute")])
+def test_verify_finds_a_write_after_the_save_on_a_step_the_profile_did_not_see(
+        how: str, decision: str) -> None:
+    """NOTE [verify reads as backward]: the plan moves the tensor (the profiled step did
+    not write it); a later step writes it after the save, and ``verify=True`` says so,
+    reading the storage as plain PyTorch's backward does (``VerifyError``), or raising
+    autograd's own error where plain PyTorch raises it; a step that does not write it is
+    verified and exact."""
+    torch.manual_seed(0)
+    model = _WrittenOnSomeBatches(how)
+    quiet, writes = torch.randn(16, 32), torch.randn(16, 32)
+    quiet[0, 0], writes[0, 0] = -1.0, 1.0
+    profile = slackswap.profile(model, quiet, mode="traced")
+    name = "(top):sigmoid:1"
+    assert not next(t for t in profile.saved_activations if t.name == name).written_after_save
+    plan = _uniform(profile, decision, [name])
+    reference = _step(model, quiet)
+    model.zero_grad(set_to_none=True)
+    with slackswap.apply(model, plan, profile=profile, verify=True) as block:
+        loss = model(quiet)
+    loss.backward()
+    assert block.stats.verified == 2  # its two saves: the sigmoid's output, b's input
+    assert _same(_grads(model), reference)
+    if how == "op":
+        plain = _step(model, writes)
+        assert isinstance(plain, tuple) and "modified by an inplace operation" in plain[1]
+    error = (RuntimeError, "modified by an inplace operation") if how == "op" else (
+        VerifyError, "no version counter sees")
+    with pytest.raises(error[0], match=error[1]):
+        with slackswap.apply(model, plan, profile=profile, verify=True):
+            loss = model(writes)
+        loss.backward()
 
 
 class _Halves(torch.nn.Module):

@@ -46,7 +46,8 @@ NESTED_BACKWARD = (
 
 
 class VerifyError(SlackSwapError):
-    """``apply(..., verify=True)`` found a reload or rebuild that differs from the original."""
+    """``apply(..., verify=True)`` found a reload or rebuild that differs from the original
+    as backward would read it."""
 
 
 class HardwareNotice(UserWarning):

@@ -88,10 +88,13 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
     the model and the batch it is called with are checked before it runs. Plans name
     activations by the ids a profile of the same model, batch shape and kernels gives.
 
-    ``verify=True`` proves the plan on this model: the runtime keeps a copy of every
-    activation it offloads or drops, and compares every reload and rebuild with it byte
-    for byte, raising :class:`~slackswap.VerifyError` on the first difference (it holds
-    that copy until backward, so use it for a step, not for training).
+    ``verify=True`` proves the plan on this model: the runtime holds on the device every
+    activation it offloads or drops, and compares every reload and rebuild byte for byte
+    with it as backward would read it, raising :class:`~slackswap.VerifyError` on the
+    first difference (a write after the save that no version counter sees, on a step the
+    profile did not see make it, included: NOTE [verify reads as backward] in
+    ``runtime/saved.py``). It holds them until backward, so use it for a step, not for
+    training.
 
     A step that takes another code path than the profiled one (a random LayerDrop skip,
     a branch on the data) runs again as plain PyTorch from where the model was called,

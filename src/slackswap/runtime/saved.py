@@ -52,7 +52,7 @@ from slackswap.runtime.recipes import (
     plain_strided,
     view_of,
 )
-from slackswap.runtime.recording import Recorder, copy_storage
+from slackswap.runtime.recording import Recorder
 from slackswap.runtime.replay import Replayer
 from slackswap.runtime.state import StepState
 from slackswap.runtime.stats import RuntimeStats
@@ -353,9 +353,8 @@ class SavedValues:
         pending[vkey] = pending.get(vkey, 0) + 1
         handles[vkey] = handles.get(vkey, 0) + 1
         self.outstanding += 1
-        if self.verify and vkey not in self.originals:
-            with self._quiet():
-                self.originals[vkey] = copy_storage(t)
+        if self.verify and vkey not in self.originals:  # NOTE [verify reads as backward]
+            self.originals[vkey] = detached(t)
         if decision == Decision.OFFLOAD and vkey not in self.host:
             issue = recorder is None or recorder.packs_seen > self.issued_at.get(name, -1)
             if recorder is not None:  # the runtime's own ops: ``_quiet()``, no context
@@ -472,6 +471,10 @@ class SavedValues:
             self.recorder.mark_modified()
         packed.check_version()
         vkey = packed.vkey
+        if self.originals:  # NOTE [verify reads as backward]: autograd's own check
+            original = self.originals.get(vkey)
+            if original is not None and original._version != packed.version:
+                raise _modified(f"'{packed.name}'")
         position = self.first_use.get(packed.name)
         due = self.copies.due
         if due and position is not None and due[0][0] <= position + 1:
@@ -521,9 +524,12 @@ class SavedValues:
             how = "reloaded from host memory" if packed.decision == Decision.OFFLOAD else "rebuilt"
             assert packed.node is not None
             last = packed.node.steps[packed.upto - 1].func
+            by = f" (last written by {last})" if last is not None else ""
             raise VerifyError(
-                f"verify: '{packed.node.name}' {how} differs from the original (last "
-                f"written by {last}); keep it, and please report the model"
+                f"verify: '{packed.node.name}' {how} differs from the original as backward "
+                f"reads it{by}: the step wrote it after saving it where no version counter "
+                "sees (through .data or a NumPy view), which the profiled step did not, or "
+                "the plan is wrong for this model; keep it, and please report the model"
             )
         self.stats.verified += 1
 
@@ -604,6 +610,22 @@ class SavedValues:
                 self._drop_host_checkpoint(vkey)
 
 
+# NOTE [verify reads as backward]
+#     ``verify=True`` compares each reload and rebuild with what plain PyTorch's backward
+#     would read in its place: the saved tensor's own storage as it is when backward
+#     unpacks it, held from the save on by a detached alias (no copy; it shares the saved
+#     tensor's version counter, as autograd's saved variable does). It was a copy taken as
+#     the tensor was saved, which agreed with a reload or rebuild of the saved value even
+#     where the step had since written it on a step other than the profiled one (a branch
+#     on the data), which the profile could not mark: through ``.data`` or a NumPy array
+#     over it (no version counter sees it; plain PyTorch's backward reads it as written),
+#     or by an op autograd sees, where plain PyTorch raises but the runtime's own check
+#     had nothing to read once the saved tensor's Python object was gone (it holds only a
+#     weak reference, so as not to hold the storage the plan frees). ``verify`` now
+#     raises autograd's own error for the second and ``VerifyError`` for the first.
+#     Without ``verify`` neither is seen on such a step: seeing it would cost a Python
+#     call per op, or a tensor (about 8 us) per moved save. Holding the storage costs what
+#     the copy did (the device memory the plan would have freed), and no copy's time.
 def kept_as_saved(t: torch.Tensor) -> _Saved:
     """``t`` held as autograd holds it (an output detached from the node that saves it,
     which would otherwise make a cycle), its version checked in backward."""
