@@ -31,9 +31,9 @@ from slackswap.core.units import format_bytes
 from slackswap.errors import InputError
 from slackswap.planners import STRATEGIES, smallest_feasible_budget
 from slackswap.planners.cache import (
-    cache_root,
     cached_attempt,
     cached_bound,
+    entry_path,
     read_entry,
     write_entry,
 )
@@ -51,10 +51,6 @@ WORKLOADS = ("bert-large", "gpt2-xl", "llama-7b")
 SWEEP = tuple(round(0.1 * i, 1) for i in range(1, 11))
 
 Progress = Callable[[str], None]
-
-
-def _cache_dir() -> Path:
-    return cache_root() / "profiles"
 
 
 def _without_host(hw: Hardware) -> dict[str, Any]:
@@ -85,7 +81,7 @@ def cached_profile(name: str, hw: Hardware, batch: int | None = None,
         f"{print_}|{hw.model_dump_json(exclude=_without_host(hw))}|"
         f"{version('slackswap')}|{_profiler_digest()}".encode()
     ).hexdigest()[:24]
-    path = _cache_dir() / f"{name}-{hw.name}-{key}.json"
+    path = entry_path("profiles", key, name, hw.name)  # (hw.name is a file's: any text)
 
     def read(value: Any) -> StepProfile:
         found = validate_model(StepProfile, value, str(path))
