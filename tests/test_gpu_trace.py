@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -226,3 +227,46 @@ def test_the_op_by_op_section_is_rewritten_in_place_and_kept(
     doc.write_text("# Fidelity, rewritten\n" + ops.kept_section(doc))  # as fidelity.py does
     assert "second" in doc.read_text() and ops.kept_section(doc).count(ops.BEGIN) == 1
     assert ops.kept_section(tmp_path / "none.md") == ""
+
+
+def _hostile_trace(kind: str, tmp_path: Path) -> Path:
+    """A trace path that is no trace: a FIFO, a device, a gzip bomb, not gzip, events
+    without their fields, JSON that is not an object."""
+    import gzip
+    import os
+
+    path = tmp_path / ("t.json.gz" if kind in ("bomb", "not gzip") else "t.json")
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "device":
+        return Path("/dev/zero")
+    elif kind == "bomb":  # 1.3 MiB that inflates past the limit the test sets
+        path.write_bytes(gzip.compress(b" " * (2**20 + 1)))
+    elif kind == "not gzip":
+        path.write_bytes(b"hello")
+    elif kind == "fieldless":
+        path.write_text('{"traceEvents": [{"ph": "X", "cat": "kernel", "args": {}}]}')
+    elif kind == "list":
+        path.write_text("[1]")
+    return path
+
+
+@pytest.mark.parametrize(("kind", "message"), [
+    ("fifo", "it is a FIFO, not a regular file"),
+    ("device", "it is a device, not a regular file"),
+    ("bomb", "it holds over 1 MiB uncompressed"),
+    ("not gzip", "not gzip"),
+    ("fieldless", "not a torch.profiler chrome trace (KeyError"),
+    ("list", "is not a torch.profiler chrome trace"),
+])
+def test_a_hostile_trace_is_a_one_line_error(kind: str, message: str, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [files]: a trace is read as every file is: a FIFO was waited on for ever,
+    /dev/zero read without end, a gzip bomb inflated whole, and an event without "ts" a
+    KeyError; each is now an InputError, in one line, at once."""
+    import slackswap.profiling.gpu_trace as gpu_trace
+
+    monkeypatch.setattr(gpu_trace, "MAX_TRACE_BYTES", 2**20)
+    with pytest.raises(InputError, match=re.escape(message)) as caught:
+        read_trace(_hostile_trace(kind, tmp_path))
+    assert "\n" not in str(caught.value)

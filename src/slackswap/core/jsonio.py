@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gzip
 import hashlib
+import io
 import json
 import math
 import os
 import secrets
 import stat
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
@@ -138,11 +141,25 @@ def atomic_write_text(path: str | os.PathLike[str], text: str, *,
 
 
 def read_file(path: str | os.PathLike[str], what: str = "file",
-              limit: int | None = None) -> str:
+              limit: int | None = None, *, compressed: bool = False) -> str:
     """The text of ``path`` (UTF-8), read with a size limit (NOTE [files]): what is not
     a regular file, or is larger than ``limit`` bytes (``MAX_FILE_BYTES``), is refused
-    with an :class:`InputError`, as are bytes that are not UTF-8."""
+    with an :class:`InputError`, as are bytes that are not UTF-8. ``compressed``: the
+    file is gzip, and ``limit`` bounds what it holds once uncompressed too (a small file
+    that inflates to gigabytes is refused, never held)."""
     limit = MAX_FILE_BYTES if limit is None else limit
+    data = _read_bytes(path, what, limit)
+    if compressed:
+        data = _gunzip(data, path, what, limit)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"{path}: not UTF-8 text (byte {e.start}); is it the right "
+                         "file?") from None
+
+
+def _read_bytes(path: str | os.PathLike[str], what: str, limit: int) -> bytes:
+    """The bytes of ``path``, a regular file of at most ``limit`` bytes (:func:`read_file`)."""
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
         fd = os.open(path, flags)  # (a FIFO opens at once, and is refused below)
@@ -168,11 +185,22 @@ def read_file(path: str | os.PathLike[str], what: str = "file",
     if len(data) > limit:
         raise InputError(f"cannot read {what} {path}: it grew past the {_size(limit)} a "
                          f"{what} may be while it was read")
+    return data
+
+
+def _gunzip(data: bytes, path: str | os.PathLike[str], what: str, limit: int) -> bytes:
+    """``data`` (gzip) uncompressed, refused past ``limit`` bytes: read at most one byte
+    more than that, so a decompression bomb costs ``limit`` and no more."""
     try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise InputError(f"{path}: not UTF-8 text (byte {e.start}); is it the right "
+        with gzip.GzipFile(fileobj=io.BytesIO(data)) as f:
+            out = f.read(limit + 1)
+    except (OSError, EOFError, zlib.error) as e:
+        raise InputError(f"cannot read {what} {path}: not gzip ({e}); is it the right "
                          "file?") from None
+    if len(out) > limit:
+        raise InputError(f"cannot read {what} {path}: it holds over {_size(limit)} "
+                         f"uncompressed, more than a {what} may be; is it the right file?")
+    return out
 
 
 def _no_constant(name: str) -> Any:

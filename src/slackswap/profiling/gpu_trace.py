@@ -30,8 +30,6 @@ NOTE [kernels to ops]
 
 from __future__ import annotations
 
-import gzip
-import json
 import re
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
@@ -40,6 +38,7 @@ from difflib import SequenceMatcher
 from pathlib import Path
 from typing import Any
 
+from slackswap.core.jsonio import parse_json, read_file
 from slackswap.core.profile import OpRecord, Phase, StepProfile
 from slackswap.errors import InputError
 
@@ -113,17 +112,24 @@ class TraceOp:
     stack: tuple[str, ...]
 
 
+# The most a trace may hold, uncompressed: a step's chrome trace of a large model is a
+# few hundred MB; past this it is not one step, and holding it would exhaust memory.
+MAX_TRACE_BYTES = 1024 * 2**20
+
+
 def _load(source: str | Path | Mapping[str, Any]) -> Mapping[str, Any]:
+    """A trace's JSON, read as every file is (NOTE [files] in ``slackswap.core.jsonio``):
+    a FIFO or a device is refused, never waited on or read without end, and a ``.gz``
+    that inflates past ``MAX_TRACE_BYTES`` is refused."""
     if isinstance(source, Mapping):
         return source
     path = Path(source)
-    try:
-        opener = gzip.open if path.suffix == ".gz" else open
-        with opener(path, "rt") as f:
-            return json.load(f)
-    except (OSError, EOFError, ValueError) as err:
-        raise InputError(f"cannot read the trace {path}: {err}; pass a torch.profiler "
-                         "chrome trace (.json or .json.gz)") from None
+    text = read_file(path, "trace", MAX_TRACE_BYTES, compressed=path.suffix == ".gz")
+    trace = parse_json(text, f"the trace {path}")
+    if not isinstance(trace, dict):
+        raise InputError(f"the trace {path} is not a torch.profiler chrome trace (a JSON "
+                         "object with traceEvents); pass one (.json or .json.gz)")
+    return trace
 
 
 def _stacks(cpu: list[dict[str, Any]]) -> dict[int, tuple[tuple[int, str], ...]]:
@@ -159,6 +165,18 @@ def read_trace(source: str | Path | Mapping[str, Any]) -> KernelTrace:
     or ``.json.gz``, or the loaded JSON), each with the host op stack that launched it
     (NOTE [kernels to ops])."""
     trace = _load(source)
+    try:
+        return _kernel_trace(trace)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+        # an event without the fields a torch.profiler event has ("ts", "dur", "args")
+        # or with others in their place: the file is not such a trace, said in one line
+        where = source if isinstance(source, (str, Path)) else "the trace"
+        raise InputError(f"{where}: not a torch.profiler chrome trace ({type(e).__name__}: "
+                         f"{str(e)[:100]}); pass one (.json or .json.gz)") from None
+
+
+def _kernel_trace(trace: Mapping[str, Any]) -> KernelTrace:
+    """:func:`read_trace` of the loaded JSON."""
     events = [e for e in trace.get("traceEvents", ()) if isinstance(e, dict)
               and e.get("ph") == "X" and isinstance(e.get("args", {}), dict)]
     cpu = [e for e in events if e.get("cat") == "cpu_op"
