@@ -560,6 +560,24 @@ def test_an_op_that_reads_what_it_makes_is_refused(profile_file, profile) -> Non
     assert_one_line_error(code, stderr, f"op {op.index} reads tensor {t.id}, which it makes")
 
 
+def test_one_op_making_every_tensor_is_checked_in_linear_time(tmp_path, profile) -> None:
+    """NOTE [files]: a profile's checks looked each tensor up in its producer's list of
+    outputs: one op listing 60,000 tensors (11 MB) took over a minute to load, a
+    256 MB file days. Now a few seconds."""
+    n = 60_000
+    data = json.loads(profile.model_dump_json())
+    first, last = data["ops"][0], data["ops"][-1]
+    first.update(index=0, phase="forward", inputs=[], outputs=list(range(n)))
+    last.update(index=1, phase="backward", inputs=[], outputs=[])
+    data.update(ops=[first, last], saves=[], module_events=[], layers=[], tensors=[
+        {"id": i, "name": f"t{i}", "kind": "activation", "bytes": 4, "dtype": "fp32",
+         "shape": [1], "producer": 0} for i in range(n)])
+    path = tmp_path / "wide.json"
+    path.write_text(json.dumps(data))
+    with time_limit(20):
+        assert len(load_model(StepProfile, path).tensors) == n
+
+
 @pytest.mark.parametrize("args", [["fit", "gpt2-xl", "--seq", "99999999999999999999"],
                                   ["profile", "bert-large", "--batch", "100000000"]])
 def test_shapes_too_large_for_a_profile_are_one_line_errors(args) -> None:
