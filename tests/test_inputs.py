@@ -964,3 +964,46 @@ def test_hostile_files_and_paths(tmp_path_factory, data) -> None:
     assert changed <= {output}, (args, changed)
     if output in changed and output in before:
         assert before[output][0] == "-" and after[output][0] == "-"  # a file replaced
+
+
+# -- outputs refused before the work, not after it ---------------------------------------
+
+
+def test_a_results_folder_with_a_link_is_refused_before_any_work(
+        tmp_path, monkeypatch) -> None:
+    """NOTE [files]: a link planted at one of reproduce's outputs (report.md) was refused
+    only when it was written, after the whole run, with results.json already written
+    beside it: half a results folder. Now nothing is profiled and nothing written."""
+    import slackswap.reproduce as reproduce_module
+
+    def no_work(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("profiled before the outputs were checked")
+
+    monkeypatch.setattr(reproduce_module, "cached_profile", no_work)
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "bert-large-tiny-slackswap-plan.json").symlink_to(victim)
+    with pytest.raises(InputError, match="is a symbolic link, not a regular file"):
+        reproduce_module.reproduce(out, workloads=("bert-large-tiny",))
+    assert sorted(p.name for p in out.iterdir()) == ["bert-large-tiny-slackswap-plan.json"]
+    assert victim.read_text() == "precious"
+
+
+@pytest.mark.parametrize("kind", ["link", "dangling link", "fifo"])
+def test_cli_outputs_that_are_no_file_are_refused_before_any_work(tmp_path, kind) -> None:
+    """calibrate measured for a minute (and needed a GPU) before refusing a link it was
+    told to --force over; every command's outputs are checked first now."""
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    target = tmp_path / "hw.toml"
+    if kind == "link":
+        target.symlink_to(victim)
+    elif kind == "dangling link":
+        target.symlink_to(tmp_path / "nowhere")
+    else:
+        os.mkfifo(target)
+    code, _, stderr = run("calibrate", "-o", str(target), "--force", "--base", "a100-80gb")
+    assert_one_line_error(code, stderr, "not a regular file; remove it or name another file")
+    assert victim.read_text() == "precious" and not (tmp_path / "nowhere").exists()

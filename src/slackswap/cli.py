@@ -26,7 +26,7 @@ from slackswap.core.hardware import (
     profile_hardware,
     with_overrides,
 )
-from slackswap.core.jsonio import dump_model, json_text
+from slackswap.core.jsonio import dump_model, json_text, refuse_unwritable
 from slackswap.core.profile import StepProfile
 from slackswap.core.units import format_bytes
 from slackswap.device_budget import OPTIMIZERS, PRECISIONS, device_budget, is_fit
@@ -100,7 +100,9 @@ _show_warning = warnings.showwarning
 
 def _check_outputs(outputs: dict[str, str | None], inputs: list[str | None]) -> None:
     """Refuse, before any work, an output that is one of the inputs (``plan p.json -o
-    p.json`` would replace the profile) or another output, and a plot not named .png."""
+    p.json`` would replace the profile) or another output, one that is no file to
+    replace (a link, a folder, a FIFO: refused when written, after the work), and a
+    plot not named .png."""
     def same(a: str, b: str) -> bool:
         try:
             return os.path.samefile(a, b)
@@ -109,6 +111,7 @@ def _check_outputs(outputs: dict[str, str | None], inputs: list[str | None]) -> 
 
     named = [(option, path) for option, path in outputs.items() if path]
     for i, (option, path) in enumerate(named):
+        refuse_unwritable(path)
         for given in filter(None, inputs):
             if same(path, given):
                 raise InputError(f"{option} {_plain(path)} is an input of this command: it "

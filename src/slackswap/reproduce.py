@@ -24,6 +24,7 @@ from slackswap.core.jsonio import (
     atomic_write_text,
     dump_model,
     json_text,
+    refuse_unwritable,
     validate_model,
 )
 from slackswap.core.profile import StepProfile
@@ -178,6 +179,8 @@ def reproduce(
     hw = on_node(single, gpus)
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
+    for name in _output_names(workloads, sweep):  # before the work, not after half of it
+        refuse_unwritable(folder / name)
     results: dict[str, Any] = {"hardware": hw.name, "budget_fraction": budget,
                                "reference": reference, "gpus": gpus, "workloads": []}
     for name in workloads:
@@ -214,6 +217,13 @@ def reproduce(
     atomic_write_text(path, json_text(results, str(path), indent=2))  # NOTE [finite JSON]
     atomic_write_text(folder / "report.md", report(results))
     return results
+
+
+def _output_names(workloads: tuple[str, ...], sweep: tuple[float, ...]) -> list[str]:
+    """The files :func:`reproduce` writes in its folder."""
+    per = ["slackswap-trace.json", "slackswap-plan.json", *(["retention.png"] if sweep
+                                                              else [])]
+    return ["results.json", "report.md", *(f"{w}-{p}" for w in workloads for p in per)]
 
 
 # NOTE [reference peak]

@@ -35,7 +35,7 @@ from slackswap.errors import InputError
 
 __all__ = ["JsonFile", "MAX_FILE_BYTES", "atomic_write", "atomic_write_text",
            "content_digest", "dump_model", "json_text", "load_model", "make_private_dir",
-           "parse_json", "read_file", "validate_model"]
+           "parse_json", "read_file", "refuse_unwritable", "validate_model"]
 
 M = TypeVar("M", bound=pydantic.BaseModel)
 
@@ -78,13 +78,7 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], objec
         raise InputError(f"cannot write {name}: it names a folder; name a file in it")
     target = Path(os.path.abspath(name))
     try:
-        try:
-            info = os.lstat(target)
-        except FileNotFoundError:
-            info = None
-        if info is not None and not stat.S_ISREG(info.st_mode):
-            raise InputError(f"refusing to write {name}: it is {_kind(info.st_mode)}, not a "
-                             "regular file; remove it or name another file")
+        info = refuse_unwritable(name)
         if private:
             make_private_dir(target.parent)
             mode = 0o600
@@ -112,6 +106,21 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], objec
             raise
     except OSError as e:
         raise InputError(f"cannot write {name}: {e.strerror or e}") from None
+
+
+def refuse_unwritable(path: str | os.PathLike[str]) -> os.stat_result | None:
+    """What ``path`` is now (None: nothing), or an :class:`InputError` where
+    :func:`atomic_write` would refuse to write it (a symbolic link, a folder, a FIFO, a
+    device): checked before long work too, so that work is not thrown away and no set
+    of outputs is left half-written (NOTE [files])."""
+    try:
+        info = os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    if not stat.S_ISREG(info.st_mode):
+        raise InputError(f"refusing to write {os.fspath(path)}: it is {_kind(info.st_mode)}, "
+                         "not a regular file; remove it or name another file")
+    return info
 
 
 def make_private_dir(folder: Path) -> None:
