@@ -44,6 +44,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import slackswap
+from slackswap.core.jsonio import atomic_write_text
 from slackswap.core.plan import Decision
 from slackswap.models import build_model, with_layers
 from slackswap.profiling.kernels import TargetKernels
@@ -364,7 +365,7 @@ def measure_costs(path: Path, repeats: int = 2000) -> None:
     record = {"machine": torch.cuda.get_device_name(), "torch": torch.__version__,
               "source": "benchmarks/host_work.py --measure-costs (1 MiB copies)",
               "costs_us": device_call_costs(repeats)}
-    path.write_text(json.dumps(record, indent=2) + "\n")
+    atomic_write_text(path, json.dumps(record, indent=2) + "\n")
     print(json.dumps(record, indent=2))
 
 
@@ -428,7 +429,7 @@ def main() -> None:
     print(f"  [host] offload_s = {copies['offload_s']:.1e}, reload_s = "
           f"{copies['reload_s']:.1e} (this machine's Python, {costs['machine']}'s calls)")
     if args.json:
-        args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
+        atomic_write_text(args.json, json.dumps(result, indent=2, default=str) + "\n")
 
 
 if __name__ == "__main__":
