@@ -34,6 +34,7 @@ import argparse
 import contextlib
 import gc
 import json
+import math
 import sys
 import time
 from collections import Counter
@@ -44,7 +45,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import slackswap
-from slackswap.core.jsonio import atomic_write_text
+from slackswap.core.jsonio import atomic_write_text, parse_json, read_file
 from slackswap.core.plan import Decision
 from slackswap.models import build_model, with_layers
 from slackswap.profiling.kernels import TargetKernels
@@ -369,6 +370,21 @@ def measure_costs(path: Path, repeats: int = 2000) -> None:
     print(json.dumps(record, indent=2))
 
 
+def read_costs(path: Path) -> dict[str, Any]:
+    """The per-call host costs ``slackswap calibrate --costs`` writes, read as every file
+    is (NOTE [files] in ``slackswap/core/jsonio.py``) and checked: the machine's name and
+    a finite, non-negative time in microseconds per call; else an ``InputError``."""
+    data = parse_json(read_file(path, "costs file", 2**20), str(path), strict=True)
+    costs = data.get("costs_us") if isinstance(data, dict) else None
+    if not (isinstance(costs, dict) and isinstance(data.get("machine"), str) and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            and v >= 0 for v in costs.values())):
+        raise slackswap.InputError(
+            f"{path}: not a costs file ('machine', and 'costs_us': microseconds per call, "
+            "as slackswap calibrate --costs writes)")
+    return data
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gpt2-xl")
@@ -392,6 +408,10 @@ def main() -> None:
             sys.exit("--measure-costs needs a CUDA GPU")
         measure_costs(args.measure_costs)
         return
+    try:  # read before measuring: a bad file costs no run
+        costs = read_costs(args.costs)
+    except slackswap.InputError as e:
+        sys.exit(f"error: {e}")
     torch.set_num_threads(1)
     net, batch, plan, guide = meta_workload(args.model, args.layers, args.budget,
                                             args.strategy)
@@ -399,7 +419,6 @@ def main() -> None:
         plan = keeping(plan, args.keep)
     with cheap_ops() if args.cheap_ops else contextlib.nullcontext():
         result = measure(net, batch, plan, guide, args.steps, args.policy)
-    costs = json.loads(args.costs.read_text())
     result["predicted"] = predict(result, costs["costs_us"])
     decisions = Counter(d.value for d in plan.decisions.values())
     print(f"{args.model}@{args.layers} {args.strategy} at {args.budget:.0%} (h200 plan: "
