@@ -1007,3 +1007,24 @@ def test_cli_outputs_that_are_no_file_are_refused_before_any_work(tmp_path, kind
     code, _, stderr = run("calibrate", "-o", str(target), "--force", "--base", "a100-80gb")
     assert_one_line_error(code, stderr, "not a regular file; remove it or name another file")
     assert victim.read_text() == "precious" and not (tmp_path / "nowhere").exists()
+
+
+@pytest.mark.parametrize("kind", ["file", "dangling link", "under a file"])
+def test_a_results_folder_that_cannot_be_made_is_an_input_error(tmp_path, kind) -> None:
+    """reproduce(out=...) raised a bare FileExistsError (and the command line said
+    'error: out: File exists') for a file or a dangling link at the folder's name."""
+    from slackswap.reproduce import reproduce
+
+    out = tmp_path / "out"
+    if kind == "file":
+        out.write_text("precious")
+    elif kind == "dangling link":
+        out.symlink_to(tmp_path / "nowhere")
+    else:
+        out.write_text("precious")
+        out = out / "sub"
+    with pytest.raises(InputError, match=r"cannot make the results folder .*: .*; name a "
+                                         "folder, or a new name, as --out"):
+        reproduce(out, workloads=("bert-large-tiny",))
+    assert not (tmp_path / "nowhere").exists()
+    assert kind == "dangling link" or (tmp_path / "out").read_text() == "precious"

@@ -178,7 +178,11 @@ def reproduce(
     single = load_hardware(hardware, overrides)
     hw = on_node(single, gpus)
     folder = Path(out)
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file or a dangling link at its name, a file above it
+        raise InputError(f"cannot make the results folder {folder}: {e.strerror or e}; "
+                         "name a folder, or a new name, as --out") from None
     for name in _output_names(workloads, sweep):  # before the work, not after half of it
         refuse_unwritable(folder / name)
     results: dict[str, Any] = {"hardware": hw.name, "budget_fraction": budget,
