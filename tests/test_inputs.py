@@ -1028,3 +1028,36 @@ def test_a_results_folder_that_cannot_be_made_is_an_input_error(tmp_path, kind) 
         reproduce(out, workloads=("bert-large-tiny",))
     assert not (tmp_path / "nowhere").exists()
     assert kind == "dangling link" or (tmp_path / "out").read_text() == "precious"
+
+
+def test_a_file_named_as_a_hardware_preset_does_not_replace_it(tmp_path, profile_file,
+                                                                monkeypatch) -> None:
+    """NOTE [files]: a file named 'a100-80gb' in the working folder was read in place of
+    the preset, by every command run there, the default hardware's included (and said
+    nothing: the file may call itself a100-80gb). The preset's name is the preset now;
+    ./a100-80gb names the file."""
+    planted = PRESET.read_text().replace("d2h_bandwidth = 24.8e9", "d2h_bandwidth = 1.0")
+    assert planted != PRESET.read_text()
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a100-80gb").write_text(planted)
+    (tmp_path / "dgx-a100").mkdir()
+    (tmp_path / "dgx-a100" / "8").write_text(planted)
+    assert load_hardware("a100-80gb") == load_hardware(PRESET)
+    assert load_hardware("dgx-a100/8").host_link.d2h_bandwidth > 1
+    assert load_hardware("./a100-80gb").host_link.d2h_bandwidth == 1.0
+    code, stdout, stderr = run("simulate", str(profile_file), "--hardware", "a100-80gb",
+                               "--json")
+    assert code == 0, stderr
+    assert json.loads(stdout) == json.loads(run("simulate", str(profile_file), "--hardware",
+                                                str(PRESET), "--json")[1])
+
+
+def test_a_file_named_as_a_model_preset_does_not_replace_it(tmp_path, profile_file,
+                                                             monkeypatch) -> None:
+    """As for hardware: 'slackswap plan bert-large-tiny' beside a file of that name read
+    the file as the profile; the preset is profiled now."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bert-large-tiny").write_text(profile_file.read_text())
+    code, stdout, stderr = run("plan", "bert-large-tiny", "--budget", "0.9")
+    assert code == 0, stderr
+    assert stdout.startswith("bert-large-tiny, ") and "mlp" not in stdout.split("\n")[0]

@@ -368,7 +368,10 @@ def plan_command(source: str, budget: str, strategy: str, hardware: str | None,
     from slackswap.planners.api import plan as make_plan
 
     given = parse_overrides(overrides)
-    from_file = source.endswith(".json") or Path(source).is_file()
+    # a preset's name is the model, even beside a file of that name (./NAME reads it);
+    # the presets (which import torch) are looked at only when there is such a file
+    from_file = source.endswith(".json") or (Path(source).is_file()
+                                             and not _model_preset(source))
     _check_outputs({"-o": output}, [source if from_file else None, hardware])
     if probe and (from_file or not is_fit(budget) or gpus > 1 or overrides):
         raise InputError("--probe checks a --budget fit plan of a preset MODEL on the GPU "
@@ -408,6 +411,12 @@ def plan_command(source: str, budget: str, strategy: str, hardware: str | None,
         with _progress("probing with real steps"):
             found = run_probe(source, hardware, strategy)
         _console().print("\n".join(found.lines()), highlight=False)
+
+
+def _model_preset(name: str) -> bool:
+    from slackswap.models import MODEL_PRESETS
+
+    return name in MODEL_PRESETS
 
 
 def _fit_budget(prof: StepProfile, hw: Hardware, budget: str, optimizer: str | None,

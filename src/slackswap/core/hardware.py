@@ -407,9 +407,22 @@ def _is_file(spec: str | Path) -> bool:
         return False
 
 
+def _is_preset(spec: str | Path) -> bool:
+    """Whether ``spec`` names a preset (or ``NODE/N``): a name given as a string, never a
+    ``Path``."""
+    if isinstance(spec, Path):
+        return False
+    names = hardware_presets()
+    node, _, gpus = spec.rpartition("/")
+    return spec in names or (node in names and gpus.isdigit())
+
+
 def _load(spec: str | Path, bases: tuple[str, ...]) -> Hardware:
     path = Path(spec)
-    if path.suffix == ".toml" or _is_file(spec):
+    # a preset's name is the preset, even where a file of that name is in the working
+    # folder: one planted there ("a100-80gb") would replace the figures of every command
+    # run in it, the default hardware's included (NOTE [files]); ./a100-80gb names it
+    if not _is_preset(spec) and (path.suffix == ".toml" or _is_file(spec)):
         return _parse(read_file(path, "hardware file", MAX_HARDWARE_BYTES), str(path),
                       bases)
     names = hardware_presets()
