@@ -1061,3 +1061,21 @@ def test_a_file_named_as_a_model_preset_does_not_replace_it(tmp_path, profile_fi
     code, stdout, stderr = run("plan", "bert-large-tiny", "--budget", "0.9")
     assert code == 0, stderr
     assert stdout.startswith("bert-large-tiny, ") and "mlp" not in stdout.split("\n")[0]
+
+
+def test_a_relative_base_is_beside_its_file_not_in_the_working_folder(
+        tmp_path, monkeypatch) -> None:
+    """NOTE [files]: a hardware file's relative ``base`` was read from the working folder,
+    so a file of that name there (anyone's) replaced the one beside it; it is read
+    beside the file that names it now."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "gpu.toml").write_text(PRESET.read_text())
+    (mine / "node.toml").write_text('base = "gpu.toml"\nname = "node"\n')
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "gpu.toml").write_text(
+        PRESET.read_text().replace("d2h_bandwidth = 24.8e9", "d2h_bandwidth = 1.0"))
+    monkeypatch.chdir(elsewhere)
+    node = load_hardware(mine / "node.toml")
+    assert node.host_link == load_hardware(PRESET).host_link
