@@ -30,6 +30,7 @@ NOTE [kernels to ops]
 
 from __future__ import annotations
 
+import math
 import re
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
@@ -151,6 +152,19 @@ def _stacks(cpu: list[dict[str, Any]]) -> dict[int, tuple[tuple[int, str], ...]]
     return out
 
 
+def _check_times(events: Iterable[Mapping[str, Any]]) -> None:
+    """Each event's start and duration are numbers, finite, the duration not negative:
+    a NaN, an infinity or a negative time would become an op's time in a profile (which
+    a profile file refuses), and no step's (NOTE [files])."""
+    for e in events:
+        ts, dur = e.get("ts"), e.get("dur")
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                   and math.isfinite(v) for v in (ts, dur)) or dur < 0:
+            raise InputError(f"the trace's event {str(e.get('name'))[:60]!r} has ts {ts!r} "
+                             f"and dur {dur!r}: not a time; pass a torch.profiler chrome "
+                             "trace")
+
+
 def _union_s(spans: Iterable[tuple[float, float]]) -> float:
     busy, end = 0.0, float("-inf")
     for a, b in sorted(spans):
@@ -185,6 +199,7 @@ def _kernel_trace(trace: Mapping[str, Any]) -> KernelTrace:
     if not gpu:
         raise InputError("the trace holds no GPU kernels; trace a step on a GPU with "
                          "ProfilerActivity.CUDA")
+    _check_times(cpu + gpu)
     stacks = _stacks(cpu)
     by_correlation = {e["args"]["correlation"]: e["args"].get("External id") for e in events
                       if e.get("cat") in ("cuda_runtime", "cuda_driver")
@@ -311,6 +326,8 @@ def measured_profile(profile: StepProfile, trace: KernelTrace | str | Path) -> S
         trace = read_trace(trace)
     ops, matched = match_ops(profile, trace)
     total = sum(o.seconds for o in ops)
+    if not total > 0:
+        raise InputError("the trace's kernels took no time; trace a step on a GPU")
     share = sum(o.seconds for o, m in zip(ops, matched, strict=True) if m is not None) / total
     if share < MIN_MATCHED:
         raise InputError(f"only {share:.0%} of the trace's kernel time matches the profile's "
