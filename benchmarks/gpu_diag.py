@@ -37,12 +37,12 @@ import time
 from collections import defaultdict
 from itertools import pairwise
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
 import slackswap
-from slackswap.core.jsonio import atomic_write_text
+from slackswap.core.jsonio import atomic_write, atomic_write_text
 from slackswap.core.plan import Plan
 from slackswap.core.profile import StepProfile
 from slackswap.models import build_model, with_layers
@@ -270,8 +270,12 @@ def take_trace(model: torch.nn.Module, batch: dict[str, torch.Tensor], plan: Pla
     prof.export_chrome_trace(str(raw))
     with open(raw, "rb") as f:
         summary = summarise_trace(json.load(f))
-    with open(raw, "rb") as f, gzip.open(path, "wb", compresslevel=6) as g:
-        shutil.copyfileobj(f, g)
+
+    def gzipped(out: BinaryIO) -> None:
+        with open(raw, "rb") as f, gzip.GzipFile(fileobj=out, mode="wb", compresslevel=6) as g:
+            shutil.copyfileobj(f, g)
+
+    atomic_write(path, gzipped)
     raw.unlink()
     return summary
 

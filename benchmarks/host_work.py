@@ -34,6 +34,7 @@ import argparse
 import contextlib
 import gc
 import json
+import math
 import sys
 import time
 from collections import Counter
@@ -44,6 +45,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import slackswap
+from slackswap.core.jsonio import atomic_write_text, parse_json, read_file
 from slackswap.core.plan import Decision
 from slackswap.models import build_model, with_layers
 from slackswap.profiling.kernels import TargetKernels
@@ -364,8 +366,23 @@ def measure_costs(path: Path, repeats: int = 2000) -> None:
     record = {"machine": torch.cuda.get_device_name(), "torch": torch.__version__,
               "source": "benchmarks/host_work.py --measure-costs (1 MiB copies)",
               "costs_us": device_call_costs(repeats)}
-    path.write_text(json.dumps(record, indent=2) + "\n")
+    atomic_write_text(path, json.dumps(record, indent=2) + "\n")
     print(json.dumps(record, indent=2))
+
+
+def read_costs(path: Path) -> dict[str, Any]:
+    """The per-call host costs ``slackswap calibrate --costs`` writes, read as every file
+    is (NOTE [files] in ``slackswap/core/jsonio.py``) and checked: the machine's name and
+    a finite, non-negative time in microseconds per call; else an ``InputError``."""
+    data = parse_json(read_file(path, "costs file", 2**20), str(path), strict=True)
+    costs = data.get("costs_us") if isinstance(data, dict) else None
+    if not (isinstance(costs, dict) and isinstance(data.get("machine"), str) and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            and v >= 0 for v in costs.values())):
+        raise slackswap.InputError(
+            f"{path}: not a costs file ('machine', and 'costs_us': microseconds per call, "
+            "as slackswap calibrate --costs writes)")
+    return data
 
 
 def main() -> None:
@@ -391,6 +408,10 @@ def main() -> None:
             sys.exit("--measure-costs needs a CUDA GPU")
         measure_costs(args.measure_costs)
         return
+    try:  # read before measuring: a bad file costs no run
+        costs = read_costs(args.costs)
+    except slackswap.InputError as e:
+        sys.exit(f"error: {e}")
     torch.set_num_threads(1)
     net, batch, plan, guide = meta_workload(args.model, args.layers, args.budget,
                                             args.strategy)
@@ -398,7 +419,6 @@ def main() -> None:
         plan = keeping(plan, args.keep)
     with cheap_ops() if args.cheap_ops else contextlib.nullcontext():
         result = measure(net, batch, plan, guide, args.steps, args.policy)
-    costs = json.loads(args.costs.read_text())
     result["predicted"] = predict(result, costs["costs_us"])
     decisions = Counter(d.value for d in plan.decisions.values())
     print(f"{args.model}@{args.layers} {args.strategy} at {args.budget:.0%} (h200 plan: "
@@ -428,7 +448,7 @@ def main() -> None:
     print(f"  [host] offload_s = {copies['offload_s']:.1e}, reload_s = "
           f"{copies['reload_s']:.1e} (this machine's Python, {costs['machine']}'s calls)")
     if args.json:
-        args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
+        atomic_write_text(args.json, json.dumps(result, indent=2, default=str) + "\n")
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import slackswap
 from slackswap.compiled.api import CompiledPlan, with_losses_resolved
 from slackswap.core.hardware import Hardware
+from slackswap.core.jsonio import atomic_write_text
 from slackswap.models import build_model, with_layers
 from slackswap.profiling.machine import resolve_hardware
 
@@ -229,10 +230,9 @@ def main(argv: list[str] | None = None) -> int:
               "estimator": str(functorch_config.activation_memory_budget_runtime_estimator),
               "torch": torch.__version__, "rows": rows}
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
         tail = "" if args.strategy == "slackswap" else f"-{args.strategy}"
-        (args.out / f"estimate-{name.replace('@', '-')}{tail}.json").write_text(
-            json.dumps(result, indent=1))
+        atomic_write_text(args.out / f"estimate-{name.replace('@', '-')}{tail}.json",
+                          json.dumps(result, indent=1))
     return 0
 
 

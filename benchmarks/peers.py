@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 import slackswap
+from slackswap.core.jsonio import atomic_write, atomic_write_text
 from slackswap.models import MODEL_PRESETS, build_model, with_layers
 
 GB = 1e9
@@ -522,7 +523,7 @@ def plot(result: dict, path: Path) -> str | None:
     if drawn:
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120))
     plt.close(fig)
     return None
 
@@ -622,10 +623,9 @@ def main(argv: list[str] | None = None) -> dict:
                                                    and "step_ms" in r for r in rows)),
         "seconds": round(time.perf_counter() - start, 1),
     }
-    args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"peers-{name.replace('@', '-')}"
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    stem.with_suffix(".md").write_text(markdown(result))
+    atomic_write_text(stem.with_suffix(".json"), json.dumps(result, indent=1) + "\n")
+    atomic_write_text(stem.with_suffix(".md"), markdown(result))
     why = plot(result, stem.with_suffix(".png"))
     print("\n" + markdown(result))
     compiles = [r for r in rows if r["family"] in COMPILED and "seconds" in r]

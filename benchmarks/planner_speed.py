@@ -36,6 +36,7 @@ def _record_compiled(cases: Path) -> None:
 
     import slackswap
     from slackswap.compiled import api
+    from slackswap.core.jsonio import atomic_write_text
     from slackswap.models.presets import build_model
 
     cases.mkdir(parents=True, exist_ok=True)
@@ -58,8 +59,8 @@ def _record_compiled(cases: Path) -> None:
         for i, ctx in enumerate(seen):
             stem = str(cases / f"{model_name}-{budget}-{i}")
             ctx.profile.save(stem + ".profile.json")
-            Path(stem + ".hw.json").write_text(ctx.hw.model_dump_json())
-            Path(stem + ".ctx.json").write_text(json.dumps(
+            atomic_write_text(stem + ".hw.json", ctx.hw.model_dump_json())
+            atomic_write_text(stem + ".ctx.json", json.dumps(
                 {"budget": ctx.budget, "offloadable": sorted(ctx.offloadable)}))
 
 

@@ -36,6 +36,7 @@ from scout_vision import PLAN_MODES, after_step, compare, count_stats, plans_for
 
 import slackswap
 from slackswap import InputError
+from slackswap.core.jsonio import atomic_write_text
 from slackswap.errors import SlackSwapError
 
 STEPS = 3
@@ -1008,8 +1009,7 @@ def main() -> None:
         everything[name] = scout(name, [m for m in args.modes.split(",") if m],
                                  [e for e in args.extra.split(",") if e])
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(everything, f, indent=1)
+            atomic_write_text(args.json, json.dumps(everything, indent=1))
     _table(everything)
 
 

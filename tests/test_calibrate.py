@@ -142,3 +142,16 @@ def test_every_preset_reads_back_as_written(tmp_path) -> None:
         path = tmp_path / f"{name}.toml"
         path.write_text(hardware_toml(hw))
         assert load_hardware(path) == hw, name
+
+
+def test_names_with_any_character_read_back_as_written(tmp_path) -> None:
+    """A name or source from --name or a base file (which may escape any character) is
+    written so that it reads back, and adds no key: DEL was written raw, which TOML
+    refuses, and quotes or newlines must not start a table of their own."""
+    hw = load_hardware("a100-80gb")
+    for name in ["x\x7fy", 'a"\n[compute]\npeak_flops = 1', "tab\there\\", "\u2028\x00\x1b[2J"]:
+        odd = hw.model_copy(update={"name": name, "description": name,
+                                    "sources": {**hw.sources, name: name}})
+        path = tmp_path / "odd.toml"
+        path.write_text(hardware_toml(odd))
+        assert load_hardware(path) == odd, repr(name)

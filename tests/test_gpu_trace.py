@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
+import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -226,3 +229,68 @@ def test_the_op_by_op_section_is_rewritten_in_place_and_kept(
     doc.write_text("# Fidelity, rewritten\n" + ops.kept_section(doc))  # as fidelity.py does
     assert "second" in doc.read_text() and ops.kept_section(doc).count(ops.BEGIN) == 1
     assert ops.kept_section(tmp_path / "none.md") == ""
+
+
+def _hostile_trace(kind: str, tmp_path: Path) -> Path:
+    """A trace path that is no trace: a FIFO, a device, a gzip bomb, not gzip, events
+    without their fields, JSON that is not an object."""
+    import gzip
+    import os
+
+    path = tmp_path / ("t.json.gz" if kind in ("bomb", "not gzip") else "t.json")
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "device":
+        return Path("/dev/zero")
+    elif kind == "bomb":  # 1.3 MiB that inflates past the limit the test sets
+        path.write_bytes(gzip.compress(b" " * (2**20 + 1)))
+    elif kind == "not gzip":
+        path.write_bytes(b"hello")
+    elif kind == "fieldless":
+        path.write_text('{"traceEvents": [{"ph": "X", "cat": "kernel", "args": {}}]}')
+    elif kind == "unhashable":  # an External id that is a list: no key of a stack
+        path.write_text('{"traceEvents": [{"ph": "X", "cat": "cpu_op", "ts": 0, "dur": 1, '
+                        '"name": "aten::mm", "args": {"External id": [1]}}, {"ph": "X", '
+                        '"cat": "kernel", "ts": 0, "dur": 1, "name": "k", "args": {}}]}')
+    elif kind == "list":
+        path.write_text("[1]")
+    return path
+
+
+@pytest.mark.parametrize(("kind", "message"), [
+    ("fifo", "it is a FIFO, not a regular file"),
+    ("device", "it is a device, not a regular file"),
+    ("bomb", "it holds over 1 MiB uncompressed"),
+    ("not gzip", "not gzip"),
+    ("fieldless", "has ts None and dur None: not a time"),
+    ("unhashable", "not a torch.profiler chrome trace (TypeError"),
+    ("list", "is not a torch.profiler chrome trace"),
+])
+def test_a_hostile_trace_is_a_one_line_error(kind: str, message: str, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [files]: a trace is read as every file is: a FIFO was waited on for ever,
+    /dev/zero read without end, a gzip bomb inflated whole, and an event without "ts" a
+    KeyError or TypeError; each is now an InputError, in one line, at once."""
+    import slackswap.profiling.gpu_trace as gpu_trace
+
+    monkeypatch.setattr(gpu_trace, "MAX_TRACE_BYTES", 2**20)
+    with pytest.raises(InputError, match=re.escape(message)) as caught:
+        read_trace(_hostile_trace(kind, tmp_path))
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize(("dur", "message"), [
+    (math.nan, "not a time"), (-5.0, "not a time"), (math.inf, "not a time"),
+    ("7", "not a time"), (0.0, "the trace's kernels took no time")])
+def test_kernel_times_that_are_no_times_are_refused(tiny: StepProfile, dur: Any,
+                                                    message: str) -> None:
+    """A trace whose kernels last NaN, an infinity, a negative time or none at all
+    gave a profile with such op times (unchecked: a profile file refuses them) or a
+    ZeroDivisionError; each is an InputError in one line now."""
+    trace, _ = _step(tiny)
+    for e in trace["traceEvents"]:
+        if e.get("cat") == "kernel":
+            e["dur"] = dur
+    with pytest.raises(InputError, match=re.escape(message)) as caught:
+        measured_profile(tiny, trace)
+    assert "\n" not in str(caught.value)

@@ -27,6 +27,7 @@ from host_work import (  # noqa: E402
     keeping,
     meta_workload,
     one_step,
+    read_costs,
     steps_counted,
 )
 
@@ -244,3 +245,24 @@ def test_a_repeated_step_lays_out_no_host_buffer_again(monkeypatch) -> None:
     step = one_step(net, batch, plan, profile)
     assert step["forward"]["copy"] > 0
     assert step["stats"]["host_buffers_allocated"] == 0 and laid == []
+
+
+@pytest.mark.parametrize("content", [None, b"[1]", b'{"machine": "x"}',
+                                     b'{"machine": "x", "costs_us": {"copy": NaN}}',
+                                     b'{"machine": "x", "costs_us": {"copy": "1"}}'])
+def test_a_costs_file_that_is_none_is_refused_in_one_line(tmp_path, content) -> None:
+    """NOTE [files]: ``--costs`` was read whole (a FIFO waited on, /dev/zero read without
+    end) after the measurement, and a file without ``costs_us`` was a KeyError; it is
+    read first now, as every file is, and checked."""
+    import os
+
+    path = tmp_path / "costs.json"
+    if content is None:
+        os.mkfifo(path)
+    else:
+        path.write_bytes(content)
+    with pytest.raises(slackswap.InputError) as caught:
+        read_costs(path)
+    assert "\n" not in str(caught.value)
+    shipped = read_costs(Path(__file__).parents[1] / "benchmarks" / "host_costs_h200.json")
+    assert shipped["costs_us"]

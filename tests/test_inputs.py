@@ -560,6 +560,24 @@ def test_an_op_that_reads_what_it_makes_is_refused(profile_file, profile) -> Non
     assert_one_line_error(code, stderr, f"op {op.index} reads tensor {t.id}, which it makes")
 
 
+def test_one_op_making_every_tensor_is_checked_in_linear_time(tmp_path, profile) -> None:
+    """NOTE [files]: a profile's checks looked each tensor up in its producer's list of
+    outputs: one op listing 60,000 tensors (11 MB) took over a minute to load, a
+    256 MB file days. Now a few seconds."""
+    n = 60_000
+    data = json.loads(profile.model_dump_json())
+    first, last = data["ops"][0], data["ops"][-1]
+    first.update(index=0, phase="forward", inputs=[], outputs=list(range(n)))
+    last.update(index=1, phase="backward", inputs=[], outputs=[])
+    data.update(ops=[first, last], saves=[], module_events=[], layers=[], tensors=[
+        {"id": i, "name": f"t{i}", "kind": "activation", "bytes": 4, "dtype": "fp32",
+         "shape": [1], "producer": 0} for i in range(n)])
+    path = tmp_path / "wide.json"
+    path.write_text(json.dumps(data))
+    with time_limit(20):
+        assert len(load_model(StepProfile, path).tensors) == n
+
+
 @pytest.mark.parametrize("args", [["fit", "gpt2-xl", "--seq", "99999999999999999999"],
                                   ["profile", "bert-large", "--batch", "100000000"]])
 def test_shapes_too_large_for_a_profile_are_one_line_errors(args) -> None:
@@ -946,3 +964,118 @@ def test_hostile_files_and_paths(tmp_path_factory, data) -> None:
     assert changed <= {output}, (args, changed)
     if output in changed and output in before:
         assert before[output][0] == "-" and after[output][0] == "-"  # a file replaced
+
+
+# -- outputs refused before the work, not after it ---------------------------------------
+
+
+def test_a_results_folder_with_a_link_is_refused_before_any_work(
+        tmp_path, monkeypatch) -> None:
+    """NOTE [files]: a link planted at one of reproduce's outputs (report.md) was refused
+    only when it was written, after the whole run, with results.json already written
+    beside it: half a results folder. Now nothing is profiled and nothing written."""
+    import slackswap.reproduce as reproduce_module
+
+    def no_work(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("profiled before the outputs were checked")
+
+    monkeypatch.setattr(reproduce_module, "cached_profile", no_work)
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "bert-large-tiny-slackswap-plan.json").symlink_to(victim)
+    with pytest.raises(InputError, match="is a symbolic link, not a regular file"):
+        reproduce_module.reproduce(out, workloads=("bert-large-tiny",))
+    assert sorted(p.name for p in out.iterdir()) == ["bert-large-tiny-slackswap-plan.json"]
+    assert victim.read_text() == "precious"
+
+
+@pytest.mark.parametrize("kind", ["link", "dangling link", "fifo"])
+def test_cli_outputs_that_are_no_file_are_refused_before_any_work(tmp_path, kind) -> None:
+    """calibrate measured for a minute (and needed a GPU) before refusing a link it was
+    told to --force over; every command's outputs are checked first now."""
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    target = tmp_path / "hw.toml"
+    if kind == "link":
+        target.symlink_to(victim)
+    elif kind == "dangling link":
+        target.symlink_to(tmp_path / "nowhere")
+    else:
+        os.mkfifo(target)
+    code, _, stderr = run("calibrate", "-o", str(target), "--force", "--base", "a100-80gb")
+    assert_one_line_error(code, stderr, "not a regular file; remove it or name another file")
+    assert victim.read_text() == "precious" and not (tmp_path / "nowhere").exists()
+
+
+@pytest.mark.parametrize("kind", ["file", "dangling link", "under a file"])
+def test_a_results_folder_that_cannot_be_made_is_an_input_error(tmp_path, kind) -> None:
+    """reproduce(out=...) raised a bare FileExistsError (and the command line said
+    'error: out: File exists') for a file or a dangling link at the folder's name."""
+    from slackswap.reproduce import reproduce
+
+    out = tmp_path / "out"
+    if kind == "file":
+        out.write_text("precious")
+    elif kind == "dangling link":
+        out.symlink_to(tmp_path / "nowhere")
+    else:
+        out.write_text("precious")
+        out = out / "sub"
+    with pytest.raises(InputError, match=r"cannot make the results folder .*: .*; name a "
+                                         "folder, or a new name, as --out"):
+        reproduce(out, workloads=("bert-large-tiny",))
+    assert not (tmp_path / "nowhere").exists()
+    assert kind == "dangling link" or (tmp_path / "out").read_text() == "precious"
+
+
+def test_a_file_named_as_a_hardware_preset_does_not_replace_it(tmp_path, profile_file,
+                                                                monkeypatch) -> None:
+    """NOTE [files]: a file named 'a100-80gb' in the working folder was read in place of
+    the preset, by every command run there, the default hardware's included (and said
+    nothing: the file may call itself a100-80gb). The preset's name is the preset now;
+    ./a100-80gb names the file."""
+    planted = PRESET.read_text().replace("d2h_bandwidth = 24.8e9", "d2h_bandwidth = 1.0")
+    assert planted != PRESET.read_text()
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a100-80gb").write_text(planted)
+    (tmp_path / "dgx-a100").mkdir()
+    (tmp_path / "dgx-a100" / "8").write_text(planted)
+    assert load_hardware("a100-80gb") == load_hardware(PRESET)
+    assert load_hardware("dgx-a100/8").host_link.d2h_bandwidth > 1
+    assert load_hardware("./a100-80gb").host_link.d2h_bandwidth == 1.0
+    code, stdout, stderr = run("simulate", str(profile_file), "--hardware", "a100-80gb",
+                               "--json")
+    assert code == 0, stderr
+    assert json.loads(stdout) == json.loads(run("simulate", str(profile_file), "--hardware",
+                                                str(PRESET), "--json")[1])
+
+
+def test_a_file_named_as_a_model_preset_does_not_replace_it(tmp_path, profile_file,
+                                                             monkeypatch) -> None:
+    """As for hardware: 'slackswap plan bert-large-tiny' beside a file of that name read
+    the file as the profile; the preset is profiled now."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bert-large-tiny").write_text(profile_file.read_text())
+    code, stdout, stderr = run("plan", "bert-large-tiny", "--budget", "0.9")
+    assert code == 0, stderr
+    assert stdout.startswith("bert-large-tiny, ") and "mlp" not in stdout.split("\n")[0]
+
+
+def test_a_relative_base_is_beside_its_file_not_in_the_working_folder(
+        tmp_path, monkeypatch) -> None:
+    """NOTE [files]: a hardware file's relative ``base`` was read from the working folder,
+    so a file of that name there (anyone's) replaced the one beside it; it is read
+    beside the file that names it now."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "gpu.toml").write_text(PRESET.read_text())
+    (mine / "node.toml").write_text('base = "gpu.toml"\nname = "node"\n')
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "gpu.toml").write_text(
+        PRESET.read_text().replace("d2h_bandwidth = 24.8e9", "d2h_bandwidth = 1.0"))
+    monkeypatch.chdir(elsewhere)
+    node = load_hardware(mine / "node.toml")
+    assert node.host_link == load_hardware(PRESET).host_link

@@ -238,3 +238,22 @@ def test_a_cached_profile_is_the_model_it_is_filed_under(tmp_path: Path) -> None
     _rewrite(gpt2_path, bert)
     with pytest.warns(CacheWarning, match="another model's profile"):
         assert cached_profile("gpt2-xl-tiny", hw).model == "gpt2-xl-tiny"
+
+
+def test_a_hardware_name_never_leads_an_entry_out_of_the_cache(tmp_path: Path) -> None:
+    """NOTE [files]: a hardware file's name is any text; the profile cached for it is
+    named after it, and a name with ``../`` and ``/`` once put the entry (0o600) in a
+    folder outside the cache and made that folder 0o700. It stays in the cache now."""
+    from slackswap.reproduce import cached_profile
+
+    victim = tmp_path / "victim"
+    victim.mkdir(mode=0o755)
+    victim.chmod(0o755)
+    evil = "x/../../victim/pwn"
+    hw = slackswap.load_hardware("a100-80gb").model_copy(update={"name": evil})
+    made = cached_profile("bert-large-tiny", hw)
+    assert list(victim.iterdir()) == [] and stat.S_IMODE(victim.stat().st_mode) == 0o755
+    [entry] = (tmp_path / "profiles").iterdir()
+    assert entry.name.startswith("bert-large-tiny-x_.._.._victim_pwn-")
+    assert cached_profile("bert-large-tiny", hw).model_dump() == made.model_dump()
+    assert len(list((tmp_path / "profiles").iterdir())) == 1

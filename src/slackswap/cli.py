@@ -26,7 +26,7 @@ from slackswap.core.hardware import (
     profile_hardware,
     with_overrides,
 )
-from slackswap.core.jsonio import dump_model, json_text
+from slackswap.core.jsonio import dump_model, json_text, refuse_unwritable
 from slackswap.core.profile import StepProfile
 from slackswap.core.units import format_bytes
 from slackswap.device_budget import OPTIMIZERS, PRECISIONS, device_budget, is_fit
@@ -100,7 +100,9 @@ _show_warning = warnings.showwarning
 
 def _check_outputs(outputs: dict[str, str | None], inputs: list[str | None]) -> None:
     """Refuse, before any work, an output that is one of the inputs (``plan p.json -o
-    p.json`` would replace the profile) or another output, and a plot not named .png."""
+    p.json`` would replace the profile) or another output, one that is no file to
+    replace (a link, a folder, a FIFO: refused when written, after the work), and a
+    plot not named .png."""
     def same(a: str, b: str) -> bool:
         try:
             return os.path.samefile(a, b)
@@ -109,6 +111,7 @@ def _check_outputs(outputs: dict[str, str | None], inputs: list[str | None]) -> 
 
     named = [(option, path) for option, path in outputs.items() if path]
     for i, (option, path) in enumerate(named):
+        refuse_unwritable(path)
         for given in filter(None, inputs):
             if same(path, given):
                 raise InputError(f"{option} {_plain(path)} is an input of this command: it "
@@ -365,7 +368,10 @@ def plan_command(source: str, budget: str, strategy: str, hardware: str | None,
     from slackswap.planners.api import plan as make_plan
 
     given = parse_overrides(overrides)
-    from_file = source.endswith(".json") or Path(source).is_file()
+    # a preset's name is the model, even beside a file of that name (./NAME reads it);
+    # the presets (which import torch) are looked at only when there is such a file
+    from_file = source.endswith(".json") or (Path(source).is_file()
+                                             and not _model_preset(source))
     _check_outputs({"-o": output}, [source if from_file else None, hardware])
     if probe and (from_file or not is_fit(budget) or gpus > 1 or overrides):
         raise InputError("--probe checks a --budget fit plan of a preset MODEL on the GPU "
@@ -405,6 +411,12 @@ def plan_command(source: str, budget: str, strategy: str, hardware: str | None,
         with _progress("probing with real steps"):
             found = run_probe(source, hardware, strategy)
         _console().print("\n".join(found.lines()), highlight=False)
+
+
+def _model_preset(name: str) -> bool:
+    from slackswap.models import MODEL_PRESETS
+
+    return name in MODEL_PRESETS
 
 
 def _fit_budget(prof: StepProfile, hw: Hardware, budget: str, optimizer: str | None,

@@ -24,6 +24,7 @@ from slackswap.core.jsonio import (
     atomic_write_text,
     dump_model,
     json_text,
+    refuse_unwritable,
     validate_model,
 )
 from slackswap.core.profile import StepProfile
@@ -31,9 +32,9 @@ from slackswap.core.units import format_bytes
 from slackswap.errors import InputError
 from slackswap.planners import STRATEGIES, smallest_feasible_budget
 from slackswap.planners.cache import (
-    cache_root,
     cached_attempt,
     cached_bound,
+    entry_path,
     read_entry,
     write_entry,
 )
@@ -51,10 +52,6 @@ WORKLOADS = ("bert-large", "gpt2-xl", "llama-7b")
 SWEEP = tuple(round(0.1 * i, 1) for i in range(1, 11))
 
 Progress = Callable[[str], None]
-
-
-def _cache_dir() -> Path:
-    return cache_root() / "profiles"
 
 
 def _without_host(hw: Hardware) -> dict[str, Any]:
@@ -85,7 +82,7 @@ def cached_profile(name: str, hw: Hardware, batch: int | None = None,
         f"{print_}|{hw.model_dump_json(exclude=_without_host(hw))}|"
         f"{version('slackswap')}|{_profiler_digest()}".encode()
     ).hexdigest()[:24]
-    path = _cache_dir() / f"{name}-{hw.name}-{key}.json"
+    path = entry_path("profiles", key, name, hw.name)  # (hw.name is a file's: any text)
 
     def read(value: Any) -> StepProfile:
         found = validate_model(StepProfile, value, str(path))
@@ -181,7 +178,13 @@ def reproduce(
     single = load_hardware(hardware, overrides)
     hw = on_node(single, gpus)
     folder = Path(out)
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file or a dangling link at its name, a file above it
+        raise InputError(f"cannot make the results folder {folder}: {e.strerror or e}; "
+                         "name a folder, or a new name, as --out") from None
+    for name in _output_names(workloads, sweep):  # before the work, not after half of it
+        refuse_unwritable(folder / name)
     results: dict[str, Any] = {"hardware": hw.name, "budget_fraction": budget,
                                "reference": reference, "gpus": gpus, "workloads": []}
     for name in workloads:
@@ -218,6 +221,13 @@ def reproduce(
     atomic_write_text(path, json_text(results, str(path), indent=2))  # NOTE [finite JSON]
     atomic_write_text(folder / "report.md", report(results))
     return results
+
+
+def _output_names(workloads: tuple[str, ...], sweep: tuple[float, ...]) -> list[str]:
+    """The files :func:`reproduce` writes in its folder."""
+    per = ["slackswap-trace.json", "slackswap-plan.json", *(["retention.png"] if sweep
+                                                              else [])]
+    return ["results.json", "report.md", *(f"{w}-{p}" for w in workloads for p in per)]
 
 
 # NOTE [reference peak]

@@ -296,8 +296,10 @@ MAX_HARDWARE_BYTES = 2**20
 MAX_BASES = 8
 
 
-def _parse(text: str, source: str, bases: tuple[str, ...] = ()) -> Hardware:
-    """A hardware file's text; ``bases``: the files whose ``base`` led here."""
+def _parse(text: str, source: str, bases: tuple[str, ...] = (),
+           folder: Path | None = None) -> Hardware:
+    """A hardware file's text; ``bases``: the files whose ``base`` led here; ``folder``:
+    the file's, where a relative ``base`` path is (None: a preset's)."""
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
@@ -309,6 +311,10 @@ def _parse(text: str, source: str, bases: tuple[str, ...] = ()) -> Hardware:
         if not isinstance(base, str) or not base:
             raise InputError(f"{source}: base must be a preset name or a .toml file's path "
                              f"in quotes, not {base!r}")
+        if folder is not None and not _is_preset(base) and not Path(base).is_absolute():
+            # beside the file that names it, as a reader of the file expects, not in the
+            # working folder, where a file of that name may be anyone's (NOTE [files])
+            base = str(folder / base)
         chain = (*bases, source)
         if base in chain or f"preset {base}" in chain or str(Path(base)) in chain:
             raise InputError(f"{source}: base '{base}' leads back to itself "
@@ -407,11 +413,24 @@ def _is_file(spec: str | Path) -> bool:
         return False
 
 
+def _is_preset(spec: str | Path) -> bool:
+    """Whether ``spec`` names a preset (or ``NODE/N``): a name given as a string, never a
+    ``Path``."""
+    if isinstance(spec, Path):
+        return False
+    names = hardware_presets()
+    node, _, gpus = spec.rpartition("/")
+    return spec in names or (node in names and gpus.isdigit())
+
+
 def _load(spec: str | Path, bases: tuple[str, ...]) -> Hardware:
     path = Path(spec)
-    if path.suffix == ".toml" or _is_file(spec):
+    # a preset's name is the preset, even where a file of that name is in the working
+    # folder: one planted there ("a100-80gb") would replace the figures of every command
+    # run in it, the default hardware's included (NOTE [files]); ./a100-80gb names it
+    if not _is_preset(spec) and (path.suffix == ".toml" or _is_file(spec)):
         return _parse(read_file(path, "hardware file", MAX_HARDWARE_BYTES), str(path),
-                      bases)
+                      bases, path.parent)
     names = hardware_presets()
     node, _, gpus = str(spec).rpartition("/")
     if node in names and gpus.isdigit():  # "dgx-a100/8", as on_node names a node's rank

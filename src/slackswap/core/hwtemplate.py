@@ -69,7 +69,10 @@ dispatch_s = 7e-6                  # host time to issue one eager PyTorch op
 def _value(value: Any) -> str:
     """One TOML value: a string, a number, an array, or an inline table."""
     if isinstance(value, str):
-        return json.dumps(value, ensure_ascii=False)  # a JSON string is a TOML basic string
+        # a JSON string is a TOML basic string, but for DEL, which JSON leaves raw and
+        # TOML refuses: a name with one (from --name, or a base file's escape) would make
+        # a file that does not read back
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int):

@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gzip
 import hashlib
+import io
 import json
 import math
 import os
 import secrets
 import stat
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
@@ -32,7 +35,7 @@ from slackswap.errors import InputError
 
 __all__ = ["JsonFile", "MAX_FILE_BYTES", "atomic_write", "atomic_write_text",
            "content_digest", "dump_model", "json_text", "load_model", "make_private_dir",
-           "parse_json", "read_file", "validate_model"]
+           "parse_json", "read_file", "refuse_unwritable", "validate_model"]
 
 M = TypeVar("M", bound=pydantic.BaseModel)
 
@@ -75,13 +78,7 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], objec
         raise InputError(f"cannot write {name}: it names a folder; name a file in it")
     target = Path(os.path.abspath(name))
     try:
-        try:
-            info = os.lstat(target)
-        except FileNotFoundError:
-            info = None
-        if info is not None and not stat.S_ISREG(info.st_mode):
-            raise InputError(f"refusing to write {name}: it is {_kind(info.st_mode)}, not a "
-                             "regular file; remove it or name another file")
+        info = refuse_unwritable(name)
         if private:
             make_private_dir(target.parent)
             mode = 0o600
@@ -111,6 +108,21 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], objec
         raise InputError(f"cannot write {name}: {e.strerror or e}") from None
 
 
+def refuse_unwritable(path: str | os.PathLike[str]) -> os.stat_result | None:
+    """What ``path`` is now (None: nothing), or an :class:`InputError` where
+    :func:`atomic_write` would refuse to write it (a symbolic link, a folder, a FIFO, a
+    device): checked before long work too, so that work is not thrown away and no set
+    of outputs is left half-written (NOTE [files])."""
+    try:
+        info = os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    if not stat.S_ISREG(info.st_mode):
+        raise InputError(f"refusing to write {os.fspath(path)}: it is {_kind(info.st_mode)}, "
+                         "not a regular file; remove it or name another file")
+    return info
+
+
 def make_private_dir(folder: Path) -> None:
     """Make ``folder`` (and missing parents) readable and writable by its owner only;
     an existing folder of ours is made so too, a link or another user's is refused."""
@@ -138,11 +150,25 @@ def atomic_write_text(path: str | os.PathLike[str], text: str, *,
 
 
 def read_file(path: str | os.PathLike[str], what: str = "file",
-              limit: int | None = None) -> str:
+              limit: int | None = None, *, compressed: bool = False) -> str:
     """The text of ``path`` (UTF-8), read with a size limit (NOTE [files]): what is not
     a regular file, or is larger than ``limit`` bytes (``MAX_FILE_BYTES``), is refused
-    with an :class:`InputError`, as are bytes that are not UTF-8."""
+    with an :class:`InputError`, as are bytes that are not UTF-8. ``compressed``: the
+    file is gzip, and ``limit`` bounds what it holds once uncompressed too (a small file
+    that inflates to gigabytes is refused, never held)."""
     limit = MAX_FILE_BYTES if limit is None else limit
+    data = _read_bytes(path, what, limit)
+    if compressed:
+        data = _gunzip(data, path, what, limit)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"{path}: not UTF-8 text (byte {e.start}); is it the right "
+                         "file?") from None
+
+
+def _read_bytes(path: str | os.PathLike[str], what: str, limit: int) -> bytes:
+    """The bytes of ``path``, a regular file of at most ``limit`` bytes (:func:`read_file`)."""
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
         fd = os.open(path, flags)  # (a FIFO opens at once, and is refused below)
@@ -168,11 +194,22 @@ def read_file(path: str | os.PathLike[str], what: str = "file",
     if len(data) > limit:
         raise InputError(f"cannot read {what} {path}: it grew past the {_size(limit)} a "
                          f"{what} may be while it was read")
+    return data
+
+
+def _gunzip(data: bytes, path: str | os.PathLike[str], what: str, limit: int) -> bytes:
+    """``data`` (gzip) uncompressed, refused past ``limit`` bytes: read at most one byte
+    more than that, so a decompression bomb costs ``limit`` and no more."""
     try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise InputError(f"{path}: not UTF-8 text (byte {e.start}); is it the right "
+        with gzip.GzipFile(fileobj=io.BytesIO(data)) as f:
+            out = f.read(limit + 1)
+    except (OSError, EOFError, zlib.error) as e:
+        raise InputError(f"cannot read {what} {path}: not gzip ({e}); is it the right "
                          "file?") from None
+    if len(out) > limit:
+        raise InputError(f"cannot read {what} {path}: it holds over {_size(limit)} "
+                         f"uncompressed, more than a {what} may be; is it the right file?")
+    return out
 
 
 def _no_constant(name: str) -> Any:

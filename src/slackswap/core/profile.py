@@ -144,7 +144,11 @@ def _check_graph(p: StepProfile) -> None:
     range, forward ops before backward ones, and every tensor as the ops say (below)."""
     if not p.ops:
         _fail("ops: there are none, so there is no step to simulate or plan")
+    # who reads and who writes each tensor, as sets: a tensor's checks look an op up in
+    # them, not in the op's lists, which a file can make long (one op listing every
+    # tensor made the checks quadratic: minutes for a few MB)
     readers: dict[tuple[str, int], set[int]] = defaultdict(set)
+    writers: dict[int, set[int]] = defaultdict(set)
     for i, op in enumerate(p.ops):
         if op.index != i:
             _fail(f"ops.{i}.index is {op.index}: ops are listed in execution order")
@@ -154,13 +158,15 @@ def _check_graph(p: StepProfile) -> None:
         _in_range(f"ops.{i}.outputs", op.outputs, "tensor", len(p.tensors))
         for t in op.inputs:
             readers[op.phase, t].add(i)
+        for t in op.outputs:
+            writers[t].add(i)
     names: dict[str, int] = {}
     for i, t in enumerate(p.tensors):
         if t.id != i:
             _fail(f"tensors.{i}.id is {t.id}: tensors are listed in id order")
         if t.name is not None and names.setdefault(t.name, i) != i:
             _fail(f"tensors.{i}.name '{t.name}' is tensor {names[t.name]}'s too")
-        _check_tensor(p, t, readers)
+        _check_tensor(p, t, readers, writers)
     if not math.isfinite(sum(op.time_s for op in p.ops)):
         _fail("ops: their times add up to more than a number holds")
     _in_range("saves", (t for t, _ in p.saves if t >= 0), "tensor", len(p.tensors))
@@ -169,7 +175,8 @@ def _check_graph(p: StepProfile) -> None:
 
 
 def _check_tensor(p: StepProfile, t: TensorRecord,
-                  readers: dict[tuple[str, int], set[int]]) -> None:
+                  readers: dict[tuple[str, int], set[int]],
+                  writers: dict[int, set[int]]) -> None:
     """An activation or gradient that is read is made by an op that lists it as an output,
     read only after that by the ops that list it as an input, first used in backward by a
     backward op; a saved activation has a name."""
@@ -182,9 +189,9 @@ def _check_tensor(p: StepProfile, t: TensorRecord,
     used = t.saved or t.forward_consumers or t.backward_consumers
     if made < 0 and used and t.kind in ("activation", "gradient"):
         _fail(f"{where}.producer is missing: an {t.kind} that is read is made by an op")
-    if made >= 0 and t.id not in p.ops[made].outputs:
+    if made >= 0 and made not in writers[t.id]:
         _fail(f"{where}.producer: op {made} does not list tensor {t.id} as an output")
-    if made >= 0 and t.id in p.ops[made].inputs:  # (a rebuild would need it to make it)
+    if made >= 0 and made in readers[p.ops[made].phase, t.id]:  # (a rebuild needs it)
         _fail(f"{where}.producer: op {made} reads tensor {t.id}, which it makes")
     for phase in ("forward", "backward"):
         if set(getattr(t, f"{phase}_consumers")) != readers[phase, t.id]:

@@ -39,6 +39,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import stat
 import time
 import warnings
@@ -64,8 +65,8 @@ from slackswap.planners.search import Attempt
 from slackswap.planners.strategies import plan_in_context
 from slackswap.sim.simulate import simulate
 
-__all__ = ["CacheWarning", "cache_root", "cached_attempt", "cached_bound", "read_entry",
-           "write_entry"]
+__all__ = ["CacheWarning", "cache_root", "cached_attempt", "cached_bound", "entry_path",
+           "read_entry", "write_entry"]
 
 
 class CacheWarning(UserWarning):
@@ -75,6 +76,20 @@ class CacheWarning(UserWarning):
 def cache_root() -> Path:
     """``$SLACKSWAP_CACHE``, or ``~/.cache/slackswap``."""
     return Path(os.environ.get("SLACKSWAP_CACHE") or Path.home() / ".cache" / "slackswap")
+
+
+# what an entry's file name keeps of a label: no separator, so no name leaves its folder
+_UNSAFE = re.compile(r"[^A-Za-z0-9._+-]+")
+
+
+def entry_path(folder: str, key: str, *labels: str) -> Path:
+    """The file of the entry stored under ``key`` in the cache's ``folder``, named after
+    ``labels`` (a model, a hardware, a strategy) for whoever lists the folder. A label can
+    come from a file (a hardware file's ``name``) and hold anything, ``../`` or ``/``
+    included: each is cut to letters, digits and ``._+-`` and 40 characters, so the
+    entry stays in ``folder`` (NOTE [files]); the key keeps entries apart."""
+    shown = "-".join(_UNSAFE.sub("_", label)[:40] for label in labels)
+    return cache_root() / folder / f"{shown}-{key}.json"
 
 
 @functools.cache
@@ -176,7 +191,7 @@ def _cached(ctx: PlanContext, what: str, make: Callable[[], Any],
     key = hashlib.sha256(
         f"{content_digest(ctx.profile)}|{content_digest(ctx.hw)}|{ctx.budget}|{what}|"
         f"{version('slackswap')}|{_code_digest()}".encode()).hexdigest()[:24]
-    path = cache_root() / "plans" / f"{what}-{key}.json"
+    path = entry_path("plans", key, what)
     if (found := read_entry(path, key, read)) is not None:
         return found
     start = time.perf_counter()

@@ -30,8 +30,7 @@ NOTE [kernels to ops]
 
 from __future__ import annotations
 
-import gzip
-import json
+import math
 import re
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
@@ -40,6 +39,7 @@ from difflib import SequenceMatcher
 from pathlib import Path
 from typing import Any
 
+from slackswap.core.jsonio import parse_json, read_file
 from slackswap.core.profile import OpRecord, Phase, StepProfile
 from slackswap.errors import InputError
 
@@ -113,17 +113,24 @@ class TraceOp:
     stack: tuple[str, ...]
 
 
+# The most a trace may hold, uncompressed: a step's chrome trace of a large model is a
+# few hundred MB; past this it is not one step, and holding it would exhaust memory.
+MAX_TRACE_BYTES = 1024 * 2**20
+
+
 def _load(source: str | Path | Mapping[str, Any]) -> Mapping[str, Any]:
+    """A trace's JSON, read as every file is (NOTE [files] in ``slackswap.core.jsonio``):
+    a FIFO or a device is refused, never waited on or read without end, and a ``.gz``
+    that inflates past ``MAX_TRACE_BYTES`` is refused."""
     if isinstance(source, Mapping):
         return source
     path = Path(source)
-    try:
-        opener = gzip.open if path.suffix == ".gz" else open
-        with opener(path, "rt") as f:
-            return json.load(f)
-    except (OSError, EOFError, ValueError) as err:
-        raise InputError(f"cannot read the trace {path}: {err}; pass a torch.profiler "
-                         "chrome trace (.json or .json.gz)") from None
+    text = read_file(path, "trace", MAX_TRACE_BYTES, compressed=path.suffix == ".gz")
+    trace = parse_json(text, f"the trace {path}")
+    if not isinstance(trace, dict):
+        raise InputError(f"the trace {path} is not a torch.profiler chrome trace (a JSON "
+                         "object with traceEvents); pass one (.json or .json.gz)")
+    return trace
 
 
 def _stacks(cpu: list[dict[str, Any]]) -> dict[int, tuple[tuple[int, str], ...]]:
@@ -145,6 +152,19 @@ def _stacks(cpu: list[dict[str, Any]]) -> dict[int, tuple[tuple[int, str], ...]]
     return out
 
 
+def _check_times(events: Iterable[Mapping[str, Any]]) -> None:
+    """Each event's start and duration are numbers, finite, the duration not negative:
+    a NaN, an infinity or a negative time would become an op's time in a profile (which
+    a profile file refuses), and no step's (NOTE [files])."""
+    for e in events:
+        ts, dur = e.get("ts"), e.get("dur")
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                   and math.isfinite(v) for v in (ts, dur)) or dur < 0:
+            raise InputError(f"the trace's event {str(e.get('name'))[:60]!r} has ts {ts!r} "
+                             f"and dur {dur!r}: not a time; pass a torch.profiler chrome "
+                             "trace")
+
+
 def _union_s(spans: Iterable[tuple[float, float]]) -> float:
     busy, end = 0.0, float("-inf")
     for a, b in sorted(spans):
@@ -159,6 +179,18 @@ def read_trace(source: str | Path | Mapping[str, Any]) -> KernelTrace:
     or ``.json.gz``, or the loaded JSON), each with the host op stack that launched it
     (NOTE [kernels to ops])."""
     trace = _load(source)
+    try:
+        return _kernel_trace(trace)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+        # an event without the fields a torch.profiler event has ("ts", "dur", "args")
+        # or with others in their place: the file is not such a trace, said in one line
+        where = source if isinstance(source, (str, Path)) else "the trace"
+        raise InputError(f"{where}: not a torch.profiler chrome trace ({type(e).__name__}: "
+                         f"{str(e)[:100]}); pass one (.json or .json.gz)") from None
+
+
+def _kernel_trace(trace: Mapping[str, Any]) -> KernelTrace:
+    """:func:`read_trace` of the loaded JSON."""
     events = [e for e in trace.get("traceEvents", ()) if isinstance(e, dict)
               and e.get("ph") == "X" and isinstance(e.get("args", {}), dict)]
     cpu = [e for e in events if e.get("cat") == "cpu_op"
@@ -167,6 +199,7 @@ def read_trace(source: str | Path | Mapping[str, Any]) -> KernelTrace:
     if not gpu:
         raise InputError("the trace holds no GPU kernels; trace a step on a GPU with "
                          "ProfilerActivity.CUDA")
+    _check_times(cpu + gpu)
     stacks = _stacks(cpu)
     by_correlation = {e["args"]["correlation"]: e["args"].get("External id") for e in events
                       if e.get("cat") in ("cuda_runtime", "cuda_driver")
@@ -293,6 +326,8 @@ def measured_profile(profile: StepProfile, trace: KernelTrace | str | Path) -> S
         trace = read_trace(trace)
     ops, matched = match_ops(profile, trace)
     total = sum(o.seconds for o in ops)
+    if not total > 0:
+        raise InputError("the trace's kernels took no time; trace a step on a GPU")
     share = sum(o.seconds for o, m in zip(ops, matched, strict=True) if m is not None) / total
     if share < MIN_MATCHED:
         raise InputError(f"only {share:.0%} of the trace's kernel time matches the profile's "
