@@ -10,6 +10,10 @@ scout's families (ViTMAE to the EMA codebook, after ``counting_layerdrop`` in ``
 add random masking, logit softcaps and sliding windows, MoE with shared experts, alibi,
 relative position bias, interpolated positions, state-space, recurrent and short-conv
 layers, complex FFTs, ProbSparse sampling, padded batches, ``vmap`` and in-place dropout.
+The third's (VideoMAE to the time series transformer, after ``llama_outputs``) add video
+tubelets, shifted windows, unfolded patches, segmentation with an ignore index, GRN,
+SpecAugment masks drawn from numpy (seeded per step, as torch), a conv + LSTM codec,
+FFT autocorrelation, random patch masking and distribution heads over lagged inputs.
 
     python benchmarks/scout_families.py gpt2_dropout peft_lora --json out.json
 
@@ -31,6 +35,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy
 import torch
 from scout_vision import PLAN_MODES, after_step, compare, count_stats, plans_for
 
@@ -585,6 +590,172 @@ def _llama_outputs() -> Case:
     return model, b, loss_fn
 
 
+# -- families added by the third scout: video tubelets and divided space-time attention,
+# shifted windows, unfolded patches, segmentation with an ignore index, GRN, SpecAugment
+# masks drawn with numpy, conv + LSTM codecs, FFT autocorrelation, random patch masking
+# and distribution heads over lagged inputs ---------------------------------------------
+def _video(frames: int = 4, size: int = 16, labels: bool = False) -> Callable[[], dict]:
+    def make() -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(1)
+        out = {"pixel_values": torch.randn(2, frames, 3, size, size, generator=g)}
+        if labels:
+            out["labels"] = torch.tensor([0, 1])
+        return out
+    return make
+
+
+def _videomae_masked() -> dict[str, torch.Tensor]:
+    """Tubelets of 2 frames x 4x4 pixels: 32 per clip, half masked (the same count per
+    clip, as VideoMAE's decoder needs), drawn here as its data collator does."""
+    b = _video()()
+    g = torch.Generator().manual_seed(3)
+    b["bool_masked_pos"] = torch.stack([torch.randperm(32, generator=g) < 16 for _ in range(2)])
+    return b
+
+
+def _timesformer() -> Case:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.TimesformerConfig(**_VIT, num_frames=4, num_labels=2,
+                                            attention_type="divided_space_time")
+    # the field is typed int (validated on assignment); the model takes it as a rate
+    object.__setattr__(config, "drop_path_rate", 0.2)
+    model = transformers.TimesformerForVideoClassification(config).train()
+    return model, _video(labels=True)(), None
+
+
+def _segmentation() -> dict[str, torch.Tensor]:
+    b = _pixels(size=32)()
+    g = torch.Generator().manual_seed(3)
+    labels = torch.randint(0, 3, (2, 32, 32), generator=g)
+    labels[:, :4] = 255  # the ignore index
+    b["labels"] = labels
+    return b
+
+
+def _audio_ctc(config_name: str, model_name: str, **kw: Any) -> Callable[[], Case]:
+    """A CTC head on a wav2vec2-like encoder with LayerDrop and SpecAugment time and
+    feature masks, drawn from numpy's global RNG inside the training forward (``train``
+    seeds it per step, as torch's)."""
+    def build() -> Case:
+        import transformers
+
+        torch.manual_seed(0)
+        config = getattr(transformers, config_name)(
+            vocab_size=20, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            intermediate_size=64, conv_dim=(16, 16), conv_stride=(4, 2), conv_kernel=(8, 4),
+            num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=4, hidden_dropout=0.1,
+            attention_dropout=0.1, feat_proj_dropout=0.1, layerdrop=0.3, mask_time_prob=0.3,
+            mask_time_length=2, mask_time_min_masks=1, mask_feature_prob=0.3,
+            mask_feature_length=4, ctc_loss_reduction="mean", pad_token_id=0, **kw)
+        model = getattr(transformers, model_name)(config).train()
+        g = torch.Generator().manual_seed(1)
+        return model, {
+            "input_values": torch.randn(2, 400, generator=g),
+            "labels": torch.randint(1, 20, (2, 6), generator=g)}, None
+    return build
+
+
+class _CodecStep(torch.nn.Module):
+    """A neural codec's reconstruction step: the full model (its quantizer's argmin codes,
+    decoded) and the encoder's latents decoded straight through, against the input."""
+
+    def __init__(self, codec: torch.nn.Module) -> None:
+        super().__init__()
+        self.codec = codec
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = self.codec(x).audio_values
+        z = self.codec.encoder(x)
+        rec = self.codec.decoder(z)
+        mse = torch.nn.functional.mse_loss
+        return {"loss": mse(out, x) + mse(rec, x) + (rec - x).abs().mean()}
+
+
+def _encodec() -> Case:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.EncodecConfig(
+        target_bandwidths=[1.5], sampling_rate=800, audio_channels=1, hidden_size=16,
+        num_filters=4, num_residual_layers=1, upsampling_ratios=[4, 2], codebook_size=16,
+        codebook_dim=16, num_lstm_layers=2, kernel_size=5, last_kernel_size=5,
+        residual_kernel_size=3, use_causal_conv=True, normalize=False)
+    g = torch.Generator().manual_seed(1)
+    return _CodecStep(transformers.EncodecModel(config)).train(), {
+        "x": torch.randn(2, 1, 256, generator=g)}, None
+
+
+def _speecht5_stt() -> Case:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.SpeechT5Config(
+        vocab_size=40, hidden_size=32, encoder_layers=2, decoder_layers=2,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+        decoder_ffn_dim=64, conv_dim=(16, 16), conv_stride=(4, 2), conv_kernel=(8, 4),
+        num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=4, hidden_dropout=0.1,
+        attention_dropout=0.1, activation_dropout=0.1, encoder_layerdrop=0.0,
+        decoder_layerdrop=0.0, mask_time_prob=0.0, mask_feature_prob=0.0,
+        max_speech_positions=128, max_text_positions=64, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, decoder_start_token_id=1)
+    model = transformers.SpeechT5ForSpeechToText(config).train()
+    g = torch.Generator().manual_seed(1)
+    return model, {"input_values": torch.randn(2, 400, generator=g),
+                   "labels": torch.randint(3, 40, (2, 7), generator=g)}, None
+
+
+def _series(past: int, future: int = 4) -> dict[str, torch.Tensor]:
+    """A positive series with one time feature, as the GluonTS-style forecasters take."""
+    g = torch.Generator().manual_seed(1)
+
+    def time(n: int) -> torch.Tensor:
+        return torch.linspace(0, 1, n).view(1, n, 1).repeat(2, 1, 1)
+    return {"past_values": torch.randn(2, past, generator=g).abs() + 1,
+            "past_time_features": time(past), "past_observed_mask": torch.ones(2, past),
+            "future_values": torch.randn(2, future, generator=g).abs() + 1,
+            "future_time_features": time(future)}
+
+
+def _forecaster(config_name: str, model_name: str, counts: bool = False,
+                **kw: Any) -> Callable[[], Case]:
+    """A forecaster on lags 1..3 of a 16-step context (19 past values) predicting 4 (whole
+    numbers with ``counts``, for a negative binomial head)."""
+    def build() -> Case:
+        import transformers
+
+        torch.manual_seed(0)
+        config = getattr(transformers, config_name)(
+            prediction_length=4, context_length=16, lags_sequence=[1, 2, 3],
+            num_time_features=1, d_model=16, encoder_ffn_dim=32, decoder_ffn_dim=32,
+            encoder_layers=2, decoder_layers=1, encoder_attention_heads=2,
+            decoder_attention_heads=2, dropout=0.1, attention_dropout=0.1,
+            activation_dropout=0.1, **kw)
+        model = getattr(transformers, model_name)(config).train()
+        batch = _series(16 + 3)
+        if counts:
+            batch = {k: v.mul(3).round() if k.endswith("values") else v
+                     for k, v in batch.items()}
+        return model, batch, None
+    return build
+
+
+def _patchtst() -> Case:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.PatchTSTConfig(
+        num_input_channels=2, context_length=32, patch_length=4, patch_stride=4,
+        d_model=16, num_hidden_layers=2, num_attention_heads=2, ffn_dim=32,
+        mask_type="random", random_mask_ratio=0.4, do_mask_input=True, dropout=0.1,
+        attention_dropout=0.1, ff_dropout=0.1, positional_dropout=0.1, path_dropout=0.1,
+        head_dropout=0.1, channel_consistent_masking=False)
+    model = transformers.PatchTSTForPretraining(config).train()
+    g = torch.Generator().manual_seed(1)
+    return model, {"past_values": torch.randn(2, 32, 2, generator=g)}, None
+
+
 _ROPE_HALF = [1.0, 1.5, 2.0, 2.5]  # head_dim 8: 4 rotary frequency factors
 
 
@@ -785,6 +956,46 @@ CASES: dict[str, Callable[[], Case]] = {
     "vmap_ensemble": _vmap_ensemble,
     "ema_vq": _ema_vq,
     "llama_outputs": _llama_outputs,
+    "videomae_pretraining": _tf("VideoMAEConfig", "VideoMAEForPreTraining", _videomae_masked,
+                                **_VIT, num_frames=4, tubelet_size=2,
+                                decoder_hidden_size=32, decoder_num_hidden_layers=1,
+                                decoder_num_attention_heads=4, decoder_intermediate_size=64,
+                                norm_pix_loss=True),
+    "timesformer": _timesformer,
+    "swin_shifted": _tf("SwinConfig", "SwinForImageClassification", _pixels(labels=True),
+                        image_size=16, patch_size=2, embed_dim=16, depths=[2, 2],
+                        num_heads=[2, 4], window_size=4, mlp_ratio=2.0,
+                        hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
+                        drop_path_rate=0.2, num_labels=2),
+    "mobilevit": _tf("MobileViTConfig", "MobileViTForImageClassification",
+                     _pixels(size=32, labels=True), image_size=32, patch_size=2,
+                     hidden_sizes=[16, 24, 32], neck_hidden_sizes=[8, 8, 16, 16, 24, 32, 64],
+                     num_attention_heads=2, mlp_ratio=2.0, hidden_dropout_prob=0.1,
+                     attention_probs_dropout_prob=0.1, classifier_dropout_prob=0.1,
+                     num_labels=2),
+    "segformer_ignore": _tf("SegformerConfig", "SegformerForSemanticSegmentation",
+                            _segmentation, num_encoder_blocks=2, depths=[1, 1],
+                            sr_ratios=[2, 1], hidden_sizes=[16, 32], patch_sizes=[7, 3],
+                            strides=[4, 2], num_attention_heads=[1, 2], mlp_ratios=[2, 2],
+                            decoder_hidden_size=32, hidden_dropout_prob=0.1,
+                            attention_probs_dropout_prob=0.1, classifier_dropout_prob=0.1,
+                            drop_path_rate=0.2, num_labels=3, semantic_loss_ignore_index=255),
+    "convnextv2_grn": _tf("ConvNextV2Config", "ConvNextV2ForImageClassification",
+                          _pixels(size=32, labels=True), patch_size=4, hidden_sizes=[16, 32],
+                          depths=[2, 2], num_stages=2, drop_path_rate=0.2, num_labels=2,
+                          image_size=32),
+    "hubert_specaugment": _audio_ctc("HubertConfig", "HubertForCTC"),
+    "sew_specaugment": _audio_ctc("SEWConfig", "SEWForCTC", squeeze_factor=2),
+    "encodec": _encodec,
+    "speecht5_stt": _speecht5_stt,
+    "autoformer": _forecaster("AutoformerConfig", "AutoformerForPrediction",
+                              moving_average=5, autocorrelation_factor=2,
+                              encoder_layerdrop=0.2),
+    "patchtst_masked": _patchtst,
+    "time_series_transformer": _forecaster(
+        "TimeSeriesTransformerConfig", "TimeSeriesTransformerForPrediction",
+        counts=True, distribution_output="negative_binomial", scaling="mean",
+        encoder_layerdrop=0.2),
 }
 NEEDS = {"diffusers_vae": "diffusers", "diffusers_vq": "diffusers",
          "diffusers_unet_cross": "diffusers", "diffusers_dit": "diffusers"}
@@ -824,6 +1035,7 @@ def train(model: torch.nn.Module, batches: list[dict], loss_fn: Callable | None,
     for step in range(STEPS):
         model.train(step != eval_at)
         torch.manual_seed(100 + step)
+        numpy.random.seed(100 + step)  # SpecAugment draws its masks from numpy's global RNG
         rec: dict[str, Any] = {}
         for i, batch in enumerate(batches):
             cm = block(step, batch) if block is not None else contextlib.nullcontext()

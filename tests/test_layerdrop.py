@@ -406,3 +406,68 @@ def test_profiling_puts_back_a_tensor_the_step_resized_in_place(mode) -> None:
         slackswap.profile(model, x, "a100-80gb", mode=mode)
     assert model.mem is mem and mem.shape == () and mem.stride() == () and float(mem) == 3.0
     assert mem.untyped_storage().nbytes() == 4
+
+
+class _Skipping(torch.nn.Module):
+    """Four layers, those in ``skip`` left out (a LayerDrop draw set by hand)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(4))
+        self.skip: set[int] = set()
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        for i, layer in enumerate(self.layers):
+            if i not in self.skip:
+                x = torch.tanh(layer(x))
+        return {"loss": x.square().mean()}
+
+
+@pytest.mark.parametrize("skipped", [{1, 2}, {1}, {0, 1, 2}])
+def test_a_longer_path_under_a_plan_that_keeps_everything_stays_within_its_peak(
+        skipped) -> None:
+    """NOTE [a longer path under a plan that keeps everything]: profiled on a step that
+    skipped layers, a plan keeping every activation moved nothing and checked nothing,
+    so a step running them held 2x to 5x the plan's simulated peak (TimeSeriesTransformer's
+    LayerDrop, 4x); now it runs again off the path, within that peak, as plain PyTorch."""
+    torch.manual_seed(0)
+    model = _Skipping().train()
+    x = torch.randn(256, 64, generator=torch.Generator().manual_seed(1))
+    reference = copy.deepcopy(model)
+    model.skip = skipped
+    profile = slackswap.profile(copy.deepcopy(model), {"x": x}, mode="traced")
+    model.skip = set()
+    names = [t.name for t in profile.saved_activations if t.producer is not None]
+    plan = Plan(fingerprint=profile.fingerprint, strategy="x",
+                decisions=dict.fromkeys(names, "keep"))
+    block = slackswap.apply(model, plan, profile=profile)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PathNotice)
+        with block:
+            loss = model(x=x)["loss"]
+    loss.backward()
+    want = reference(x=x)["loss"]
+    want.backward()
+    assert torch.equal(loss, want)
+    for (name, p), p0 in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p.grad, p0.grad), name
+    assert block.stats.off_path
+    peak = slackswap.simulate(profile, plan).peak_bytes
+    assert block.stats.peak_resident_bytes <= peak, (block.stats.peak_resident_bytes, peak)
+
+
+def test_a_shorter_path_under_a_plan_that_keeps_everything_runs_on() -> None:
+    """The other way round: a step skipping layers the profiled step ran holds less than
+    the plan measured, and runs under the plan (not again)."""
+    torch.manual_seed(0)
+    model = _Skipping().train()
+    x = torch.randn(256, 64, generator=torch.Generator().manual_seed(1))
+    profile = slackswap.profile(copy.deepcopy(model), {"x": x}, mode="traced")
+    names = [t.name for t in profile.saved_activations if t.producer is not None]
+    plan = Plan(fingerprint=profile.fingerprint, strategy="x",
+                decisions=dict.fromkeys(names, "keep"))
+    model.skip = {1, 2}
+    with slackswap.apply(model, plan, profile=profile) as block:
+        loss = model(x=x)["loss"]
+    loss.backward()
+    assert not block.stats.off_path and block.stats.peak_resident_bytes > 0

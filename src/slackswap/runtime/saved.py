@@ -251,6 +251,9 @@ class SavedValues:
         self.copies = copies
         self.replayer = Replayer(self)
         self.in_forward = False  # the model's forward is running (unpack there is refused)
+        # NOTE [a longer path under a plan that keeps everything]
+        self.keeps_all = watch is not None and not decisions
+        self.pack_limit = watch.model_packs if self.keeps_all else None
         # across steps, by value; each lives as long as a packed handle for it does, so a
         # second backward through a retained graph can reload or rebuild it again
         self.host: dict[Value, torch.Tensor] = {}  # host copies
@@ -292,6 +295,9 @@ class SavedValues:
         if copies.undated:  # NOTE [buffers held by events]
             copies.poll()
         name = recorder.next_pack() if recorder is not None else None
+        limit = self.pack_limit
+        if limit is not None and recorder.packs_seen > limit and self.in_forward:
+            raise _longer_path(limit)
         if type(t) is _PARAMETER:  # a weight as the model holds it (a third of the saves
             return _Saved(t)  # of a transformer): a leaf, so held as it is
         if not plain_strided(t):  # kept as autograd saved it
@@ -310,10 +316,12 @@ class SavedValues:
                 return kept_as_saved(t)
             if name is None:
                 return self._made(_Saved(state.kept(t, key, None)))
-        if name is not None and decisions:  # an activation: NOTE [saves named by their order]
+        if name is not None and (decisions or self.keeps_all):
+            # an activation: NOTE [saves named by their order]; under a plan that keeps
+            # everything, only a larger one holds more than the plan measured
             assert self.watch is not None
             planned = self.watch.bytes.get(name)
-            if planned is not None and planned != nbytes:
+            if planned is not None and planned != nbytes and (decisions or nbytes > planned):
                 raise _other_step(nbytes, name, planned, t.dtype,
                                   self.watch.dtypes.get(name))
         if node is None:
@@ -796,6 +804,28 @@ def _other_step(nbytes: int, name: str, planned: int, dtype: torch.dtype,
             "(slackswap.attach and slackswap.auto plan each autocast state once)")
     return PathChanged(path_changed(f"it saved {nbytes} bytes where the profiled step "
                                     f"saved '{name}', {planned} bytes"))
+
+
+# NOTE [a longer path under a plan that keeps everything]
+#     A plan that keeps every activation moves nothing that depends on the path, so its
+#     saves are neither named nor checked against the profile. But its simulated peak is
+#     the profiled step's: a step that runs layers the profiled step skipped (LayerDrop
+#     drew a skip while profiling: TimeSeriesTransformer's encoder with both of its two
+#     layers dropped saved 25 tensors, 11 KiB, where a step running them saved 45 KiB)
+#     holds what the plan never measured, over its budget. So such a step is off the
+#     profiled path as soon as it saves a tensor larger than the profiled step's save in
+#     its place (NOTE [saves named by their order]), or the model's forward packs more
+#     tensors than the profiled step's did by its return (``StepProfile.model_saves``),
+#     before it holds them: it runs again as plain PyTorch saving to host memory, within
+#     the budget (NOTE [a step off the profiled path] in ``runtime/block.py``). A path
+#     whose saves are no more and no larger holds no more than the plan measured, and
+#     runs on.
+
+
+def _longer_path(limit: int) -> PathChanged:
+    return PathChanged(path_changed(
+        f"its forward saved more than the {limit} tensors the profiled step saved, under "
+        "a plan that keeps everything it measured"))
 
 
 _SAME_SIZE_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
