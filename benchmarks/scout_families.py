@@ -14,6 +14,10 @@ The third's (VideoMAE to the time series transformer, after ``llama_outputs``) a
 tubelets, shifted windows, unfolded patches, segmentation with an ignore index, GRN,
 SpecAugment masks drawn from numpy (seeded per step, as torch), a conv + LSTM codec,
 FFT autocorrelation, random patch masking and distribution heads over lagged inputs.
+The fourth's (BigBird to XLM-RoBERTa-XL, after ``fnet_fourier``) add block-sparse attention
+with NumPy's random blocks, Longformer's and LED's sliding chunks with global attention,
+T5's relative bias, BART's layer drop, DeBERTa-v2's disentangled attention, Funnel's
+pooling, ProphetNet's n-gram streams, Perceiver's latents and BLIP-2's Q-Former.
 
     python benchmarks/scout_families.py gpt2_dropout peft_lora --json out.json
 
@@ -572,6 +576,84 @@ def _ema_vq() -> Case:
     return _EMAQuantizer().train(), {"x": torch.randn(64, 16, generator=g)}, None
 
 
+# -- families added by scout A: block-sparse and sliding-chunk attention, seq2seq with
+# layer drop, disentangled and relative attention, pooling, n-gram streams, latents ------
+class _NumpySeeded(torch.nn.Module):
+    """Seeds NumPy's global generator from torch's at each call, as a training script that
+    seeds both per step does: BigBird draws its random blocks from ``np.random``."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, **batch: Any) -> Any:
+        import numpy as np
+
+        np.random.seed(int(torch.randint(0, 2**31 - 1, ())))
+        return self.model(**batch)
+
+
+def _bigbird_sparse() -> Case:
+    model, batch, loss_fn = _tf(
+        "BigBirdConfig", "BigBirdForMaskedLM", lambda: _lm_batch(length=48),
+        attention_type="block_sparse", block_size=2, num_random_blocks=2,
+        hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1, **_SMALL)()
+    return _NumpySeeded(model).train(), batch, loss_fn
+
+
+def _global_batch(length: int = 32) -> Callable[[], dict]:
+    """A batch with global attention on each row's first token (and the second row's
+    tenth): Longformer's and LED's global path beside their sliding chunks."""
+    def make() -> dict[str, torch.Tensor]:
+        b = _lm_batch(length=length)
+        glob = torch.zeros_like(b["input_ids"])
+        glob[:, 0] = 1
+        glob[1, 9] = 1
+        b["global_attention_mask"] = glob
+        return b
+    return make
+
+
+_SEQ2SEQ = dict(vocab_size=96, d_model=32, encoder_layers=2, decoder_layers=2,
+                encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                decoder_ffn_dim=64, max_position_embeddings=64, dropout=0.1,
+                attention_dropout=0.1, activation_dropout=0.1, pad_token_id=0,
+                bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
+
+
+def _perceiver() -> Case:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.PerceiverConfig(
+        num_latents=8, d_latents=32, d_model=32, num_blocks=1, num_self_attends_per_block=2,
+        num_self_attention_heads=4, num_cross_attention_heads=2, qk_channels=32,
+        v_channels=32, vocab_size=96, max_position_embeddings=16, attention_probs_dropout_prob=0.1)
+    model = transformers.PerceiverForMaskedLM(config).train()
+    b = _lm_batch(length=16)
+    return model, {"inputs": b["input_ids"], "attention_mask": b["attention_mask"],
+                   "labels": b["labels"]}, None
+
+
+def _blip2_qformer() -> Case:
+    """BLIP-2's Q-Former: learned queries cross-attending (every other layer) to image
+    features, with dropout."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.Blip2QFormerConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        vocab_size=96, max_position_embeddings=64, encoder_hidden_size=24,
+        cross_attention_frequency=1, hidden_dropout_prob=0.1,
+        attention_probs_dropout_prob=0.1)
+    model = transformers.Blip2QFormerModel(config).train()
+    g = torch.Generator().manual_seed(1)
+    query = torch.randn(2, 6, 32, generator=g)
+    image = torch.randn(2, 10, 24, generator=g)
+    return model, {"query_embeds": query, "encoder_hidden_states": image}, \
+        lambda out: out.last_hidden_state.pow(2).mean()
+
+
 def _llama_outputs() -> Case:
     """Hidden states and attention maps returned to the caller (saved tensors the user
     holds) and used in the loss, beside the model's own, with eager attention."""
@@ -952,6 +1034,38 @@ CASES: dict[str, Callable[[], Case]] = {
                         num_hidden_layers=2, intermediate_size=64, vocab_size=96,
                         max_position_embeddings=64, hidden_dropout_prob=0.1,
                         use_tpu_fourier_optimizations=False, pad_token_id=0),
+    "bigbird_block_sparse": _bigbird_sparse,
+    "longformer_global": _tf("LongformerConfig", "LongformerForMaskedLM", _global_batch(),
+                             attention_window=8, hidden_dropout_prob=0.1,
+                             attention_probs_dropout_prob=0.1, pad_token_id=0, **_SMALL),
+    "led_global": _tf("LEDConfig", "LEDForConditionalGeneration", _global_batch(),
+                      attention_window=8, max_encoder_position_embeddings=64,
+                      max_decoder_position_embeddings=64,
+                      **{k: v for k, v in _SEQ2SEQ.items() if k != "max_position_embeddings"}),
+    "t5_dropout": _tf("T5Config", "T5ForConditionalGeneration", vocab_size=96, d_model=32,
+                      d_kv=8, d_ff=64, num_layers=2, num_heads=4, dropout_rate=0.1,
+                      relative_attention_num_buckets=8, decoder_start_token_id=0),
+    # at 0.1 a plan's steps run on its profiled path and off it (at 0.4, all three off)
+    "bart_layerdrop": _tf("BartConfig", "BartForConditionalGeneration", encoder_layerdrop=0.1,
+                          decoder_layerdrop=0.1, **_SEQ2SEQ),
+    "deberta_v2": _tf("DebertaV2Config", "DebertaV2ForMaskedLM", relative_attention=True,
+                      position_buckets=8, max_relative_positions=16, pos_att_type=["p2c", "c2p"],
+                      hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1, **_SMALL),
+    "funnel_pooling": _tf("FunnelConfig", "FunnelForMaskedLM", block_sizes=[1, 1],
+                          d_model=32, n_head=4, d_head=8, d_inner=64, vocab_size=96,
+                          hidden_dropout=0.1, attention_dropout=0.1, activation_dropout=0.1),
+    "prophetnet_ngram": _tf("ProphetNetConfig", "ProphetNetForConditionalGeneration",
+                            vocab_size=96, hidden_size=32, encoder_ffn_dim=64,
+                            decoder_ffn_dim=64, num_encoder_layers=2, num_decoder_layers=2,
+                            num_encoder_attention_heads=4, num_decoder_attention_heads=4,
+                            ngram=2, num_buckets=8, relative_max_distance=16,
+                            max_position_embeddings=64, dropout=0.1, attention_dropout=0.1,
+                            activation_dropout=0.1, pad_token_id=0, decoder_start_token_id=1),
+    "perceiver_mlm": _perceiver,
+    "blip2_qformer": _blip2_qformer,
+    "xlm_roberta_xl": _tf("XLMRobertaXLConfig", "XLMRobertaXLForMaskedLM",
+                          hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
+                          pad_token_id=0, **_SMALL),
     "informer_probsparse": _informer,
     "vmap_ensemble": _vmap_ensemble,
     "ema_vq": _ema_vq,

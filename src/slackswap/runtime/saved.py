@@ -279,7 +279,9 @@ class SavedValues:
         self.host_checkpoints: dict[Value, int] = {}
         self.offloaded: dict[str, Value] = {}  # activation id -> value, this step
         self.next_prefetch = 0
-        self.held: dict[Any, int] = {}  # saved values resident on the device -> bytes
+        # saved values resident on the device -> (bytes, storage key)
+        self.held: dict[Any, tuple[int, int]] = {}
+        self.holders: dict[int, int] = {}  # storage key -> how many of ``held`` hold it
         self.checked = False
         # weak references to this step's handles over activations, packed in the model's
         # forward (NOTE [a step off the profiled path])
@@ -340,7 +342,7 @@ class SavedValues:
         pending, handles = self.pending, self.handles
         if decision == _KEEP:
             kept = state.kept(t, key, node)
-            self.hold(vkey, nbytes)
+            self.hold(vkey, nbytes, key)
             packed = _Packed(self, _KEEP, vkey, name, node, t, kept)
             pending[vkey] = pending.get(vkey, 0) + 1  # self._count(vkey), inlined
             handles[vkey] = handles.get(vkey, 0) + 1
@@ -431,7 +433,7 @@ class SavedValues:
             self.stats.offloaded_bytes += nbytes
             return
         self.kept_checkpoints[key] = (release, t)
-        self.hold((key, None), nbytes)
+        self.hold((key, None), nbytes, key)
 
     def _drop_host_checkpoint(self, vkey: Value) -> None:
         host = self.host.pop(vkey, None)
@@ -564,19 +566,36 @@ class SavedValues:
             raise not_produced(missing)
 
     # -- what is resident, and reloads -------------------------------------------------
-    def hold(self, key: Any, nbytes: int) -> None:
-        if key not in self.held:
-            self.held[key] = nbytes
+    def hold(self, key: Any, nbytes: int, storage: int) -> None:
+        """Count ``storage`` (its key) resident under ``key`` (a value, or a checkpoint's
+        ``(storage, None)``): its bytes once however many keys hold it. One storage may
+        be held under two values that are one: saved first where no node stood for it
+        (value ``(storage, 0)``), then after a watched op read it and so gave it one
+        (``(storage, 1)``), as T5's layer norm saves its input twice."""
+        if key in self.held:
+            return
+        self.held[key] = (nbytes, storage)
+        holders = self.holders.get(storage, 0)
+        self.holders[storage] = holders + 1
+        if holders == 0:
             self.stats._hold(nbytes)
 
     def release(self, key: Any) -> None:
-        nbytes = self.held.pop(key, None)
-        if nbytes is not None:
+        entry = self.held.pop(key, None)
+        if entry is None:
+            return
+        nbytes, storage = entry
+        holders = self.holders[storage] - 1
+        if holders:
+            self.holders[storage] = holders
+        else:
+            del self.holders[storage]
             self.stats.resident_bytes -= nbytes
 
     def bring_back(self, vkey: Value, base: torch.Tensor) -> None:
         self.back[vkey] = base
-        self.hold(vkey, base.untyped_storage().nbytes())
+        storage = base.untyped_storage()
+        self.hold(vkey, storage.nbytes(), storage._cdata)
 
     def reload(self, vkey: Value, name: str | None, device: torch.device,
                waited: bool = False) -> torch.Tensor:
