@@ -257,7 +257,6 @@ def _t5() -> tuple[nn.Module, dict]:
         "input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
 
 
-@pytest.mark.heavy  # (46 to 60 s on two busy cores: the traced profile and three steps)
 def test_a_storage_saved_twice_as_one_value_is_resident_once() -> None:
     """The runtime counted a kept storage twice (as ``(storage, 0)``, saved before a
     watched op read it, and ``(storage, 1)`` after): T5 under this plan held 299,136
