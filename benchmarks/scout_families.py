@@ -1175,12 +1175,21 @@ def train(model: torch.nn.Module, batches: list[dict], loss_fn: Callable | None,
 
 
 def _micro(batch: dict) -> list[dict]:
-    """Two micro-batches of other sequence lengths (gradient accumulation)."""
-    length = batch["input_ids"].shape[1]
-    short = {k: (v[:, :-4].contiguous() if torch.is_tensor(v) and v.dim() == 2
-                 and v.shape[1] == length else v)
-             for k, v in batch.items()}
-    return [batch, short]
+    """Two micro-batches of other shapes (gradient accumulation): of another sequence
+    length where the batch has ``input_ids``, else of half the rows (every tensor whose
+    first dimension is the batch's)."""
+    if "input_ids" in batch:
+        length = batch["input_ids"].shape[1]
+        short = {k: (v[:, :-4].contiguous() if torch.is_tensor(v) and v.dim() == 2
+                     and v.shape[1] == length else v)
+                 for k, v in batch.items()}
+        return [batch, short]
+    rows = {v.shape[0] for v in batch.values() if torch.is_tensor(v) and v.dim() > 0}
+    if len(rows) != 1 or (n := rows.pop()) < 2:
+        raise InputError("accumulate: the batch's tensors share no batch dimension to split")
+    half = {k: (v[: n // 2].contiguous() if torch.is_tensor(v) and v.dim() > 0 else v)
+            for k, v in batch.items()}
+    return [batch, half]
 
 
 EXTRAS = ["grad", "inputs", "attach", "accumulate", "eval_mid", "bf16"]
@@ -1224,8 +1233,6 @@ def _extra(kind: str, pristine: torch.nn.Module, batch: dict, loss_fn: Callable 
             info.update(offloaded=stats.offloaded_bytes, recomputed=stats.recomputed_ops)
         ref, _ = train(copy.deepcopy(pristine), [batch], loss_fn, eval_at=eval_at)
     elif kind == "accumulate":
-        if "input_ids" not in batch:
-            raise InputError("accumulate: no sequence batch here")
         step = slackswap.auto(model, budget=budget, loss_fn=loss_fn)
         got, info = train(model, _micro(batch), loss_fn, block=lambda _s, b: step(b))
         ref, _ = train(copy.deepcopy(pristine), _micro(batch), loss_fn)
