@@ -321,9 +321,9 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         """What says the model returned having saved fewer or more tensors than in the
         profiled step (a layer skipped or run, whose saves matched the next one's, where
         no watched op tells); None if not, or if the plan keeps everything (nothing it
-        does depends on the path but its peak, which a longer path passes: refused as it
-        saves, NOTE [a longer path under a plan that keeps everything] in
-        ``runtime/saved.py``)."""
+        does depends on the path but its peak, which a longer path passes: such a step
+        runs again off the path as it saves one more, NOTE [a longer path under a plan
+        that keeps everything] in ``runtime/saved.py``)."""
         watch, recorder = self._watch, self.values.recorder
         if (not self.decisions or watch is None or watch.model_packs is None
                 or recorder is None or recorder.quiet
