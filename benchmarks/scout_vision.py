@@ -289,7 +289,7 @@ def plans_for(profile: slackswap.StepProfile, modes: list[str]) -> dict[str, Pla
     out: dict[str, Plan | str] = {}
     for mode in modes:
         try:
-            if mode.startswith("slackswap@") or mode in ("recompute-only", "offload-only"):
+            if "@" in mode or mode in ("recompute-only", "offload-only"):  # strategy@budget
                 strategy, _, budget = mode.partition("@")
                 try:
                     out[mode] = slackswap.plan(profile, float(budget or 0.5), strategy=strategy)

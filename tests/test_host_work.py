@@ -266,3 +266,22 @@ def test_a_costs_file_that_is_none_is_refused_in_one_line(tmp_path, content) -> 
     assert "\n" not in str(caught.value)
     shipped = read_costs(Path(__file__).parents[1] / "benchmarks" / "host_costs_h200.json")
     assert shipped["costs_us"]
+
+
+def test_the_harness_wrapper_is_not_counted_as_the_runtimes_work() -> None:
+    """NOTE [ops at a GPU host's cost]: the wrapper that hides the pack from CheapOps
+    costs this machine about a microsecond a call; the prediction takes it off forward's
+    Python once per pack, and nothing off backward's."""
+    from host_work import harness_cost_s, predict
+
+    cost = harness_cost_s(2000)
+    assert 0 < cost < 50e-6
+    result = {"forward_s": 0.030, "plain_forward_s": 0.010, "backward_s": 0.050,
+              "plain_backward_s": 0.020, "forward": {"copy": 10}, "backward": {},
+              "harness_s": 300 * cost}
+    out = predict(result, {"copy": 15.0})
+    assert out["forward_python_ms"] == pytest.approx(20.0 - 300e3 * cost)
+    assert out["forward_calls_ms"] == pytest.approx(0.15)
+    assert out["backward_python_ms"] == pytest.approx(30.0)
+    without = predict({**result, "harness_s": 0.0}, {"copy": 15.0})
+    assert without["forward_python_ms"] == pytest.approx(20.0)
