@@ -47,7 +47,7 @@ from slackswap.profiling.step import (
     wrappers,
 )
 from slackswap.profiling.untouched import HeldAttributes, drawn_from
-from slackswap.runtime.checks import offload_deadlines, prepare, shapes_differ
+from slackswap.runtime.checks import held_limit, offload_deadlines, prepare, shapes_differ
 from slackswap.runtime.copies import copies_for
 from slackswap.runtime.recording import Recorder
 from slackswap.runtime.saved import (
@@ -166,8 +166,10 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         self.decisions = {n: d for n, d in plan.decisions.items() if d != Decision.KEEP and (
             profile is None or n not in profile.checkpointable or n in self._checkpoints)}
         # NOTE [buffers held by events]: host buffers are reused from step to step
+        # NOTE [a longer path holds no more than the profiled step] in ``runtime/saved.py``
+        held = held_limit(profile, plan) if self._watch is not None else None
         self.values = SavedValues(self.decisions, verify, self._watch, first_use, prefetch,
-                                  copies, produced_at, free_before, issued_at)
+                                  copies, produced_at, free_before, issued_at, held)
         self.state = self.values.state  # the last forward's record
         self._calls = 0
         self._exit: contextlib.ExitStack | None = None
@@ -318,12 +320,12 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
             return forward(*args, **kwargs)
 
     def _other_saves(self) -> str | None:
-        """What says the model returned having saved fewer or more tensors than in the
-        profiled step (a layer skipped or run, whose saves matched the next one's, where
-        no watched op tells); None if not, or if the plan keeps everything (nothing it
-        does depends on the path but its peak, which a longer path passes: such a step
-        runs again off the path as it saves one more, NOTE [a longer path under a plan
-        that keeps everything] in ``runtime/saved.py``)."""
+        """What says the model returned having saved fewer tensors than in the profiled
+        step (a layer skipped, whose saves matched the next one's, where no watched op
+        tells); None if not, or if the plan keeps everything (nothing it does depends on
+        the path but its peak, which a shorter path does not pass). A step saving more
+        runs again off the path as it saves one more, under any plan (NOTE [a longer path
+        holds no more than the profiled step] in ``runtime/saved.py``)."""
         watch, recorder = self._watch, self.values.recorder
         if (not self.decisions or watch is None or watch.model_packs is None
                 or recorder is None or recorder.quiet
@@ -467,13 +469,16 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
 #     profiled step's sizes and ops. A model that skips layers at random (LayerDrop:
 #     Whisper's encoder_layerdrop, Wav2Vec2's layerdrop, OPT's) or branches on its data
 #     takes another path on some steps; the runtime finds it in forward, at the first
-#     save or watched op that differs, or as the model returns having saved more or
-#     fewer tensors than the profiled step had by then (``StepProfile.model_saves``: a
-#     skipped layer whose saves matched the next one's). The model's forward is called
-#     through a guard (``guard_forward``): there, before backward began, the step's
-#     changes are put back (the buffers and the RNG, NOTE [refusals leave no trace]), the
-#     plan steps aside for the rest of the block, and the model's forward runs again as
-#     plain PyTorch, drawing what it drew, under saved-tensor hooks of its own
+#     save or watched op that differs, as it saves one tensor more than the profiled step
+#     had by the model's return (``StepProfile.model_saves``) or holds more saved bytes
+#     than the plan simulated (NOTE [a longer path holds no more than the profiled step]
+#     in ``runtime/saved.py``), or as the model returns having saved fewer tensors than
+#     the profiled step (a skipped layer whose saves matched the next one's). The
+#     model's forward is called through a guard (``guard_forward``): there, before
+#     backward began, the step's changes are put back (the buffers and the RNG, NOTE
+#     [refusals leave no trace]), the plan steps aside for the rest of the block, and the
+#     model's forward runs again as plain PyTorch, drawing what it drew, under
+#     saved-tensor hooks of its own
 #     (``OffPathSaves`` in ``runtime/saved.py``; said once per plan object,
 #     ``PathNotice``; ``stats.off_path``).
 #     Kept as plain PyTorch keeps them, that step's activations peaked at plain PyTorch's

@@ -12,10 +12,10 @@ from slackswap.core.plan import MIN_PLANNED_BYTES, Decision, Plan
 from slackswap.core.profile import StepProfile
 from slackswap.errors import InputError
 from slackswap.sim.schedule import build_schedule
-from slackswap.sim.simulate import offload_frees
+from slackswap.sim.simulate import offload_frees, simulate
 
-__all__ = ["Prepared", "prepare", "prepared", "offload_deadlines", "checkpoint_releases",
-           "check_recomputable"]
+__all__ = ["Prepared", "prepare", "prepared", "offload_deadlines", "held_limit",
+           "checkpoint_releases", "check_recomputable"]
 
 T = TypeVar("T")
 
@@ -94,6 +94,19 @@ def offload_deadlines(profile: StepProfile, plan: Plan) -> dict[str, int]:
             return offload_frees(profile, plan)
         except InputError:
             return {}
+    return prepared(profile, plan, make)
+
+
+def held_limit(profile: StepProfile, plan: Plan) -> int | None:
+    """The most device memory the simulated step holds under the plan (its peak), above
+    which a step's saved activations are off the profiled path (NOTE [a longer path
+    holds no more than the profiled step] in ``runtime/saved.py``); once per plan. None
+    where the profile's hardware cannot be loaded here."""
+    def make() -> int | None:
+        try:
+            return simulate(profile, plan).peak_bytes
+        except InputError:
+            return None
     return prepared(profile, plan, make)
 
 
