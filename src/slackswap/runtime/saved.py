@@ -258,6 +258,9 @@ class SavedValues:
         # holds no more than the profiled step]
         self.pack_limit = watch.model_packs if watch is not None else None
         self.held_limit = held_limit if held_limit is not None else _NO_LIMIT
+        # the places where the profiled step saved a tensor from outside it
+        self.outside = frozenset(n for n in watch.pack_names if n is not None and n.startswith(
+            ("external:", "input:"))) if watch is not None else frozenset()
         # across steps, by value; each lives as long as a packed handle for it does, so a
         # second backward through a retained graph can reload or rebuild it again
         self.host: dict[Value, torch.Tensor] = {}  # host copies
@@ -286,7 +289,14 @@ class SavedValues:
         # saved values resident on the device -> (bytes, storage key)
         self.held: dict[Any, tuple[int, int]] = {}
         self.holders: dict[int, int] = {}  # storage key -> how many of ``held`` hold it
+        # kept saves in the step's own places: storage key -> bytes, and their sum
+        # (NOTE [a longer path holds no more than the profiled step])
+        self.sized: dict[int, int] = {}
+        self.sized_bytes = 0
         self.checked = False
+        # the saves the model's forward may make in this step, until it returns (NOTE [a
+        # longer path holds no more than the profiled step]; ``apply.run_forward``)
+        self.limit_now = self.pack_limit
         # weak references to this step's handles over activations, packed in the model's
         # forward (NOTE [a step off the profiled path])
         self.made: list[Any] = []
@@ -301,7 +311,7 @@ class SavedValues:
         if copies.undated:  # NOTE [buffers held by events]
             copies.poll()
         name = recorder.next_pack() if recorder is not None else None
-        limit = self.pack_limit
+        limit = self.limit_now
         if limit is not None and recorder.packs_seen > limit and self.in_forward:
             raise _longer_path(limit)
         if type(t) is _PARAMETER:  # a weight as the model holds it (a third of the saves
@@ -344,7 +354,7 @@ class SavedValues:
         pending, handles = self.pending, self.handles
         if decision == _KEEP:
             kept = state.kept(t, key, node)
-            self.hold(vkey, nbytes, key)
+            self.hold(vkey, nbytes, key, name is not None and name not in self.outside)
             packed = _Packed(self, _KEEP, vkey, name, node, t, kept)
             pending[vkey] = pending.get(vkey, 0) + 1  # self._count(vkey), inlined
             handles[vkey] = handles.get(vkey, 0) + 1
@@ -568,20 +578,26 @@ class SavedValues:
             raise not_produced(missing)
 
     # -- what is resident, and reloads -------------------------------------------------
-    def hold(self, key: Any, nbytes: int, storage: int) -> None:
+    def hold(self, key: Any, nbytes: int, storage: int, sized: bool = False) -> None:
         """Count ``storage`` (its key) resident under ``key`` (a value, or a checkpoint's
         ``(storage, None)``): its bytes once however many keys hold it. One storage may
         be held under two values that are one: saved first where no node stood for it
         (value ``(storage, 0)``), then after a watched op read it and so gave it one
-        (``(storage, 1)``), as T5's layer norm saves its input twice."""
+        (``(storage, 1)``), as T5's layer norm saves its input twice. ``sized``: a save
+        in a place of the step's own (not one where the profiled step saved a tensor from
+        outside it), counted against the simulated peak too (NOTE [a longer path holds no
+        more than the profiled step])."""
         if key in self.held:
             return
         holders = self.holders.get(storage, 0)
         if holders == 0:
-            stats = self.stats
-            if stats.resident_bytes + nbytes > self.held_limit and self.in_forward:
-                raise _held_more(self.held_limit)  # NOTE [a longer path holds no more ...]
-            stats._hold(nbytes)
+            if sized and self.in_forward:
+                total = self.sized_bytes + nbytes
+                if total > self.held_limit:
+                    raise _held_more(self.held_limit)
+                self.sized_bytes = total
+                self.sized[storage] = nbytes
+            self.stats._hold(nbytes)
         self.held[key] = (nbytes, storage)
         self.holders[storage] = holders + 1
 
@@ -596,6 +612,8 @@ class SavedValues:
         else:
             del self.holders[storage]
             self.stats.resident_bytes -= nbytes
+            if self.sized and self.sized.pop(storage, None) is not None:
+                self.sized_bytes -= nbytes
 
     def bring_back(self, vkey: Value, base: torch.Tensor) -> None:
         self.back[vkey] = base
@@ -874,15 +892,24 @@ def _longer_path(limit: int) -> PathChanged:
 #     - a step is off the profiled path as it saves one tensor more than the profiled
 #       step had by the model's return (``pack_limit``, one comparison a pack, as under a
 #       plan that keeps everything: NOTE [a longer path under a plan that keeps
-#       everything]);
-#     - and as the saved activations the runtime keeps on the device (``stats.
-#       resident_bytes``: kept saves and checkpoints, each storage once) would go past
-#       the simulated step's peak under the plan (``held_limit`` in ``runtime/checks.py``,
-#       once per plan, about 0.1 s on gpt2-xl@12; it counts the step's temporaries
-#       too, so the profiled path stays within it, as ``benchmarks/scout_families.py``
-#       checks of every family), checked in ``hold`` before the storage is counted, one
-#       comparison a kept storage. A path that holds no more than that runs on,
-#       whatever its saves' sizes.
+#       everything]), until its forward returns (``limit_now``): the model's own forward
+#       hooks save after that, as the profiled step counts (NOTE [the saves by the
+#       model's return] in ``profiling/step.py``; a hook of the user's that changes the
+#       model's output sent every step off the path);
+#     - and as the kept saves in the step's own places (all but those where the profiled
+#       step saved a tensor from outside the step, ``external:N`` and ``input:KEY``; each
+#       storage once) would hold more than the simulated step's peak under the plan
+#       (``held_limit`` in ``runtime/checks.py``, once per plan, about 0.1 s on
+#       gpt2-xl@12; it counts the step's temporaries too, so the profiled path stays
+#       within it, as ``benchmarks/scout_families.py`` checks of every family), checked
+#       in ``hold`` before the storage is counted, one comparison a kept storage. A path
+#       that holds no more than that runs on, whatever its saves' sizes. Only those saves: the
+#       runtime also keeps what the simulator does not count as the step's activations,
+#       and all it keeps (``stats.resident_bytes``) passed the peak on the profiled path:
+#       a second call of the model in one autocast region, profiled with the first
+#       call's weight casts cached, saves those casts (``external:N`` in its profile, 32
+#       KiB each in the test's MLP) as the runtime's own kept tensors, and the step went
+#       off the path every time (test_attach's autocast test).
 #     Both go off the path before the save that would pass them is held: the step runs
 #     again as plain PyTorch saving to host memory, within the budget (NOTE [a step off
 #     the profiled path] in ``runtime/block.py``). Neither compares a save with the
