@@ -95,7 +95,12 @@ def test_a_plan_trains_a_layerdrop_model_as_plain_pytorch(factory) -> None:
     model.train()
     reference = copy.deepcopy(model)
     torch.manual_seed(100)
-    plan = slackswap.plan(model, batch, budget=0.5, hardware="a100-80gb")
+    # offload-only: SlackSwap's own plan at half the peak offloads only on these models
+    # (Whisper's is this plan; OPT's keeps two more, wav2vec2's more), and the runtime
+    # runs a plan's decisions whatever made them; the search took 5-12 s a model, most of
+    # the test (tests/test_runtime.py and test_host_work.py run SlackSwap's plans)
+    plan = slackswap.plan(model, batch, budget=0.5, hardware="a100-80gb",
+                          strategy="offload-only")
     assert any(d != "keep" for d in plan.decisions.values())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PathNotice)
@@ -143,13 +148,16 @@ def _measured(model, batch, seed: int, plan=None, profile=None) -> tuple:
 
 @functools.cache
 def _planned(factory):
-    """The model, batch, its profile from seed 0 and SlackSwap's plan at half its peak."""
+    """The model, batch, its profile from seed 0 and SlackSwap's plan at half its peak
+    (Switch's: the offload-only plan, which is the plan SlackSwap's search makes for it,
+    decision for decision, in 0.2 s rather than 7 s)."""
     torch.manual_seed(0)
     model, batch = factory()
     model.train()
     torch.manual_seed(0)
     profile = slackswap.profile(copy.deepcopy(model), copy.deepcopy(batch), mode="traced")
-    return model, batch, profile, slackswap.plan(profile, 0.5)
+    strategy = "offload-only" if factory is _switch else "slackswap"
+    return model, batch, profile, slackswap.plan(profile, 0.5, strategy=strategy)
 
 
 def _off_path_step(model, batch, plan, profile):
