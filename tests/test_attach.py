@@ -479,7 +479,9 @@ def test_hf_trainer_three_steps_bit_identical(tmp_path: Path) -> None:
     model, data = tiny_lm()
     reference = copy.deepcopy(model)
     expected = train(reference, data, [])
-    callback = SlackSwapCallback(budget=0.5)
+    # offload-only: SlackSwap's plan of this step keeps and offloads (no rebuild), and its
+    # search took 12 s, most of the test
+    callback = SlackSwapCallback(budget=0.5, strategy="offload-only")
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="SlackSwapCallback")  # the step planned
         assert train(model, data, [callback]) == expected
@@ -631,7 +633,9 @@ def test_a_deep_copy_of_an_attached_model_is_not_attached() -> None:
     model, data = tiny_lm()
     batch = {k: torch.stack([d[k] for d in data[:2]]) for k in data[0]}
     hooks = global_hooks()
-    attached = slackswap.attach(model, budget=0.5)
+    # offload-only (here and below): SlackSwap's plan of this step keeps and offloads, no
+    # rebuild, and its search was seconds of the test
+    attached = slackswap.attach(model, budget=0.5, strategy="offload-only")
     ema = torch.optim.swa_utils.AveragedModel(model)
     snapshot, again = copy.deepcopy(model), copy.deepcopy(model)
     attached.detach()
@@ -647,7 +651,8 @@ def test_a_deep_copy_of_an_attached_model_is_not_attached() -> None:
         ema(**batch)
     assert nothing_left(ema.module, hooks)
 
-    with slackswap.attach(again, budget=0.5) as second:  # its copied hooks go first
+    # its copied hooks go first
+    with slackswap.attach(again, budget=0.5, strategy="offload-only") as second:
         assert len(again._forward_pre_hooks) == 1
         torch.manual_seed(0)
         loss = again(**batch).loss
@@ -670,7 +675,8 @@ def test_a_model_pickled_whole_under_attach_loads_as_plain_pytorch(tmp_path: Pat
     batch = {k: torch.stack([d[k] for d in data[:2]]) for k in data[0]}
     hooks = global_hooks()
     reference = copy.deepcopy(model)
-    attached = slackswap.attach(model, budget=0.5)
+    # offload-only (here and below): as in the deep copy's test above
+    attached = slackswap.attach(model, budget=0.5, strategy="offload-only")
     torch.manual_seed(0)
     model(**batch).loss.backward()
     assert attached.plans
@@ -687,7 +693,8 @@ def test_a_model_pickled_whole_under_attach_loads_as_plain_pytorch(tmp_path: Pat
     assert_same(grads(loaded), grads(reference))
     assert nothing_left(loaded, hooks) and "forward" not in loaded.__dict__
 
-    with slackswap.attach(again, budget=0.5) as second:  # its loaded hooks go first
+    # its loaded hooks go first
+    with slackswap.attach(again, budget=0.5, strategy="offload-only") as second:
         torch.manual_seed(0)
         again(**batch).loss.backward()
     assert len(second.plans) == 1 and second.stats.offloaded_bytes > 0
