@@ -195,7 +195,7 @@ def test_cli_auto_takes_a_calibrated_file_from_the_environment(tmp_path, monkeyp
     write_hardware(calibrated_hardware(load_hardware("h200"), measured), path)
     _on_a_gpu(monkeypatch, "NVIDIA H200")
     monkeypatch.setenv(machine.HARDWARE_ENV, str(path))
-    args = ["plan", "gpt2-xl-tiny", "--budget", "0.8"]
+    args = ["plan", "gpt2-xl-tiny", "--budget", "0.8", "--strategy", "offload-only"]
     result = CliRunner().invoke(main, [*args, "--hardware", "auto"])
     assert result.exit_code == 0, result.output
     assert result.stderr == (f"note: hardware 'auto': h200-calibrated from "
@@ -230,9 +230,9 @@ def test_the_template_round_trips(tmp_path) -> None:
         assert getattr(hw, table) == getattr(preset, table), table
     # every figure carries a comment or a line above it saying what it is
     assert HARDWARE_TEMPLATE.count("#") > 25
-    # and the command line plans with it
+    # and the command line plans with it (offload-only: the file is checked, not the search)
     result = CliRunner().invoke(main, ["plan", "gpt2-xl-tiny", "--budget", "0.8",
-                                       "--hardware", str(path)])
+                                       "--strategy", "offload-only", "--hardware", str(path)])
     assert result.exit_code == 0, result.output
     assert "on my-gpu" in result.stdout
 
