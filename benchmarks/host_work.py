@@ -73,15 +73,17 @@ def no_packed_sequence_check() -> Any:
 
 
 def meta_workload(model: str, layers: int | None, budget: float, strategy: str,
-                  hardware: str = "h200") -> tuple[Any, dict, Any, Any]:
+                  hardware: str = "h200", cached: bool = False) -> tuple[Any, dict, Any, Any]:
     """The preset on the meta device, its profile (traced there, under the CUDA kernel
-    rewrites the analytic profiler uses, priced for ``hardware``) and its plan."""
+    rewrites the analytic profiler uses, priced for ``hardware``) and its plan;
+    ``cached``: the plan from the plan cache (NOTE [plan cache]: the trace on the meta
+    device is the same every run) where an earlier call made it."""
     name = with_layers(model, layers)
     net, batch = build_model(name, dtype="bf16", fake=False, device="meta")
     batch = {k: v.to("meta") for k, v in batch.items()}
     with TargetKernels("cuda", dense_masks_are_causal=True), no_packed_sequence_check():
         profile = slackswap.profile(net, batch, hardware, mode="traced", name=name)
-    plan = slackswap.plan(profile, budget, hardware, strategy=strategy)
+    plan = slackswap.plan(profile, budget, hardware, strategy=strategy, cached=cached)
     return net, batch, plan, profile
 
 

@@ -95,7 +95,12 @@ def test_a_plan_trains_a_layerdrop_model_as_plain_pytorch(factory) -> None:
     model.train()
     reference = copy.deepcopy(model)
     torch.manual_seed(100)
-    plan = slackswap.plan(model, batch, budget=0.5, hardware="a100-80gb")
+    # offload-only: SlackSwap's own plan at half the peak offloads only on these models
+    # (Whisper's is this plan; OPT's keeps two more, wav2vec2's more), and the runtime
+    # runs a plan's decisions whatever made them; the search took 5-12 s a model, most of
+    # the test (tests/test_runtime.py and test_host_work.py run SlackSwap's plans)
+    plan = slackswap.plan(model, batch, budget=0.5, hardware="a100-80gb",
+                          strategy="offload-only")
     assert any(d != "keep" for d in plan.decisions.values())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PathNotice)
@@ -113,7 +118,9 @@ def test_attach_trains_a_layerdrop_model_as_plain_pytorch() -> None:
     forward = model.forward
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with slackswap.attach(model, budget=0.5, hardware="a100-80gb") as attached:
+        # offload-only: SlackSwap's plan of Whisper's step (as in the test above)
+        with slackswap.attach(model, budget=0.5, hardware="a100-80gb",
+                              strategy="offload-only") as attached:
             got = _train(model, batch, 5)
     _assert_same(got, _train(reference, batch, 5))
     assert attached.plans and "forward" not in model.__dict__ and model.forward == forward
@@ -143,13 +150,16 @@ def _measured(model, batch, seed: int, plan=None, profile=None) -> tuple:
 
 @functools.cache
 def _planned(factory):
-    """The model, batch, its profile from seed 0 and SlackSwap's plan at half its peak."""
+    """The model, batch, its profile from seed 0 and SlackSwap's plan at half its peak
+    (Switch's: the offload-only plan, which is the plan SlackSwap's search makes for it,
+    decision for decision, in 0.2 s rather than 7 s)."""
     torch.manual_seed(0)
     model, batch = factory()
     model.train()
     torch.manual_seed(0)
     profile = slackswap.profile(copy.deepcopy(model), copy.deepcopy(batch), mode="traced")
-    return model, batch, profile, slackswap.plan(profile, 0.5)
+    strategy = "offload-only" if factory is _switch else "slackswap"
+    return model, batch, profile, slackswap.plan(profile, 0.5, strategy=strategy)
 
 
 def _off_path_step(model, batch, plan, profile):
@@ -293,7 +303,9 @@ def test_a_buffer_the_first_try_resized_is_put_back_before_the_second() -> None:
     model, x = _Counting(), torch.randn(256, 64)
     torch.manual_seed(0)
     profile = slackswap.profile(copy.deepcopy(model), x, mode="traced")
-    plan = slackswap.plan(profile, 0.7, "a100-80gb")
+    # offload-only: SlackSwap's plan here too (every activation offloaded), without the
+    # search (1 s a test; the same in the test below)
+    plan = slackswap.plan(profile, 0.7, "a100-80gb", strategy="offload-only")
     for seed in range(1, 10):
         planned, plain = copy.deepcopy(model), copy.deepcopy(model)
         torch.manual_seed(seed)
@@ -367,7 +379,7 @@ def test_a_python_attribute_the_first_try_set_is_put_back_before_the_second(kind
                                                "tensor": ["calls", "mem"],
                                                "replaced": ["calls", "mem"],
                                                "resized": ["calls", "mem"]}[kind]}
-    plan = slackswap.plan(profile, 0.7, "a100-80gb")
+    plan = slackswap.plan(profile, 0.7, "a100-80gb", strategy="offload-only")  # (above)
     planned, plain = copy.deepcopy(model), copy.deepcopy(model)
     block, off_path = slackswap.apply(planned, plan, profile=profile), 0
     for seed in range(1, 8):
