@@ -288,9 +288,7 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         profiled path before backward began (NOTE [a step off the profiled path])."""
         try:
             out = forward(*args, **kwargs)
-            # the model's own forward hooks save after this (NOTE [the saves by the
-            # model's return] in ``profiling/step.py``), past the profiled step's count
-            self.values.limit_now = None
+            self.values.forward_returned()
             said = self._other_saves()
             if said is None or self._before is None or self.values.checked:
                 return out

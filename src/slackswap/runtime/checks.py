@@ -44,13 +44,15 @@ def prepared(profile: StepProfile, plan: Plan, make: Callable[[], T]) -> T:
     decisions and prefetch points stay as they were), keyed by what ``make`` is."""
     key = (id(plan), getattr(make, "__qualname__", id(make)))
     state = (dict(plan.decisions), dict(plan.prefetch))
-    cached = _PREPARED.get(key)
+    cached = _PREPARED.pop(key, None)
     if (cached is not None and cached[0]() is plan and cached[1]() is profile
             and cached[2] == state):
+        _PREPARED[key] = cached  # the most recently used last
         return cached[3]
     value = make()
-    if len(_PREPARED) >= 64:
-        _PREPARED.clear()
+    if len(_PREPARED) >= 64:  # the least recently used goes (a dict keeps its order;
+        # functools' caches key by the arguments, not by a weak reference to a plan)
+        del _PREPARED[next(iter(_PREPARED))]
     _PREPARED[key] = (weakref.ref(plan), weakref.ref(profile), state, value)
     return value
 

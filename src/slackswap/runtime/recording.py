@@ -448,8 +448,8 @@ _EVENTS: dict[tuple[int, int], _Events] = {}
 
 def _remember(watch: Watch, model: torch.nn.Module,
               learned: list[tuple[torch.nn.Module, bool]]) -> None:
-    if len(_EVENTS) >= 64:
-        _EVENTS.clear()
+    if len(_EVENTS) >= 64:  # the oldest goes (a dict keeps its order)
+        del _EVENTS[next(iter(_EVENTS))]
     _EVENTS[id(watch), id(model)] = _Events(model, watch, learned)
 
 

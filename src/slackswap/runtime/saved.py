@@ -297,6 +297,7 @@ class SavedValues:
         # the saves the model's forward may make in this step, until it returns (NOTE [a
         # longer path holds no more than the profiled step]; ``apply.run_forward``)
         self.limit_now = self.pack_limit
+        self.held_now = self.held_limit
         # weak references to this step's handles over activations, packed in the model's
         # forward (NOTE [a step off the profiled path])
         self.made: list[Any] = []
@@ -394,6 +395,13 @@ class SavedValues:
         if self.in_forward:
             self.made.append(ref)
         return packed
+
+    def forward_returned(self) -> None:
+        """The model's forward returned: its own forward hooks save after this, past the
+        profiled step's count (NOTE [the saves by the model's return] in
+        ``profiling/step.py``), unchecked by NOTE [a longer path holds no more than the
+        profiled step]."""
+        self.limit_now, self.held_now = None, _NO_LIMIT
 
     def _made(self, handle: _H) -> _H:
         """A handle over an activation: let go of should the step run again (NOTE [a step
@@ -593,7 +601,7 @@ class SavedValues:
         if holders == 0:
             if sized and self.in_forward:
                 total = self.sized_bytes + nbytes
-                if total > self.held_limit:
+                if total > self.held_now:
                     raise _held_more(self.held_limit)
                 self.sized_bytes = total
                 self.sized[storage] = nbytes
@@ -892,10 +900,7 @@ def _longer_path(limit: int) -> PathChanged:
 #     - a step is off the profiled path as it saves one tensor more than the profiled
 #       step had by the model's return (``pack_limit``, one comparison a pack, as under a
 #       plan that keeps everything: NOTE [a longer path under a plan that keeps
-#       everything]), until its forward returns (``limit_now``): the model's own forward
-#       hooks save after that, as the profiled step counts (NOTE [the saves by the
-#       model's return] in ``profiling/step.py``; a hook of the user's that changes the
-#       model's output sent every step off the path);
+#       everything]);
 #     - and as the kept saves in the step's own places (all but those where the profiled
 #       step saved a tensor from outside the step, ``external:N`` and ``input:KEY``; each
 #       storage once) would hold more than the simulated step's peak under the plan
@@ -910,7 +915,11 @@ def _longer_path(limit: int) -> PathChanged:
 #       call's weight casts cached, saves those casts (``external:N`` in its profile, 32
 #       KiB each in the test's MLP) as the runtime's own kept tensors, and the step went
 #       off the path every time (test_attach's autocast test).
-#     Both go off the path before the save that would pass them is held: the step runs
+#     Both hold until the model's forward returns (``forward_returned``): its own forward
+#     hooks save after that, as the profiled step counts (NOTE [the saves by the model's
+#     return] in ``profiling/step.py``; a hook of the user's that changes the model's
+#     output sent every step off the path). Both go off the path before the save that
+#     would pass them is held: the step runs
 #     again as plain PyTorch saving to host memory, within the budget (NOTE [a step off
 #     the profiled path] in ``runtime/block.py``). Neither compares a save with the
 #     profiled one in its place: a mixture of experts routes other token counts to each
