@@ -122,6 +122,53 @@ def test_plain_loop_is_bit_identical_with_a_plan_per_shape() -> None:
     assert attached.stats.recomputed_ops > 0 and attached.stats.offloaded_bytes > 0
 
 
+def test_a_planned_step_walks_the_model_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [the model checked in one walk]: once a shape is planned, a step under attach
+    walks the model once (the plan's key and the block's checks read the same walk) and
+    fingerprints it not at all; a change the walk sees (a parameter frozen between steps)
+    still plans again, and training stays bit-identical to plain PyTorch."""
+    model, data = tiny_lm()
+    batch = {k: torch.stack([d[k] for d in data[:2]]) for k in data[0]}
+    plain = copy.deepcopy(model)
+    walks, prints = [0], [0]
+    walk, fingerprint = block._Walk.__init__, block.model_fingerprint
+
+    def counted_walk(self: object, m: torch.nn.Module) -> None:
+        walks[0] += 1
+        walk(self, m)
+
+    def counted_print(*args: object, **kwargs: object) -> str:
+        prints[0] += 1
+        return fingerprint(*args, **kwargs)
+
+    monkeypatch.setattr(block._Walk, "__init__", counted_walk)
+    from slackswap.profiling import step as profiling_step
+    from slackswap.runtime import attach as runtime_attach
+    for holder in (block, runtime_attach, profiling_step):  # wherever it is called from
+        if hasattr(holder, "model_fingerprint"):
+            monkeypatch.setattr(holder, "model_fingerprint", counted_print)
+
+    def step(net: torch.nn.Module, freeze: bool = False) -> torch.Tensor:
+        if freeze:
+            net.transformer.wte.weight.requires_grad_(False)
+        net(**batch).loss.backward()
+        return net.lm_head.weight.grad.clone()
+
+    attached = slackswap.attach(model, budget=0.5, strategy="offload-only")
+    torch.manual_seed(2)  # dropout draws alike in both runs
+    got = [step(model)]  # planned in this step
+    walks[0] = prints[0] = 0
+    got += [step(model), step(model)]
+    assert (walks[0], prints[0]) == (2, 0)
+    got.append(step(model, freeze=True))
+    assert len(attached.plans) == 2  # (the plan made in that step fingerprints it)
+    torch.manual_seed(2)
+    want = [step(plain), step(plain), step(plain), step(plain, freeze=True)]
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    attached.detach()
+
+
 def test_a_model_trained_in_eval_mode_is_planned() -> None:
     """A model left in ``eval()`` (dropout off) with parameters that require grad, then
     trained: each step records a graph for backward, so it runs under a plan (it used to

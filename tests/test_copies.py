@@ -73,7 +73,8 @@ def test_offloads_go_at_their_deadline_or_when_done() -> None:
         # deadlines: op 5, op 3, none (freed only when done), op 3
         for group, (event, t, due) in enumerate(zip(events, tensors, [5, 3, None, 3],
                                                     strict=True)):
-            copies._in_flight(event, t, torch.empty(1024, dtype=torch.uint8), due, group)
+            copies._in_flight(event, [(t, torch.empty(1024, dtype=torch.uint8), due, 0, None)],
+                              group)
 
         def held() -> list[int]:  # the copies whose device tensor is still held, anywhere
             entries = [*copies._offloads, *(due[2] for due in copies.due)]

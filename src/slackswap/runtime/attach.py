@@ -53,11 +53,10 @@ from slackswap.profiling.step import (
     ATTACHED,
     check_attach,
     eager_module,
-    model_fingerprint,
     own_loss,
     refuse_functorch,
 )
-from slackswap.runtime.block import apply, guard_forward, unguard
+from slackswap.runtime.block import apply, guard_forward, unguard, walk_model
 from slackswap.runtime.oneshot import autocast_state, plan_model
 from slackswap.runtime.stats import RuntimeStats
 
@@ -183,11 +182,19 @@ class Attached:
                              "torch.compile")
         # NOTE [a step inside a torch.func transform]: before the batch is copied to plan
         refuse_functorch("slackswap.attach: ")
-        key = self._key(module, args, kwargs)
+        # NOTE [the model checked in one walk]: the plan's key and the block's checks
+        # read one walk of the model
+        eager = eager_module(module)
+        walked = walk_model(eager)
+        key = self._key(walked[1].digest, args, kwargs, module)
         plan = self.plans.get(key)
-        if plan is None:
+        block = apply(module, plan) if plan is not None else None
+        if block is None:  # (the profiled step may resize buffers: the block walks again)
             plan = self.plans[key] = self._plan(module, args, kwargs)
-        self._open(apply(module, plan), module, args, kwargs)
+            block = apply(module, plan)
+        elif block.model is eager:  # (the model the block checks)
+            block.use_walk(walked)
+        self._open(block, module, args, kwargs)
 
     def _open(self, block: apply, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         """Open ``block`` inside the model's call (NOTE [a block opened inside the
@@ -227,17 +234,17 @@ class Attached:
             block.__exit__(None, None, None)
 
     # -- plans by batch shape ------------------------------------------------------------
-    def _key(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
-        """What a plan is made for: the model, every tensor's shape and dtype (inside
-        containers too), the other arguments, and the autocast state."""
+    def _key(self, digest: str, args: tuple, kwargs: dict, module: torch.nn.Module) -> tuple:
+        """What a plan is made for: the model (``digest``: its fingerprint), every
+        tensor's shape and dtype (inside containers too), the other arguments, and the
+        autocast state."""
         def leaf(x: Any) -> Any:
             if isinstance(x, torch.Tensor):
                 return (tuple(x.shape), x.dtype, x.device, x.requires_grad)
             return x if isinstance(x, _SCALARS) else type(x).__qualname__
 
         leaves, spec = _pytree.tree_flatten((args, kwargs))
-        return (model_fingerprint(module), str(spec), tuple(map(leaf, leaves)),
-                autocast_state(module))
+        return (digest, str(spec), tuple(map(leaf, leaves)), autocast_state(module))
 
     def _plan(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Plan:
         # the profiled step runs on copies: a model that changes its inputs in place

@@ -32,6 +32,9 @@ class Prepared:
     # NOTE [offloads issued in groups]: offloaded activation -> the pack (by index) that
     # issues its group's copies
     issued_at: dict[str, int]
+    # the plan's decisions other than keep that the runtime carries out: an offloaded
+    # checkpoint no rebuild reads is not copied (the step has no use for it)
+    moved: dict[str, Decision]
 
 
 # id(plan) -> (plan, profile, its decisions and prefetch points, what was worked out), by
@@ -43,12 +46,12 @@ def prepared(profile: StepProfile, plan: Plan, make: Callable[[], T]) -> T:
     """``make()``, worked out once for this plan and profile (as long as the plan's
     decisions and prefetch points stay as they were), keyed by what ``make`` is."""
     key = (id(plan), getattr(make, "__qualname__", id(make)))
-    state = (dict(plan.decisions), dict(plan.prefetch))
     cached = _PREPARED.pop(key, None)
     if (cached is not None and cached[0]() is plan and cached[1]() is profile
-            and cached[2] == state):
+            and cached[2][0] == plan.decisions and cached[2][1] == plan.prefetch):
         _PREPARED[key] = cached  # the most recently used last
         return cached[3]
+    state = (dict(plan.decisions), dict(plan.prefetch))  # copies: compared next time
     value = make()
     if len(_PREPARED) >= 64:  # the least recently used goes (a dict keeps its order;
         # functools' caches key by the arguments, not by a weak reference to a plan)
@@ -67,12 +70,13 @@ def prepare(profile: StepProfile, plan: Plan) -> Prepared:
         issues = offload_issues(profile, {c.tensor for c in schedule.d2h})
         need = {profile.tensors[c.tensor].name: i
                 for i, c in enumerate(schedule.h2d)}
+        checkpoints = checkpoint_releases(profile, plan)
         order = sorted(plan.prefetch.items(),
                        key=lambda kv: (kv[1], need.get(kv[0], len(need)), kv[0]))
         return Prepared(
             first_use={n: t.first_backward_use for n, t in profile.by_name.items()
                        if t.first_backward_use is not None},
-            checkpoints=checkpoint_releases(profile, plan),
+            checkpoints=checkpoints,
             prefetch=order,
             offloaded_bytes=sum(
                 t.bytes for n, d in plan.decisions.items()
@@ -82,6 +86,8 @@ def prepare(profile: StepProfile, plan: Plan) -> Prepared:
             produced_at={n: t.producer for n, t in profile.by_name.items()
                          if t.producer is not None},
             issued_at={profile.tensors[tid].name: j for tid, j in issues.items()},
+            moved={n: d for n, d in plan.decisions.items() if d != Decision.KEEP and (
+                n not in profile.checkpointable or n in checkpoints)},
         )
     return prepared(profile, plan, make)
 

@@ -101,6 +101,8 @@ class HostCopies:
         # (tensor, host buffer, deadline, bytes, storage key), and their storages
         self._waiting: list[tuple[torch.Tensor, torch.Tensor, int | None, int, int]] = []
         self._waiting_keys: set[int] = set()
+        # the soonest deadline among them (None: none has one), read by ``free_due``
+        self._waiting_due: int | None = None
 
     # -- the pool ----------------------------------------------------------------------
     @property
@@ -117,8 +119,9 @@ class HostCopies:
               like: torch.Tensor) -> torch.Tensor:
         """A host buffer of ``nbytes``, laid out as ``like`` (NOTE [host copies laid out as
         their tensors]): pooled where one of that size is free, else new."""
-        self._out_bytes += nbytes
-        self._most_out = max(self._most_out, self._out_bytes)
+        out = self._out_bytes = self._out_bytes + nbytes
+        if out > self._most_out:
+            self._most_out = out
         free = self._free.get(nbytes)
         if free:
             host = free.pop()
@@ -207,6 +210,9 @@ class HostCopies:
         host = self._take(nbytes, link, stats, source)
         self._waiting.append((source, host, free_before, nbytes, key))
         self._waiting_keys.add(key)
+        if free_before is not None and (self._waiting_due is None
+                                        or free_before < self._waiting_due):
+            self._waiting_due = free_before
         if issue:
             self.issue()
         return host
@@ -219,7 +225,7 @@ class HostCopies:
         waiting = self._waiting
         if not waiting:
             return
-        self._waiting, self._waiting_keys = [], set()
+        self._waiting, self._waiting_keys, self._waiting_due = [], set(), None
         device = waiting[0][0].device
         if len(waiting) > 1 and any(w[0].device != device for w in waiting):  # a model
             # over several devices
@@ -227,6 +233,7 @@ class HostCopies:
                 self._waiting = [w]
                 self.issue()
             return
+
         link = self.link(device)
         if link is None:  # synchronous: each copy done as it is issued
             with streams.unseen():
@@ -240,9 +247,7 @@ class HostCopies:
         link.copy_storages(d2h, waiting)
         event = link.event()
         event.record(d2h)
-        group = next(self._groups)
-        for t, host, free_before, _, key in waiting:
-            self._in_flight(event, t, host, free_before, group, key)
+        self._in_flight(event, waiting, next(self._groups))
 
     def snapshot(self, t: torch.Tensor, slot: int) -> torch.Tensor:
         """A copy of ``t`` in host memory (a model buffer the step may change, NOTE
@@ -260,26 +265,31 @@ class HostCopies:
         link.copy(host, t.detach())
         return host
 
-    def _in_flight(self, event: Any, t: torch.Tensor, host: torch.Tensor,
-                   free_before: int | None, group: int, key: int | None = None) -> None:
-        """Hold what an offload's copy reads and writes until ``event`` (or the deadline)."""
+    def _in_flight(self, event: Any, waiting: list[tuple[Any, ...]], group: int) -> None:
+        """Hold what the copies of a group of offloads (``(tensor, host buffer, deadline,
+        bytes, storage key or None)`` each) read and write until ``event`` (or each one's
+        deadline): one call per group, a call per offload being itself a cost
+        (``benchmarks/host_work.py``)."""
         # t's memory is not reused, nor the buffer handed out again, before the copy
         # (t: detached, out of the recorder's sight)
-        if key is None:
-            key = storage_key(t)
-        entry = [event, t, host, key, free_before, group]
-        self._offloads.append(entry)
-        if free_before is not None:
-            heapq.heappush(self.due, (free_before, next(self._issued), entry))
-        else:
-            self.undated += 1
-        self._busy[id(host)] = event
-        self._reading[key] = (event, t.device)
+        offloads, due, issued = self._offloads, self.due, self._issued
+        busy, reading, push = self._busy, self._reading, heapq.heappush
+        for t, host, free_before, _, key in waiting:
+            if key is None:
+                key = storage_key(t)
+            entry = [event, t, host, key, free_before, group]
+            offloads.append(entry)
+            if free_before is not None:
+                push(due, (free_before, next(issued), entry))
+            else:
+                self.undated += 1
+            busy[id(host)] = event
+            reading[key] = (event, t.device)
 
     def free_due(self, position: int, stats: RuntimeStats) -> None:
         """Let go of the device tensors of offloads due to be freed before the op after
         ``position``: NOTE [offloads free where simulated]."""
-        if any(w[2] is not None and w[2] <= position + 1 for w in self._waiting):
+        if self._waiting_due is not None and self._waiting_due <= position + 1:
             self.issue()  # (not met where simulated: a group is issued before its deadlines)
         waited = self._waited
         while self.due and self.due[0][0] <= position + 1:

@@ -259,8 +259,7 @@ class SavedValues:
         self.pack_limit = watch.model_packs if watch is not None else None
         self.held_limit = held_limit if held_limit is not None else _NO_LIMIT
         # the places where the profiled step saved a tensor from outside it
-        self.outside = frozenset(n for n in watch.pack_names if n is not None and n.startswith(
-            ("external:", "input:"))) if watch is not None else frozenset()
+        self.outside = watch.outside if watch is not None else frozenset()
         # across steps, by value; each lives as long as a packed handle for it does, so a
         # second backward through a retained graph can reload or rebuild it again
         self.host: dict[Value, torch.Tensor] = {}  # host copies

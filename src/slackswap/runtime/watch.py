@@ -44,6 +44,9 @@ class Watch:
     # by their order] in ``runtime/saved.py``)
     dtypes: dict[str, str]  # id -> dtype name: a refusal says when the step's differs
     model_packs: int | None = None  # packs by the model's return (StepProfile.model_saves)
+    # the places where the profiled step saved a tensor from outside it (NOTE [a longer
+    # path holds no more than the profiled step] in ``runtime/saved.py``)
+    outside: frozenset[str] = frozenset()
 
     @property
     def watched_ops(self) -> int:
@@ -83,4 +86,7 @@ def _watch_for(profile: StepProfile, plan: Plan) -> Watch:
         bytes={n: tensors[t].bytes for n, t in ids.items() if tensors[t].producer is not None},
         dtypes={n: tensors[t].dtype for n, t in ids.items() if tensors[t].producer is not None},
         model_packs=profile.model_saves,
+        outside=frozenset(tensors[t].name for t, _ in profile.saves
+                          if t >= 0 and tensors[t].name is not None
+                          and tensors[t].name.startswith(("external:", "input:"))),
     )
