@@ -192,7 +192,7 @@ class Attached:
         if block is None:  # (the profiled step may resize buffers: the block walks again)
             plan = self.plans[key] = self._plan(module, args, kwargs)
             block = apply(module, plan)
-        elif block.model is eager:  # (the model the block checks)
+        else:  # (``block.model`` is ``eager``: the model the block checks)
             block.use_walk(walked)
         self._open(block, module, args, kwargs)
 

@@ -143,6 +143,8 @@ class HostCopies:
         self._out_bytes -= nbytes
         if self._waiting:  # its copy had not been issued: nobody needs it now
             self._waiting = [w for w in self._waiting if w[1] is not host]
+            self._waiting_due = min((w[2] for w in self._waiting if w[2] is not None),
+                                    default=None)
         limit = None if self.capacity is None else max(self.capacity, self._most_out)
         if limit is not None and self._free_bytes + nbytes > limit:
             self._busy.pop(id(host), None)
@@ -233,7 +235,6 @@ class HostCopies:
                 self._waiting = [w]
                 self.issue()
             return
-
         link = self.link(device)
         if link is None:  # synchronous: each copy done as it is issued
             with streams.unseen():
