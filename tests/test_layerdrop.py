@@ -9,9 +9,11 @@ import contextlib
 import copy
 import functools
 import gc
+import random
 import warnings
 from collections import Counter
 
+import numpy
 import pytest
 import torch
 import zoo
@@ -563,3 +565,92 @@ def test_a_longer_path_with_larger_saves_first_stays_within_the_plans_peak() -> 
                 decisions=dict.fromkeys(names, "keep"))
     peak, plain = _longer_path_run(model, reference, x, plan, profile)
     assert peak < plain, (peak, plain)
+
+
+class _NewPath(torch.nn.Module):
+    """A flag the plan cannot see turns on a branch the profiled step never ran: one that
+    counts its calls in a Python attribute, or draws from Python's ``random`` or NumPy's
+    global generator (Wav2Vec2's SpecAugment switched on after planning draws NumPy)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(64, 256), torch.nn.Linear(256, 256)
+        self.c = torch.nn.Linear(256, 64)
+        self.kind, self.extra, self.calls = kind, False, 0
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        if self.extra:
+            if self.kind == "counter":
+                self.calls += 1
+                scale = float(self.calls)
+            elif self.kind == "random":
+                scale = random.uniform(0.5, 1.5)
+            else:
+                scale = float(numpy.random.uniform(0.5, 1.5))
+            h = h * torch.sigmoid(h) * scale  # ops (and saves) the profiled step lacks
+        return self.c(torch.tanh(self.b(h))).square().mean()
+
+
+@pytest.mark.parametrize("kind", ["counter", "random", "numpy"])
+def test_a_new_path_that_draws_or_counts_on_the_host_runs_again_from_where_it_began(
+        kind) -> None:
+    """NOTE [the state a second try starts from]: a step that leaves the profiled path
+    runs forward again, and put back only what the profiled step changed: a new path's
+    call counter counted twice, its draws from Python's or NumPy's generator were drawn
+    twice, and the step's loss and gradients differed from plain PyTorch's, silently."""
+    torch.manual_seed(0)
+    model, x = _NewPath(kind), torch.randn(16, 64)
+    plan = slackswap.plan(copy.deepcopy(model), x, budget=0.8, hardware="a100-80gb",
+                          strategy="recompute-only")
+    assert any(d != "keep" for d in plan.decisions.values())
+    planned, plain = copy.deepcopy(model), copy.deepcopy(model)
+    block = slackswap.apply(planned, plan)
+    for step in range(3):
+        for m in (planned, plain):
+            m.extra = step > 0  # the same change on both sides, after the plan was made
+        random.seed(step)
+        numpy.random.seed(step)
+        with warnings.catch_warnings(), block:
+            warnings.simplefilter("ignore", PathNotice)
+            loss = planned(x)
+        loss.backward()
+        assert block.stats.off_path == (step > 0)
+        after = random.random(), numpy.random.random()
+        random.seed(step)
+        numpy.random.seed(step)
+        want = plain(x)
+        want.backward()
+        assert torch.equal(loss, want), step
+        assert (random.random(), numpy.random.random()) == after, step  # drawn once
+        for (name, p), q in zip(planned.named_parameters(), plain.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad), (step, name)
+            p.grad = q.grad = None
+    assert planned.calls == plain.calls
+
+
+def test_attach_runs_a_step_again_after_the_users_forward_pre_hooks() -> None:
+    """A user's forward pre-hook on the attached model that draws noise from torch's RNG
+    (or counts calls) ran before the block took the RNG to put back (attach opens the
+    block in a pre-hook of its own, ahead of the user's): a step off the profiled path
+    then put the RNG back to before the hook's draw and ran forward alone, which drew the
+    hook's numbers again, and its LayerDrop and dropout draws differed from plain
+    PyTorch's. The state is now taken as the model's forward is called."""
+    torch.manual_seed(0)
+    model, batch = _whisper()
+    model.train()
+
+    def noise(module, args, kwargs):
+        features = kwargs["input_features"]
+        return args, {**kwargs, "input_features": features + torch.randn_like(features)}
+
+    model.register_forward_pre_hook(noise, with_kwargs=True)
+    reference = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with slackswap.attach(model, budget=0.5, hardware="a100-80gb",
+                              strategy="offload-only") as attached:
+            got = _train(model, batch, 5)
+            off = attached.stats.off_path
+    _assert_same(got, _train(reference, batch, 5))
+    assert attached.plans, off

@@ -414,8 +414,9 @@ def held_generators(modules: Iterable[torch.nn.Module], passed: Iterable[Any] = 
 class HostRandom:
     """The process-wide random streams outside torch that a model's forward may draw
     from: Python's ``random`` and NumPy's global generator (NOTE [a profiled step leaves
-    no trace]). Reading NumPy's costs about 0.1 ms, so the runtime takes them (and the
-    generators modules hold) only for steps whose profile drew from any of them."""
+    no trace]). Reading NumPy's costs about 0.1 ms; the runtime takes them under every
+    plan (NOTE [the state a second try starts from] in ``runtime/state.py``), and the
+    generators modules hold only for steps whose profile drew from any of them."""
 
     __slots__ = ("python", "numpy")
 

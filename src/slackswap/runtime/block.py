@@ -289,6 +289,7 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
     def run_forward(self, forward: Any, args: tuple, kwargs: dict) -> Any:
         """The model's own forward, run again as plain PyTorch when it leaves the
         profiled path before backward began (NOTE [a step off the profiled path])."""
+        self._take_before(args, kwargs)
         try:
             out = forward(*args, **kwargs)
             self.values.forward_returned()
@@ -431,20 +432,30 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
         for t in tensors:  # the batch is from outside the step
             if t.layout == torch.strided:
                 self.state.mark_external(t)
+        self._handling = sys.exc_info()[1]  # the model may be called in an except block
+
+    def _take_before(self, args: tuple, kwargs: dict) -> None:
+        """What the step may change, as its forward is called (NOTE [refusals leave no
+        trace]): after every forward pre-hook of the model, the user's included (a hook
+        that draws noise, or counts calls, is not run again by a step run again off the
+        profiled path, so what it changed stays: NOTE [the state a second try starts
+        from])."""
         recorder = self.values.recorder
         with recorder.quieted() if recorder is not None else contextlib.nullcontext():
-            # a plan with no profile: the other random streams too, not knowing
+            # the modules' generators too where the profiled step drew from one, or with
+            # no profile to say (Python's and NumPy's streams under every plan: NOTE [the
+            # state a second try starts from])
             drew = self._profile is None or self._profile.host_random
             # generators passed to the call, and those the profiled step drew from
             # (NOTE [generators a profiled step drew from])
             # and the Python attributes it set (NOTE [a step off the profiled path])
             changed = self._profile.changed_attributes if self._profile is not None else None
-            held = (HeldAttributes(eager_module(module), changed, self.values.copies.snapshot)
+            held = (HeldAttributes(self.model, changed, self.values.copies.snapshot)
                     if changed else None)
             self._before = StateBefore(self._buffers, self._device, self.values.copies,
-                                       self._modules if drew else None,
-                                       (*args, *kwargs.values(), *drawn_from(module)), held)
-        self._handling = sys.exc_info()[1]  # the model may be called in an except block
+                                       self._modules if drew else [],
+                                       (*args, *kwargs.values(), *drawn_from(self.model)),
+                                       held, self._modules)
 
     def _forward_done(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
         self.values.in_forward = False
@@ -524,9 +535,11 @@ class apply:  # noqa: N801 - used as a context manager, like torch's save_on_cpu
 #     closure holds them (``register_multi_grad_hook``, as ``MemTracker``'s module
 #     tracker registers on every module's inputs) makes a cycle through autograd that no
 #     collector frees, and held the kept half of the first try through the second.
-#     Backward from a tensor kept from the first try is refused in one line. A model
-#     changed in place otherwise in forward (a parameter, an attribute) cannot be put
-#     back: such a step is refused as before. A saved activation written after it was
+#     Backward from a tensor kept from the first try is refused in one line. What the
+#     second try starts from, beyond the buffers and the RNG: NOTE [the state a second
+#     try starts from] in ``runtime/state.py`` (a container filled in place, or a
+#     parameter written in place, by a path the profiled step did not take is not put
+#     back). A saved activation written after it was
 #     saved where no version counter sees (through ``.data``, an op's ``out=`` there) is
 #     read by plain PyTorch's backward as written, not as saved: the second try runs
 #     under a dispatch mode that sees only its writes (``OffPathWrites``, one Python call

@@ -114,15 +114,18 @@ class StateBefore:
     from]), is put back too."""
 
     __slots__ = ("buffers", "copies", "rng", "device", "host_random", "generators",
-                 "attributes")
+                 "attributes", "rebound")
 
     def __init__(self, buffers: list[torch.Tensor], device: torch.device | None,
                  host: Any, host_random: list[torch.nn.Module] | None = None,
                  arguments: Iterable[Any] = (),
-                 attributes: HeldAttributes | None = None) -> None:
+                 attributes: HeldAttributes | None = None,
+                 modules: Iterable[torch.nn.Module] = ()) -> None:
         # the Python attributes the profiled step set (a call counter): a step run again
         # would set them twice
         self.attributes = attributes
+        # and those another path may rebind (NOTE [the state a second try starts from])
+        self.rebound = ReboundAttributes(modules, attributes)
         self.device = device if device is not None and device.type == "cuda" else None
         self.rng = rng_state(self.device)
         self.host_random = HostRandom() if host_random is not None else None
@@ -143,7 +146,66 @@ class StateBefore:
         set_rng_state(self.rng, self.device)
         if self.attributes is not None:
             self.attributes.restore()
+        self.rebound.restore()
         if self.host_random is not None:
             self.host_random.restore()
         for generator in self.generators:
             generator.restore()
+
+
+# NOTE [the state a second try starts from]
+#     A step that leaves the profiled path runs the model's forward again (NOTE [a step
+#     off the profiled path] in ``runtime/block.py``), and plain PyTorch runs it once:
+#     whatever the first try changed outside the device's tensors must be put back for
+#     the second to start where the first did. The profiled step says what its own path
+#     changes (the buffers, torch's generators, the generators modules hold, the Python
+#     attributes it set); a new path may change more, and nothing of it can be known
+#     before it runs. So, taken under every plan as the model's forward is called (after
+#     its forward pre-hooks: what a user's hook draws or counts is not drawn again, as
+#     the second try runs forward only):
+#     - Python's ``random`` and NumPy's global generator (``HostRandom``: about 0.15 ms a
+#       step on this project's 2-core CPU, the cost of reading NumPy's state): a path
+#       that draws from them where the profiled one did not (Wav2Vec2's SpecAugment
+#       turned on by ``mask_time_prob`` after the plan was made) drew twice before;
+#     - each module's attributes, by identity (``ReboundAttributes``: a shallow copy of
+#       each module's ``__dict__``, 46 us on gpt2-xl@12's 164 modules): an attribute a
+#       new path rebinds (a call counter, a flag, a cached tuple) is put back, one it adds
+#       is taken away if a scalar, a tuple or a tensor, as the profiled step's own are
+#       (``HeldAttributes``, whose attributes this leaves to it: a tensor it holds is held
+#       by a weak reference, and the copy lets go of its own strong one).
+#     Not put back: a container filled in place (a list appended to), a generator a
+#     module holds drawn by a path the profiled step did not take, and a tensor attribute
+#     written in place; a new path that does any of these runs its second try from
+#     there, as before (``verify=True`` does not see it either).
+class ReboundAttributes:
+    """Each module's attributes by identity, as the model's forward is called: NOTE [the
+    state a second try starts from]."""
+
+    __slots__ = ("before",)
+
+    def __init__(self, modules: Iterable[torch.nn.Module],
+                 held: HeldAttributes | None = None) -> None:
+        # a shallow copy each (one C call a module): the values, not what is in them
+        self.before = [(attrs, attrs.copy()) for attrs in map(vars, modules)]
+        if held is not None and self.before:  # those put back by ``held``, not here
+            copies = {id(attrs): copy for attrs, copy in self.before}
+            for attrs, name, _, _ in held.values:
+                copy = copies.get(id(attrs))
+                if copy is not None:
+                    copy[name] = _HELD  # (no strong reference to a tensor held weakly)
+
+    def restore(self) -> None:
+        for attrs, before in self.before:
+            if len(attrs) == len(before) and all(
+                    v is _HELD or attrs.get(k, _HELD) is v for k, v in before.items()):
+                continue
+            for name, value in before.items():
+                if value is not _HELD and attrs.get(name, _HELD) is not value:
+                    attrs[name] = value
+            for name in [n for n in attrs if n not in before]:
+                if isinstance(attrs[name], (bool, int, float, str, bytes, type(None), tuple,
+                                            torch.Tensor)):
+                    del attrs[name]
+
+
+_HELD = object()  # an attribute ``HeldAttributes`` puts back (or, read, none at all)
