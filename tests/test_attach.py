@@ -830,3 +830,47 @@ def test_an_optimizer_fused_into_backward_steps_on_training_steps_only(strategy:
     assert_same(params(model), before)
     model(**stack).loss.backward()
     assert len(calls) == 1  # the hook is back
+
+
+def test_a_config_flag_set_after_planning_gets_a_plan_of_its_own() -> None:
+    """``config.output_attentions`` set after attach planned made the model return, and
+    so hold, the attention maps the plan offloads: the step stayed on its profiled path
+    (the same saves, of the same sizes), its gradients exact, and went 10% over the
+    plan's budget, silently. A transformers model's config settings are part of what a
+    plan is made for."""
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        attn_implementation="eager")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).train()
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    plain = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        attached = slackswap.attach(model, budget=0.5, strategy="slackswap")
+        model(**batch).loss.backward()
+        for net in (model, plain):
+            net.config.output_attentions = True
+            net.zero_grad(set_to_none=True)
+        model(**batch).loss.backward()  # planned again (not inside MemTracker, below)
+        plain(**batch).loss.backward()
+        for net in (model, plain):
+            net.zero_grad(set_to_none=True)
+        memory = ActivationMemory(model, batch)
+        with memory:
+            torch.manual_seed(1)
+            loss = model(**batch).loss
+            loss.backward()
+        torch.manual_seed(1)
+        want = plain(**batch).loss
+        want.backward()
+    assert torch.equal(loss, want)
+    assert_same({n: p.grad for n, p in model.named_parameters()},
+                {n: p.grad for n, p in plain.named_parameters()})
+    assert len(attached.plans) == 2 and not attached.stats.off_path
+    plan = list(attached.plans.values())[-1]
+    assert any(d == "offload" for d in plan.decisions.values())
+    assert memory.peak <= plan.budget_bytes + SCALARS, (memory.peak, plan.budget_bytes)
+    attached.detach()

@@ -244,7 +244,8 @@ class Attached:
             return x if isinstance(x, _SCALARS) else type(x).__qualname__
 
         leaves, spec = _pytree.tree_flatten((args, kwargs))
-        return (digest, str(spec), tuple(map(leaf, leaves)), autocast_state(module))
+        return (digest, str(spec), tuple(map(leaf, leaves)), autocast_state(module),
+                _config_flags(module))
 
     def _plan(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Plan:
         # the profiled step runs on copies: a model that changes its inputs in place
@@ -287,6 +288,18 @@ def _drop_copied_hooks(module: torch.nn.Module) -> None:
                     if isinstance(getattr(hook, "__self__", None), _Copied)]:
             del hooks[key]
             extra.pop(key, None)
+
+
+def _config_flags(module: torch.nn.Module) -> tuple:
+    """The scalar settings of a ``transformers`` model's config (its ``config``
+    attribute), which its forward reads: ``output_attentions`` set after planning made
+    the model return, and so hold, attention maps the plan offloads (the step went 10%
+    over its budget, its saves and their sizes as profiled); a plan per setting. About
+    8 us a step on a CPU."""
+    config = vars(eager_module(module)).get("config")
+    if config is None or not hasattr(config, "__dict__"):
+        return ()
+    return tuple((k, v) for k, v in vars(config).items() if type(v) in _SCALARS)
 
 
 def _records_graph(module: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
