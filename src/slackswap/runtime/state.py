@@ -172,7 +172,11 @@ class StateBefore:
 #       new path rebinds (a call counter, a flag, a cached tuple) is put back, one it adds
 #       is taken away if a scalar, a tuple or a tensor, as the profiled step's own are
 #       (``HeldAttributes``, whose attributes this leaves to it: a tensor it holds is held
-#       by a weak reference, and the copy lets go of its own strong one).
+#       by a weak reference, and the copy lets go of its own strong one). Public names
+#       only: a private flag a step set as it registered hooks (transformers' output
+#       capturing) taken away alone would have the second try register them twice.
+#       Nor the model's ``forward``: the block's guard (``guard_forward``), which the
+#       block takes away as it closes, before a refusal there puts the rest back.
 #     Not put back: a container filled in place (a list appended to), a generator a
 #     module holds drawn by a path the profiled step did not take, and a tensor attribute
 #     written in place; a new path that does any of these runs its second try from
@@ -200,9 +204,11 @@ class ReboundAttributes:
                     v is _HELD or attrs.get(k, _HELD) is v for k, v in before.items()):
                 continue
             for name, value in before.items():
-                if value is not _HELD and attrs.get(name, _HELD) is not value:
+                if (value is not _HELD and not name.startswith("_") and name != "forward"
+                        and attrs.get(name, _HELD) is not value):
                     attrs[name] = value
-            for name in [n for n in attrs if n not in before]:
+            for name in [n for n in attrs if n not in before and not n.startswith("_")
+                         and n != "forward"]:
                 if isinstance(attrs[name], (bool, int, float, str, bytes, type(None), tuple,
                                             torch.Tensor)):
                     del attrs[name]
