@@ -654,3 +654,49 @@ def test_attach_runs_a_step_again_after_the_users_forward_pre_hooks() -> None:
             off = attached.stats.off_path
     _assert_same(got, _train(reference, batch, 5))
     assert attached.plans, off
+
+
+class _RunningMean(torch.nn.Module):
+    """LayerDrop, and a registered buffer the forward assigns anew each step (an EMA
+    written ``self.ema = 0.9 * self.ema + ...``, which ``nn.Module`` keeps in
+    ``_buffers``) rather than in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(8))
+        self.register_buffer("ema", torch.zeros(64))
+
+    def forward(self, h):
+        for layer in self.layers:
+            if self.training and torch.rand(()) < 0.5:
+                continue
+            h = torch.tanh(layer(h))
+        self.ema = 0.9 * self.ema + 0.1 * h.detach().mean(0)
+        return (h + self.ema).square().mean()
+
+
+def test_a_buffer_the_first_try_assigned_anew_is_put_back_before_the_second() -> None:
+    """NOTE [the state a second try starts from]: the buffers were put back by value into
+    the tensors the model held as it was called, but a buffer the first try assigned anew
+    was by then another tensor: the second try started from the first try's EMA, which
+    it updated again, and the loss and gradients differed from plain PyTorch's."""
+    torch.manual_seed(0)
+    model, x = _RunningMean(), torch.randn(256, 64)
+    plan = slackswap.plan(copy.deepcopy(model), x, budget=0.8, hardware="a100-80gb",
+                          strategy="offload-only")
+    plain, block, off_path = copy.deepcopy(model), slackswap.apply(model, plan), 0
+    for step in range(4):
+        torch.manual_seed(step)
+        with warnings.catch_warnings(), block:
+            warnings.simplefilter("ignore", PathNotice)
+            loss = model(x)
+        loss.backward()
+        off_path += block.stats.off_path
+        torch.manual_seed(step)
+        want = plain(x)
+        want.backward()
+        assert torch.equal(loss, want) and torch.equal(model.ema, plain.ema), step
+        for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+            assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad), name
+            p.grad = q.grad = None
+    assert off_path, "no seed took another path"

@@ -177,6 +177,8 @@ class StateBefore:
 #       capturing) taken away alone would have the second try register them twice.
 #       Nor the model's ``forward``: the block's guard (``guard_forward``), which the
 #       block takes away as it closes, before a refusal there puts the rest back.
+#     A buffer a new path rebinds (an EMA assigned anew, which ``nn.Module`` keeps in
+#     ``_buffers``) is put back as the tensor it was, its values as they were.
 #     Not put back: a container filled in place (a list appended to), a generator a
 #     module holds drawn by a path the profiled step did not take, and a tensor attribute
 #     written in place; a new path that does any of these runs its second try from
@@ -185,12 +187,17 @@ class ReboundAttributes:
     """Each module's attributes by identity, as the model's forward is called: NOTE [the
     state a second try starts from]."""
 
-    __slots__ = ("before",)
+    __slots__ = ("before", "buffers")
 
     def __init__(self, modules: Iterable[torch.nn.Module],
                  held: HeldAttributes | None = None) -> None:
         # a shallow copy each (one C call a module): the values, not what is in them
         self.before = [(attrs, attrs.copy()) for attrs in map(vars, modules)]
+        # and the buffers each registers: one rebound (``self.ema = 0.9 * self.ema + ...``
+        # goes to ``_buffers``) is put back as the tensor it was, whose values
+        # ``StateBefore`` puts back
+        self.buffers = [(b, b.copy()) for _, attrs in self.before
+                        if (b := attrs.get("_buffers"))]
         if held is not None and self.before:  # those put back by ``held``, not here
             copies = {id(attrs): copy for attrs, copy in self.before}
             for attrs, name, _, _ in held.values:
@@ -199,6 +206,11 @@ class ReboundAttributes:
                     copy[name] = _HELD  # (no strong reference to a tensor held weakly)
 
     def restore(self) -> None:
+        for buffers, before in self.buffers:
+            if len(buffers) != len(before) or any(buffers.get(k) is not v
+                                                  for k, v in before.items()):
+                buffers.clear()
+                buffers.update(before)
         for attrs, before in self.before:
             if len(attrs) == len(before) and all(
                     v is _HELD or attrs.get(k, _HELD) is v for k, v in before.items()):
