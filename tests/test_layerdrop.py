@@ -363,6 +363,29 @@ class _PythonCounting(torch.nn.Module):
         return x.square().mean()
 
 
+def _steps_as_plain(planned, plain, block, x, seeds) -> int:
+    """A step of each seed under ``block`` and plain: the same loss, buffers and
+    gradients every step; how many steps left the profiled path."""
+    off_path = 0
+    for seed in seeds:
+        torch.manual_seed(seed)
+        with warnings.catch_warnings(), block:
+            warnings.simplefilter("ignore", PathNotice)
+            loss = planned(x)
+        loss.backward()
+        off_path += block.stats.off_path
+        torch.manual_seed(seed)
+        want = plain(x)
+        want.backward()
+        assert torch.equal(loss, want), seed
+        for (name, b), c in zip(planned.named_buffers(), plain.buffers(), strict=True):
+            assert torch.equal(b, c), (seed, name)
+        for (name, p), q in zip(planned.named_parameters(), plain.parameters(), strict=True):
+            assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad), name
+            p.grad = q.grad = None
+    return off_path
+
+
 @pytest.mark.parametrize("kind", ["int", "list", "tensor", "replaced", "resized"])
 def test_a_python_attribute_the_first_try_set_is_put_back_before_the_second(kind) -> None:
     """NOTE [a step off the profiled path]: the runtime put back the buffers and the RNG
@@ -383,21 +406,8 @@ def test_a_python_attribute_the_first_try_set_is_put_back_before_the_second(kind
                                                "resized": ["calls", "mem"]}[kind]}
     plan = slackswap.plan(profile, 0.7, "a100-80gb", strategy="offload-only")  # (above)
     planned, plain = copy.deepcopy(model), copy.deepcopy(model)
-    block, off_path = slackswap.apply(planned, plan, profile=profile), 0
-    for seed in range(1, 8):
-        torch.manual_seed(seed)
-        with warnings.catch_warnings(), block:
-            warnings.simplefilter("ignore", PathNotice)
-            loss = planned(x)
-        loss.backward()
-        off_path += block.stats.off_path
-        torch.manual_seed(seed)
-        want = plain(x)
-        want.backward()
-        assert torch.equal(loss, want), seed
-        for (name, p), q in zip(planned.named_parameters(), plain.parameters(), strict=True):
-            assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad), name
-    assert off_path, "no seed took another path"
+    block = slackswap.apply(planned, plan, profile=profile)
+    assert _steps_as_plain(planned, plain, block, x, range(1, 8)), "no seed took another path"
     assert planned.calls == plain.calls == (8 if kind == "resized" else 7)
     assert torch.equal(planned.mem, plain.mem)
 
@@ -684,19 +694,5 @@ def test_a_buffer_the_first_try_assigned_anew_is_put_back_before_the_second() ->
     model, x = _RunningMean(), torch.randn(256, 64)
     plan = slackswap.plan(copy.deepcopy(model), x, budget=0.8, hardware="a100-80gb",
                           strategy="offload-only")
-    plain, block, off_path = copy.deepcopy(model), slackswap.apply(model, plan), 0
-    for step in range(4):
-        torch.manual_seed(step)
-        with warnings.catch_warnings(), block:
-            warnings.simplefilter("ignore", PathNotice)
-            loss = model(x)
-        loss.backward()
-        off_path += block.stats.off_path
-        torch.manual_seed(step)
-        want = plain(x)
-        want.backward()
-        assert torch.equal(loss, want) and torch.equal(model.ema, plain.ema), step
-        for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
-            assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad), name
-            p.grad = q.grad = None
-    assert off_path, "no seed took another path"
+    plain, block = copy.deepcopy(model), slackswap.apply(model, plan)
+    assert _steps_as_plain(model, plain, block, x, range(4)), "no seed took another path"
