@@ -874,3 +874,27 @@ def test_a_config_flag_set_after_planning_gets_a_plan_of_its_own() -> None:
     assert any(d == "offload" for d in plan.decisions.values())
     assert memory.peak <= plan.budget_bytes + SCALARS, (memory.peak, plan.budget_bytes)
     attached.detach()
+
+
+def test_a_call_with_positional_and_keyword_arguments_is_planned() -> None:
+    """``model(input_ids, labels=labels)``, as Hugging Face examples call a model, was
+    refused under attach on every model: the names were read from the signature of
+    attach's own guard, ``(*args, **kwargs)``, not the model's forward."""
+    config = transformers.GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=2,
+                                     n_positions=32)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).train()
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    plain = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with slackswap.attach(model, budget=0.5, strategy="offload-only") as attached:
+            for _ in range(2):
+                for net in (model, plain):
+                    torch.manual_seed(3)
+                    net(ids, labels=ids).loss.backward()
+                assert_same({n: p.grad for n, p in model.named_parameters()},
+                            {n: p.grad for n, p in plain.named_parameters()})
+                for net in (model, plain):
+                    net.zero_grad(set_to_none=True)
+    assert len(attached.plans) == 1 and attached.stats.offloaded_bytes > 0
