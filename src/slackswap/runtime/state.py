@@ -163,12 +163,12 @@ class StateBefore:
 #     before it runs. So, taken under every plan as the model's forward is called (after
 #     its forward pre-hooks: what a user's hook draws or counts is not drawn again, as
 #     the second try runs forward only):
-#     - Python's ``random`` and NumPy's global generator (``HostRandom``: about 0.15 ms a
+#     - Python's ``random`` and NumPy's global generator (``HostRandom``: about 0.1 ms a
 #       step on this project's 2-core CPU, the cost of reading NumPy's state): a path
 #       that draws from them where the profiled one did not (Wav2Vec2's SpecAugment
 #       turned on by ``mask_time_prob`` after the plan was made) drew twice before;
 #     - each module's attributes, by identity (``ReboundAttributes``: a shallow copy of
-#       each module's ``__dict__``, 46 us on gpt2-xl@12's 164 modules): an attribute a
+#       each module's ``__dict__``, 76 us on gpt2-xl@12's 164 modules): an attribute a
 #       new path rebinds (a call counter, a flag, a cached tuple) is put back, one it adds
 #       is taken away if a scalar, a tuple or a tensor, as the profiled step's own are
 #       (``HeldAttributes``, whose attributes this leaves to it: a tensor it holds is held
