@@ -29,9 +29,10 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ["SLACKSWAP_CACHE"] = config._slackswap_cache
 
 
-# The default run stays under 10 minutes on two cores (it took 716 s there on 2026-12-07):
-# these, each the slowest of a kind whose lighter siblings stay in it, run with the heavy
-# tests (CI's second command, ``pytest -m heavy``). Durations: two loaded cores.
+# For a default run under 10 minutes on two cores (716 s there on 2026-12-07, 695 s with
+# these moved: not there yet, the rest is a long tail of 5 to 10 s tests): these, each the
+# slowest of a kind whose lighter siblings stay in it, run with the heavy tests (CI's
+# second command, ``pytest -m heavy``). Durations: two loaded cores.
 _HEAVY_TOO = {
     # FSDP2's basic exact test stays (test_two_ranks_train_bit_identically_under_fsdp2)
     # 55 s
