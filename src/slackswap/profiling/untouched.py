@@ -58,10 +58,12 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from slackswap.profiling.naming import written_arguments
 
-__all__ = ["HostRandom", "StateGuard", "held_generators", "leaves_no_trace"]
+__all__ = ["REBINDABLE", "HostRandom", "StateGuard", "held_generators", "leaves_no_trace"]
 
 _SCALARS = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device)
 _CONTAINERS = (list, dict, set)
+# an attribute of these kinds that a step added is taken away when the step is put back
+REBINDABLE = (*_SCALARS, tuple, torch.Tensor)
 
 
 def _real(t: Any) -> bool:
@@ -176,7 +178,7 @@ class _Attributes:
             attrs = vars(module)
             kept: dict[str, Any] = {}
             for name, value in attrs.items():
-                if isinstance(value, (*_SCALARS, tuple, torch.Tensor)):
+                if isinstance(value, REBINDABLE):
                     kept[name] = value  # rebound after the step: the same object back
                 elif isinstance(value, _CONTAINERS):
                     # refilled in place; the registries too (``_forward_hooks``,
@@ -207,7 +209,7 @@ class _Attributes:
                 else not isinstance(v, _GeneratorState) and (
                     attrs.get(n, _MISSING) is not v or _storage(v) in written))]
             added = [n for n, v in attrs.items() if n not in before
-                     and isinstance(v, (*_SCALARS, tuple, torch.Tensor))]
+                     and isinstance(v, REBINDABLE)]
             changed = [n for n in rebound + added if not (hooked and n.startswith("_"))]
             if changed and id(module) in names:
                 out[names[id(module)]] = sorted(changed)
@@ -229,7 +231,7 @@ class _Attributes:
             for name in [n for n in attrs if n not in names]:
                 # a counter or a cache the step started (a length and the tensor it
                 # covers go together): the next call makes them again
-                if isinstance(attrs[name], (*_SCALARS, tuple, torch.Tensor)):
+                if isinstance(attrs[name], REBINDABLE):
                     del attrs[name]
 
 

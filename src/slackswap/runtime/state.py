@@ -10,7 +10,12 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from slackswap.profiling.untouched import HeldAttributes, HostRandom, held_generators
+from slackswap.profiling.untouched import (
+    REBINDABLE,
+    HeldAttributes,
+    HostRandom,
+    held_generators,
+)
 from slackswap.runtime.recipes import (
     Node,
     Step,
@@ -221,8 +226,7 @@ class ReboundAttributes:
                     attrs[name] = value
             for name in [n for n in attrs if n not in before and not n.startswith("_")
                          and n != "forward"]:
-                if isinstance(attrs[name], (bool, int, float, str, bytes, type(None), tuple,
-                                            torch.Tensor)):
+                if isinstance(attrs[name], REBINDABLE):
                     del attrs[name]
 
 
